@@ -1,0 +1,176 @@
+"""Choose a backend per (policy, op, shape signature), cache the decision, and count every call.
+
+The steady-state path is one signature computation, one dict lookup and one counter increment. Everything else
+(validation, availability, support predicates, measurement) runs once per new signature and is recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fly_lightning import policy
+from fly_lightning.backends import BACKENDS
+from fly_lightning.dispatch_log import DISPATCH_LOG
+
+if TYPE_CHECKING:
+    from fly_lightning.registry import BackendImpl, Op
+
+
+@dataclass(eq=False)
+class Decision:
+    """Which backend serves one shape signature of one op under one policy, and why the others did not."""
+
+    op: str
+    signature: Hashable
+    shape: str
+    dtype: str
+    backend: str
+    fn: Callable[..., Any]
+    rejected: tuple[tuple[str, str], ...]  # (backend, reason) for each candidate passed over
+    config_uid: int
+    calls: int = 0
+    created_at: float = field(default_factory=time.time)
+    first_call_s: float | None = None  # host wall time of the first call (includes JIT compilation)
+    tuning_s: float | None = None  # time spent measuring candidates (select="measure")
+    timings_ms: dict[str, float] = field(default_factory=dict)  # measured candidates
+
+    @property
+    def fallback(self) -> bool:
+        """True when a specialised candidate was passed over and ATen runs instead."""
+        return self.backend == "aten" and bool(self.rejected)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(f"{b}: {r}" for b, r in self.rejected)
+
+
+def dispatch(op: Op, args: tuple) -> Any:
+    cfg = policy._active
+    key = (cfg.uid, op.signature(*args))
+    dec = op.cache.get(key)
+    if dec is None:
+        dec = _decide(op, cfg, key, args)
+        return _first_call(op, dec, args)
+    dec.calls += 1
+    return dec.fn(*args)
+
+
+def _first_call(op: Op, dec: Decision, args: tuple) -> Any:
+    start = time.perf_counter()
+    try:
+        out = dec.fn(*args)
+    except Exception as exc:  # a specialised kernel failing on valid input falls back, recorded, never crashes
+        if dec.backend == "aten":
+            raise
+        reason = f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        aten = op.impls["aten"]
+        dec.rejected = (*dec.rejected, (dec.backend, reason))
+        dec.backend, dec.fn = "aten", aten.fn
+        out = aten.fn(*args)
+    dec.first_call_s = time.perf_counter() - start
+    dec.calls += 1
+    return out
+
+
+def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args: tuple) -> Decision:
+    if op.validate is not None:
+        op.validate(*args)
+    candidates = cfg.candidates(op.name)
+    rejected: list[tuple[str, str]] = []
+    if not cfg.enabled:
+        rejected += [(b, "fly_lightning disabled by policy") for b in op.impls if b != "aten"]
+    elif op.name in cfg.disabled_ops:
+        rejected += [(b, "op disabled by policy") for b in op.impls if b != "aten"]
+    supported: list[BackendImpl] = []
+    for name in candidates:
+        impl = op.impls.get(name)
+        if impl is None:
+            backend = BACKENDS[name]
+            rejected.append((name, "not installed" if not backend.library_installed() else "no kernel for this op"))
+            continue
+        reason = BACKENDS[name].unavailable_reason()
+        if reason is None:
+            verdict = impl.supports(*args)
+            reason = None if verdict is True else str(verdict)
+        if reason is not None:
+            rejected.append((name, reason))
+            continue
+        supported.append(impl)
+        if cfg.select == "first":
+            break
+    chosen, timings, tuning_s = supported[0], {}, None
+    if cfg.select == "measure" and len(supported) > 1:
+        if _capturing():
+            rejected.append(("measure", "skipped during CUDA graph capture; first supported candidate used"))
+        else:
+            start = time.perf_counter()
+            timings = {impl.backend: _time_ms(impl.fn, args) for impl in supported}
+            tuning_s = time.perf_counter() - start
+            chosen = min(supported, key=lambda impl: timings[impl.backend])
+            rejected += [(b, f"slower when measured ({t:.4f} ms)") for b, t in timings.items() if b != chosen.backend]
+    shape, dtype = _describe(args)
+    dec = Decision(op.name, key[1], shape, dtype, chosen.backend, chosen.fn, tuple(rejected), cfg.uid,
+                   tuning_s=tuning_s, timings_ms=timings)
+    op.cache[key] = dec
+    DISPATCH_LOG.add(dec)
+    return dec
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _time_ms(fn: Callable[..., Any], args: tuple, reps: int = 5) -> float:
+    """Median time of ``fn(*args)`` after one warm-up call (which also absorbs JIT compilation)."""
+    device = next((a.device for a in _tensors(args)), torch.device("cpu"))
+    try:
+        fn(*args)
+    except Exception:
+        return float("inf")
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(*args)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _tensors(args: tuple) -> list[torch.Tensor]:
+    return [a for a in args if isinstance(a, torch.Tensor)]
+
+
+def _describe(args: tuple) -> tuple[str, str]:
+    """Human-readable shape signature ('16384x4096, 4096') and dtype of the first tensor."""
+    tensors = _tensors(args)
+    shape = ", ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
+    notes = [f"arg{i} non-contiguous" for i, t in enumerate(tensors) if not t.is_contiguous()]
+    if notes:
+        shape += " (" + ", ".join(notes) + ")"
+    dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
+    return shape, dtype
+
+
+def record_fallback(op: Op, signature: Hashable, args: tuple, reason: str) -> None:
+    """Count a call that ran the reference outside the dispatcher (e.g. a DTensor it cannot run on local shards)."""
+    cfg = policy._active
+    key = (cfg.uid, ("fallback", signature))
+    dec = op.cache.get(key)
+    if dec is None:
+        shape, dtype = _describe(args)
+        dec = Decision(op.name, key[1], shape, dtype, "aten", op.reference, (("*", reason),), cfg.uid)
+        op.cache[key] = dec
+        DISPATCH_LOG.add(dec)
+    dec.calls += 1

@@ -1,0 +1,95 @@
+"""The dispatch log: every decision with its call count, queryable as Python data and printable as a rich table.
+
+It is always on: the per-call cost is one counter increment on the cached decision (see ``dispatch.py``).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from fly_lightning.dispatch import Decision
+
+
+class DispatchLog:
+    def __init__(self) -> None:
+        self.decisions: list[Decision] = []
+        self._listeners: list[Callable[[Decision], None]] = []
+
+    def add(self, decision: Decision) -> None:
+        self.decisions.append(decision)
+        for listener in self._listeners:
+            listener(decision)
+
+    def subscribe(self, listener: Callable[[Decision], None]) -> Callable[[], None]:
+        """Call ``listener`` on each new decision (a new shape signature or policy); returns an unsubscribe."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def reset(self) -> None:
+        """Forget all decisions and counts; the next call of each signature decides again."""
+        from fly_lightning.registry import OPS
+
+        for op in OPS.values():
+            op.cache.clear()
+        self.decisions.clear()
+
+    def records(self, op: str | None = None) -> list[dict[str, Any]]:
+        """One dict per decision: op, shape, dtype, backend, calls, fallback reason, cold-start times."""
+        return [
+            {
+                "op": d.op,
+                "shape": d.shape,
+                "dtype": d.dtype,
+                "backend": d.backend,
+                "calls": d.calls,
+                "fallback": d.fallback,
+                "reason": d.reason,
+                "first_call_s": d.first_call_s,
+                "tuning_s": d.tuning_s,
+                "timings_ms": dict(d.timings_ms),
+            }
+            for d in self.decisions
+            if op is None or d.op == op
+        ]
+
+    def summary(self) -> dict[str, dict[str, Any]]:
+        """Per op: total calls, calls per backend, and the share served by a specialised backend."""
+        out: dict[str, dict[str, Any]] = defaultdict(lambda: {"calls": 0, "by_backend": defaultdict(int),
+                                                                 "signatures": 0, "fallback_reasons": {}})
+        for d in self.decisions:
+            s = out[d.op]
+            s["calls"] += d.calls
+            s["by_backend"][d.backend] += d.calls
+            s["signatures"] += 1
+            if d.fallback:
+                s["fallback_reasons"].setdefault(d.reason, []).append(d.shape)
+        for s in out.values():
+            s["by_backend"] = dict(s["by_backend"])
+            s["specialised_share"] = (s["calls"] - s["by_backend"].get("aten", 0)) / s["calls"] if s["calls"] else 0.0
+        return dict(out)
+
+    def table(self, title: str = "fly-lightning dispatch") -> Table:
+        from rich.table import Table
+
+        table = Table(title=title)
+        for col in ("op", "shape", "dtype", "backend", "calls", "first call", "why not a faster backend"):
+            table.add_column(col, overflow="fold")
+        for d in sorted(self.decisions, key=lambda d: (d.op, -d.calls)):
+            style = "yellow" if d.fallback else ("green" if d.backend != "aten" else None)
+            first = f"{d.first_call_s * 1e3:.1f} ms" if d.first_call_s is not None else "-"
+            table.add_row(d.op, d.shape, d.dtype, d.backend, str(d.calls), first, d.reason, style=style)
+        return table
+
+    def print(self, title: str = "fly-lightning dispatch") -> None:
+        from rich.console import Console
+
+        Console().print(self.table(title))
+
+
+DISPATCH_LOG = DispatchLog()
+"""The process-wide dispatch log."""

@@ -1,0 +1,59 @@
+"""DTensor inputs: run an op on local shards when the placement allows it, otherwise the reference, recorded."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from fly_lightning.registry import Op
+
+
+def is_dtensor(t: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def run_on_local_shards(
+    op: Op,
+    local_fn: Callable[..., Tensor],
+    reference_fn: Callable[..., Tensor],
+    x: Any,
+    *others: Any,
+    reduced_dims: tuple[int, ...],
+) -> Any:
+    """Apply ``local_fn`` shard by shard when that computes the same function, else ``reference_fn`` on DTensors.
+
+    Local execution is exact when ``x`` is not sharded along a dim the op reduces over, has no pending partial sums,
+    and every other tensor argument is replicated (or a plain tensor). The output keeps ``x``'s placements.
+    """
+    from torch._prims_common import make_contiguous_strides_for
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    reason = None
+    if not isinstance(x, DTensor):
+        reason = "x is a plain tensor but another argument is a DTensor"
+    else:
+        for p in x.placements:
+            if isinstance(p, Shard) and p.dim % x.dim() in reduced_dims:
+                reason = f"DTensor sharded along reduced dim {p.dim}"
+            elif not isinstance(p, (Shard, Replicate)):
+                reason = f"DTensor placement {p}"
+        for o in others:
+            if isinstance(o, DTensor) and not all(isinstance(p, Replicate) for p in o.placements):
+                reason = f"DTensor argument with placements {o.placements}"
+    if reason is not None:
+        from fly_lightning.dispatch import record_fallback
+
+        placements = tuple(str(p) for p in getattr(x, "placements", ()))
+        record_fallback(op, (placements, tuple(x.shape), x.dtype, reason), (x, *others), reason)
+        return reference_fn(x, *others)
+    local_others = [o.to_local() if isinstance(o, DTensor) else o for o in others]
+    out = local_fn(x.to_local(), *local_others)
+    stride = make_contiguous_strides_for(x.shape)  # our local outputs are contiguous
+    return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=stride)

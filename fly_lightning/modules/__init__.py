@@ -1,0 +1,5 @@
+"""Drop-in modules: same parameters and state_dict keys as the modules they replace."""
+
+from fly_lightning.modules.rms_norm import FlyRMSNorm
+
+__all__ = ["FlyRMSNorm"]

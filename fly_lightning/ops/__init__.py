@@ -1,0 +1,5 @@
+"""Public operators. Each is a ``torch.library`` custom op dispatched per shape signature (see ``fly_lightning.registry``)."""
+
+from fly_lightning.ops.rms_norm import rms_norm
+
+__all__ = ["rms_norm"]

@@ -1,0 +1,175 @@
+"""RMSNorm over the last dimension: the operator, its reference, its custom op and its autograd.
+
+Forward is dispatched (FlyDSL / Triton / ATen); backward always runs the existing ATen implementation.
+
+Variants (explicit options, as the Hugging Face models define them):
+- default: ``y = (x_f32 * rstd * w).to(x.dtype)`` — ``torch.nn.functional.rms_norm``.
+- ``offset=1.0``: scale by ``1 + w`` in fp32 — Gemma.
+- ``cast_before_scale=True``: ``y = w * (x_f32 * rstd).to(x.dtype)`` — Llama, Mistral, Qwen, OLMoE, DeepSeek-V3
+  (normalise in fp32, cast, then scale in the weight's precision; the output dtype follows type promotion).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fly_lightning.dtensor import is_dtensor, run_on_local_shards
+from fly_lightning.registry import register_op
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _validate(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_scale: bool) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"rms_norm: x must be a Tensor, got {type(x).__name__}")
+    if x.dim() < 1:
+        raise ValueError("rms_norm: x must have at least one dimension (the normalised one)")
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"rms_norm: x must be a floating tensor, got {x.dtype}")
+    if weight is not None:
+        if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+            raise ValueError(f"rms_norm: weight must have shape [{x.shape[-1]}], got {list(weight.shape)}")
+        if weight.dtype not in _FLOATS:
+            raise ValueError(f"rms_norm: weight must be floating, got {weight.dtype}")
+        if weight.device != x.device:
+            raise ValueError(f"rms_norm: weight on {weight.device}, x on {x.device}")
+    if not (eps >= 0.0 and eps != float("inf")):
+        raise ValueError(f"rms_norm: eps must be finite and >= 0, got {eps}")
+    if offset != offset or abs(offset) == float("inf"):
+        raise ValueError(f"rms_norm: offset must be finite, got {offset}")
+
+
+def _out_dtype(x: Tensor, weight: Tensor | None, cast_before_scale: bool) -> torch.dtype:
+    if cast_before_scale and weight is not None:
+        return torch.promote_types(x.dtype, weight.dtype)
+    return x.dtype
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def rms_norm_reference(
+    x: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0, cast_before_scale: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Plain-torch reference and oracle: returns ``(y, rstd)`` with rstd of shape ``[..., 1]`` in fp32 (fp64 for fp64)."""
+    xf = x.to(_acc_dtype(x))
+    rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = xf * rstd
+    if weight is None:
+        return xhat.to(x.dtype), rstd
+    if cast_before_scale:
+        w = weight + offset if offset else weight
+        return w * xhat.to(x.dtype), rstd
+    return (xhat * (weight.to(xf.dtype) + offset)).to(x.dtype), rstd
+
+
+def _rms_norm_aten(
+    x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_scale: bool
+) -> tuple[Tensor, Tensor]:
+    """ATen's fused RMSNorm where it computes our semantics; the reference for the Llama-style cast."""
+    if cast_before_scale and weight is not None:
+        return rms_norm_reference(x, weight, eps, offset, cast_before_scale)
+    w = None if weight is None else (weight.float() + offset if offset else weight)
+    y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], w, eps)
+    return y.to(x.dtype), rstd.to(_acc_dtype(x))
+
+
+def _signature(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_scale: bool) -> tuple:
+    return (x.shape, x.stride(), x.dtype, x.device.type, None if weight is None else weight.dtype, bool(offset),
+            cast_before_scale)
+
+
+RMS_NORM = register_op(
+    "rms_norm",
+    reference=rms_norm_reference,
+    aten=_rms_norm_aten,
+    signature=_signature,
+    validate=_validate,
+    doc="RMSNorm forward over the last dim; (x, weight, eps, offset, cast_before_scale) -> (y, rstd)",
+)
+
+
+@torch.library.custom_op("fly::rms_norm", mutates_args=())
+def rms_norm_op(
+    x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_scale: bool
+) -> tuple[Tensor, Tensor]:
+    """Dispatched forward: ``(y, rstd)``."""
+    return RMS_NORM(x, weight, eps, offset, cast_before_scale)
+
+
+@rms_norm_op.register_fake
+def _(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_scale: bool) -> tuple[Tensor, Tensor]:
+    _validate(x, weight, eps, offset, cast_before_scale)
+    y = x.new_empty(x.shape, dtype=_out_dtype(x, weight, cast_before_scale))
+    return y, x.new_empty((*x.shape[:-1], 1), dtype=_acc_dtype(x))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, eps, offset, cast_before_scale = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.offset, ctx.cast_before_scale = offset, cast_before_scale
+
+
+def _backward(ctx, grad_y: Tensor, grad_rstd: Tensor | None):
+    x, weight, rstd = ctx.saved_tensors
+    need_x, need_w = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
+    gx, gw = rms_norm_backward(grad_y, x, weight, rstd, ctx.offset, ctx.cast_before_scale, need_x, need_w)
+    return gx, gw, None, None, None
+
+
+def rms_norm_backward(
+    grad_y: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, cast_before_scale: bool,
+    need_x: bool = True, need_w: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The existing ATen backward: ``aten._fused_rms_norm_backward`` on CUDA, its composite formula elsewhere."""
+    acc = _acc_dtype(x)
+    w_eff = None if weight is None else (weight.to(acc) + offset if offset else weight)
+    if x.is_cuda and not cast_before_scale and x.dtype == grad_y.dtype:
+        gx, gw = torch.ops.aten._fused_rms_norm_backward(grad_y, x, [x.shape[-1]], rstd, w_eff, [need_x, need_w])
+    else:
+        xhat = x.to(acc) * rstd
+        g = grad_y.to(acc)
+        gxhat = g if w_eff is None else g * w_eff.to(acc)
+        gx = rstd * (gxhat - xhat * (gxhat * xhat).mean(-1, keepdim=True)) if need_x else None
+        if need_w:
+            # Llama-style scales the already-cast normalised value, so its weight grad sees the cast too
+            xw = xhat.to(x.dtype).to(acc) if cast_before_scale else xhat
+            gw = (g * xw).reshape(-1, x.shape[-1]).sum(0)
+        else:
+            gw = None
+    gx = gx.to(x.dtype) if need_x and gx is not None else None
+    gw = gw.to(weight.dtype) if need_w and gw is not None else None
+    return gx, gw
+
+
+rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def rms_norm(
+    x: Tensor,
+    weight: Tensor | None = None,
+    eps: float | None = None,
+    *,
+    offset: float = 0.0,
+    cast_before_scale: bool = False,
+) -> Tensor:
+    """RMSNorm over the last dimension with the semantics of ``torch.nn.functional.rms_norm``.
+
+    Args:
+        x: ``[..., H]`` float tensor (fp32/bf16/fp16; fp64 runs on ATen).
+        weight: optional ``[H]`` scale.
+        eps: added to the mean square; ``None`` means ``torch.finfo(x.dtype).eps`` as in torch.
+        offset: added to the weight in fp32 (``1.0`` for Gemma's ``1 + w``).
+        cast_before_scale: Llama-style: cast the normalised value to ``x.dtype`` before multiplying by the weight.
+    """
+    if eps is None:
+        eps = torch.finfo(x.dtype).eps
+    args = (float(eps), float(offset), bool(cast_before_scale))
+    if is_dtensor(x) or is_dtensor(weight):
+        return run_on_local_shards(
+            RMS_NORM, lambda xl, wl: rms_norm_op(xl, wl, *args)[0],
+            lambda xd, wd: rms_norm_reference(xd, wd, *args)[0], x, weight, reduced_dims=(x.dim() - 1,),
+        )
+    return rms_norm_op(x, weight, *args)[0]

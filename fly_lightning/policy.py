@@ -1,0 +1,120 @@
+"""Dispatch policy: which backends are candidates, per op and globally, and how a candidate is chosen.
+
+Three ways to set it, innermost wins: ``with dispatch_config(...)`` (context manager), ``set_dispatch_config(...)``
+(process-wide), and environment variables read at import:
+
+- ``FLY_LIGHTNING=0``: every op runs on ATen.
+- ``FLY_LIGHTNING_BACKENDS=triton,flydsl``: candidate backends in preference order.
+- ``FLY_LIGHTNING_DISABLE=rms_norm,moe_route``: ops kept on ATen.
+- ``FLY_LIGHTNING_SELECT=measure``: time the supported candidates per shape and keep the fastest.
+
+Enabling a backend adds a candidate; it never forces one: support predicates are always checked and ATen is always
+the last candidate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from fly_lightning.backends import BACKENDS
+
+Select = Literal["first", "measure"]
+_UIDS: dict[tuple, int] = {}  # equal configs share a uid, so decisions cached under one are reused by the other
+
+
+@dataclass(frozen=True)
+class DispatchConfig:
+    """Immutable dispatch policy.
+
+    Args:
+        enabled: ``False`` sends every op to ATen.
+        backends: candidate backends in preference order (``aten`` is appended if absent).
+        disabled_ops: op names always run on ATen.
+        op_backends: per-op preference order, overriding ``backends`` for that op.
+        select: ``"first"`` takes the first supported candidate; ``"measure"`` times each supported candidate once per
+            shape signature and caches the fastest (reported as a tuning event, apart from steady state).
+    """
+
+    enabled: bool = True
+    backends: tuple[str, ...] = ("flydsl", "triton", "aten")
+    disabled_ops: frozenset[str] = frozenset()
+    op_backends: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    select: Select = "first"
+    uid: int = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "backends", _order(self.backends))
+        object.__setattr__(self, "disabled_ops", frozenset(self.disabled_ops))
+        object.__setattr__(self, "op_backends", {k: _order(v) for k, v in dict(self.op_backends).items()})
+        if self.select not in ("first", "measure"):
+            raise ValueError(f"select must be 'first' or 'measure', got {self.select!r}")
+        key = (self.enabled, self.backends, tuple(sorted(self.disabled_ops)), tuple(sorted(self.op_backends.items())),
+               self.select)
+        object.__setattr__(self, "uid", _UIDS.setdefault(key, len(_UIDS) + 1))
+
+    def candidates(self, op: str) -> tuple[str, ...]:
+        """Backends to try for ``op``, in order; always ends with ``aten``."""
+        if not self.enabled or op in self.disabled_ops:
+            return ("aten",)
+        return self.op_backends.get(op, self.backends)
+
+    def replace(self, **changes: object) -> DispatchConfig:
+        return replace(self, **changes)
+
+
+def _order(backends: Iterable[str]) -> tuple[str, ...]:
+    names = tuple(backends)
+    unknown = [b for b in names if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown backend(s) {unknown}; known: {list(BACKENDS)}")
+    names = tuple(dict.fromkeys(names))  # drop repeats, keep order
+    return names if names and names[-1] == "aten" else tuple(b for b in names if b != "aten") + ("aten",)
+
+
+def _split(value: str | None) -> list[str]:
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
+
+
+def config_from_env(env: Mapping[str, str] = os.environ) -> DispatchConfig:
+    """The default config, shaped by ``FLY_LIGHTNING*`` environment variables."""
+    kwargs: dict[str, object] = {}
+    if env.get("FLY_LIGHTNING", "1").strip().lower() in ("0", "false", "off", "no"):
+        kwargs["enabled"] = False
+    if backends := _split(env.get("FLY_LIGHTNING_BACKENDS")):
+        kwargs["backends"] = tuple(backends)
+    if disabled := _split(env.get("FLY_LIGHTNING_DISABLE")):
+        kwargs["disabled_ops"] = frozenset(disabled)
+    if select := env.get("FLY_LIGHTNING_SELECT"):
+        kwargs["select"] = select.strip()
+    return DispatchConfig(**kwargs)
+
+
+_active: DispatchConfig = config_from_env()
+
+
+def get_dispatch_config() -> DispatchConfig:
+    """The policy in force now."""
+    return _active
+
+
+def set_dispatch_config(config: DispatchConfig | None = None, **changes: object) -> DispatchConfig:
+    """Set the process-wide policy (a config, and/or field changes on top of it); returns the previous one."""
+    global _active
+    previous = _active
+    base = config or _active
+    _active = base.replace(**changes) if changes else base
+    return previous
+
+
+@contextlib.contextmanager
+def dispatch_config(config: DispatchConfig | None = None, **changes: object) -> Iterator[DispatchConfig]:
+    """Temporarily set the policy: ``with dispatch_config(disabled_ops={"rms_norm"}): ...``."""
+    previous = set_dispatch_config(config, **changes)
+    try:
+        yield _active
+    finally:
+        set_dispatch_config(previous)

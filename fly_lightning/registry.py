@@ -1,0 +1,100 @@
+"""The one registry of operators and their backends.
+
+An operator (``Op``) has a name, a reference implementation (plain torch/ATen, also the test oracle), an argument
+validator, a shape-signature function and a set of backend implementations. Kernel modules register themselves with
+``@OP.implement("triton", supports=...)``; nothing else in the package lists operator names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fly_lightning.backends import BACKENDS
+
+SupportPredicate = Callable[..., "bool | str"]
+"""Returns ``True`` when a backend can run these arguments, otherwise a short reason (``"dtype float64"``)."""
+
+
+@dataclass(frozen=True)
+class BackendImpl:
+    """One backend's implementation of one operator."""
+
+    op: str
+    backend: str
+    fn: Callable[..., Any]
+    supports: SupportPredicate
+
+
+def _always(*args: Any, **kwargs: Any) -> bool:
+    return True
+
+
+@dataclass(eq=False)
+class Op:
+    """An operator: name, reference, validation, signature and backends (in registration order)."""
+
+    name: str
+    reference: Callable[..., Any]
+    signature: Callable[..., Hashable]
+    validate: Callable[..., None] | None = None
+    doc: str = ""
+    impls: dict[str, BackendImpl] = field(default_factory=dict)
+    # decisions keyed by (config uid, signature); owned by fly_lightning.dispatch
+    cache: dict[tuple[int, Hashable], Any] = field(default_factory=dict, repr=False)
+
+    def implement(self, backend: str, supports: SupportPredicate = _always) -> Callable[[Callable], Callable]:
+        """Decorator registering ``fn`` as this op's implementation on ``backend``."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; known: {sorted(BACKENDS)}")
+
+        def deco(fn: Callable) -> Callable:
+            if backend in self.impls:
+                raise ValueError(f"{self.name}: backend {backend!r} registered twice")
+            self.impls[backend] = BackendImpl(self.name, backend, fn, supports)
+            self.cache.clear()
+            return fn
+
+        return deco
+
+    def __call__(self, *args: Any) -> Any:
+        """Validate, choose a backend for this shape signature (cached) and run it."""
+        from fly_lightning.dispatch import dispatch
+
+        return dispatch(self, args)
+
+
+OPS: dict[str, Op] = {}
+
+
+def register_op(
+    name: str,
+    *,
+    reference: Callable[..., Any],
+    signature: Callable[..., Hashable],
+    validate: Callable[..., None] | None = None,
+    aten: Callable[..., Any] | None = None,
+    doc: str = "",
+) -> Op:
+    """Create and register an operator.
+
+    ``aten`` is the always-available fallback (defaults to the reference); it must accept every valid input.
+    """
+    if name in OPS:
+        raise ValueError(f"operator {name!r} is already registered")
+    op = Op(name=name, reference=reference, signature=signature, validate=validate, doc=doc)
+    op.implement("aten")(aten or reference)
+    OPS[name] = op
+    return op
+
+
+def get_op(name: str) -> Op:
+    """Look up a registered operator by name (loads the kernel modules first)."""
+    from fly_lightning.backends import load_kernels
+
+    load_kernels()
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown operator {name!r}; registered: {sorted(OPS)}") from None

@@ -1,0 +1,172 @@
+"""Triton RMSNorm forward, registered as the ``triton`` backend of ``rms_norm``.
+
+Two kernels:
+- ``_rms_norm_rows``: ROWS rows per program, the whole row in registers (or in chunks for very wide rows).
+- ``_rms_norm_unaligned``: contiguous rows whose width H is not a multiple of the 16-byte vector. Row starts are then
+  misaligned, and masked loads on an unaligned H are issued one element at a time; this kernel instead moves the
+  16-byte-aligned interior of each row with full vector loads/stores and the <16-byte head and tail separately.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels.triton._support import device_reason
+from fly_lightning.ops.rms_norm import RMS_NORM
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_BLOCK = 32768  # widest row kept whole in registers; wider rows are processed in chunks
+
+
+@triton.jit
+def _scale(xhat, w, offset, CAST_FIRST: tl.constexpr, X_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr):
+    if CAST_FIRST:
+        # Llama-style: round the normalised value to x's dtype and (w + offset) to w's dtype, then multiply
+        w_eff = (w.to(tl.float32) + offset).to(W_DTYPE).to(tl.float32)
+        return xhat.to(X_DTYPE).to(tl.float32) * w_eff
+    return xhat * (w.to(tl.float32) + offset)
+
+
+@triton.jit
+def _rms_norm_rows(
+    X, W, Y, RSTD, n_rows, stride_x, stride_y, eps, offset,
+    H: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, CHUNKED: tl.constexpr,
+    HAS_W: tl.constexpr, CAST_FIRST: tl.constexpr,
+):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < n_rows
+    x_row = X + rows.to(tl.int64)[:, None] * stride_x
+    y_row = Y + rows.to(tl.int64)[:, None] * stride_y
+    cols = tl.arange(0, BLOCK)[None, :]
+    if CHUNKED:
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for start in range(0, H, BLOCK):
+            m = row_ok[:, None] & (start + cols < H)
+            x = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32)
+            acc += x * x
+        rstd = tl.rsqrt(tl.sum(acc, axis=1) / H + eps)
+        for start in range(0, H, BLOCK):
+            m = row_ok[:, None] & (start + cols < H)
+            xhat = tl.load(x_row + start + cols, mask=m, other=0.0).to(tl.float32) * rstd[:, None]
+            if HAS_W:
+                w = tl.load(W + start + cols, mask=start + cols < H, other=0.0)
+                xhat = _scale(xhat, w, offset, CAST_FIRST, X.dtype.element_ty, W.dtype.element_ty)
+            tl.store(y_row + start + cols, xhat.to(Y.dtype.element_ty), mask=m)
+    else:
+        m = row_ok[:, None] & (cols < H)
+        x = tl.load(x_row + cols, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / H + eps)
+        xhat = x * rstd[:, None]
+        if HAS_W:
+            w = tl.load(W + cols, mask=cols < H, other=0.0)
+            xhat = _scale(xhat, w, offset, CAST_FIRST, X.dtype.element_ty, W.dtype.element_ty)
+        tl.store(y_row + cols, xhat.to(Y.dtype.element_ty), mask=m)
+    tl.store(RSTD + rows, rstd, mask=row_ok)
+
+
+@triton.jit
+def _rms_norm_unaligned(
+    X, W, Y, RSTD, eps, offset,
+    H: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr, CAST_FIRST: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * H
+    first = tl.multiple_of((base + VEC - 1) // VEC * VEC, VEC)  # first vector-aligned element of the row
+    last = tl.multiple_of((base + H) // VEC * VEC, VEC)  # end of the row's last whole vector
+    n_mid = tl.multiple_of(last - first, VEC)
+    cols = tl.arange(0, BLOCK)
+    edge = tl.arange(0, VEC)
+    mid_m = cols < n_mid
+    head_m = edge < first - base
+    tail_m = edge < base + H - last
+    x_mid = tl.load(X + first + cols, mask=mid_m, other=0.0).to(tl.float32)
+    x_head = tl.load(X + base + edge, mask=head_m, other=0.0).to(tl.float32)
+    x_tail = tl.load(X + last + edge, mask=tail_m, other=0.0).to(tl.float32)
+    ss = tl.sum(x_mid * x_mid, axis=0) + tl.sum(x_head * x_head, axis=0) + tl.sum(x_tail * x_tail, axis=0)
+    rstd = tl.rsqrt(ss / H + eps)
+    y_mid, y_head, y_tail = x_mid * rstd, x_head * rstd, x_tail * rstd
+    if HAS_W:
+        w_mid = tl.load(W + (first - base) + cols, mask=mid_m, other=0.0)
+        w_head = tl.load(W + edge, mask=head_m, other=0.0)
+        w_tail = tl.load(W + (last - base) + edge, mask=tail_m, other=0.0)
+        y_mid = _scale(y_mid, w_mid, offset, CAST_FIRST, X.dtype.element_ty, W.dtype.element_ty)
+        y_head = _scale(y_head, w_head, offset, CAST_FIRST, X.dtype.element_ty, W.dtype.element_ty)
+        y_tail = _scale(y_tail, w_tail, offset, CAST_FIRST, X.dtype.element_ty, W.dtype.element_ty)
+    tl.store(Y + first + cols, y_mid.to(Y.dtype.element_ty), mask=mid_m)
+    tl.store(Y + base + edge, y_head.to(Y.dtype.element_ty), mask=head_m)
+    tl.store(Y + last + edge, y_tail.to(Y.dtype.element_ty), mask=tail_m)
+    tl.store(RSTD + row, rstd)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    kernel: str  # "rows" or "unaligned"
+    block: int
+    rows: int = 1
+    num_warps: int = 4
+
+
+def launch_config(h: int, itemsize: int, contiguous_rows: bool) -> LaunchConfig:
+    """Heuristic per row width; ``benchmarks/bench_rms_norm.py --sweep`` measures the alternatives."""
+    vec = 16 // itemsize
+    if contiguous_rows and h % vec and h >= 4 * vec:
+        block = triton.next_power_of_2(h)
+        return LaunchConfig("unaligned", block, 1, _warps(block * itemsize))
+    block = min(triton.next_power_of_2(h), MAX_BLOCK)
+    rows = max(1, min(16, 2048 // block)) if h <= 1024 else 1
+    return LaunchConfig("rows", block, rows, _warps(block * rows * itemsize))
+
+
+def _warps(row_bytes: int) -> int:
+    # about 64 bytes of the row per thread, between 1 and 16 warps
+    return int(min(16, max(1, triton.next_power_of_2(row_bytes // (64 * 32)))))
+
+
+def _supports(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, cast: bool) -> bool | str:
+    if (reason := device_reason(x, weight)) is not None:
+        return reason
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype}"
+    if weight is not None and weight.dtype not in _DTYPES:
+        return f"weight dtype {weight.dtype}"
+    if x.shape[-1] and x.stride(-1) != 1:
+        return "last dim not contiguous"
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return "leading dims not collapsible to rows (would need a copy)"
+    return True
+
+
+@RMS_NORM.implement("triton", supports=_supports)
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, cast_before_scale: bool,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.shape[-1]
+    out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_before_scale and weight is not None else x.dtype
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
+        return y, rstd
+    x2 = x.view(-1, h)
+    n_rows = x2.shape[0]
+    contiguous_rows = x2.stride(0) == h and y.dtype == x.dtype
+    cfg = config or launch_config(h, x.element_size(), contiguous_rows)
+    w = weight if weight is not None else x2  # placeholder pointer, never read
+    flags = dict(HAS_W=weight is not None, CAST_FIRST=cast_before_scale and weight is not None)
+    if cfg.kernel == "unaligned":
+        _rms_norm_unaligned[(n_rows,)](
+            x2, w, y, rstd, eps, offset, H=h, VEC=16 // x.element_size(), BLOCK=cfg.block,
+            num_warps=cfg.num_warps, **flags,
+        )
+    else:
+        _rms_norm_rows[(triton.cdiv(n_rows, cfg.rows),)](
+            x2, w, y, rstd, n_rows, x2.stride(0), h, eps, offset, H=h, BLOCK=cfg.block, ROWS=cfg.rows,
+            CHUNKED=cfg.block < h, num_warps=cfg.num_warps, **flags,
+        )
+    return y, rstd

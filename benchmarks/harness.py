@@ -1,0 +1,195 @@
+"""Shared benchmark harness: device-event timing with warm-up and input rotation, CUDA-graph timing for small ops,
+and results as JSON + markdown carrying the device, versions, command and git revision.
+
+Steady state only: every timed function is called before timing starts, so compilation and tuning stay out of the
+numbers (suites that report cold start time it separately).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+L2_BYTES = 64 * 2**20  # H100/H200 have 50-60 MB of L2; rotate through at least 3x this
+
+
+def rotation_count(bytes_per_set: int, min_sets: int = 2, max_sets: int = 64) -> int:
+    """How many input sets to cycle through so one pass touches more than 3x the L2."""
+    return int(max(min_sets, min(max_sets, math.ceil(3 * L2_BYTES / max(1, bytes_per_set)))))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(
+    fn: Callable[..., Any],
+    inputs: Sequence[tuple],
+    *,
+    warmup: int = 10,
+    reps: int = 100,
+) -> dict[str, float]:
+    """Per-call times of ``fn(*inputs[i % len(inputs)])``: median, p20, p80 (ms).
+
+    On CUDA each call is bracketed by events (device time, launch gaps included); on CPU by ``perf_counter``.
+    """
+    device = _device_of(inputs[0])
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    _sync(device)
+    times: list[float] = []
+    if device.type == "cuda":
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for i, (start, end) in enumerate(events):
+            args = inputs[i % len(inputs)]
+            start.record()
+            fn(*args)
+            end.record()
+        torch.cuda.synchronize(device)
+        times = [s.elapsed_time(e) for s, e in events]
+    else:
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fn(*inputs[i % len(inputs)])
+            times.append((time.perf_counter() - t0) * 1e3)
+    return _stats(times)
+
+
+def time_graph_ms(fn: Callable[..., Any], inputs: Sequence[tuple], *, calls_per_graph: int = 20,
+                  replays: int = 30) -> dict[str, float]:
+    """Device time per call from CUDA-graph replays (no host launch overhead): for launch-bound small ops.
+
+    ``calls_per_graph`` calls cycling through ``inputs`` are captured in one graph; each replay is timed with events
+    and divided by the number of calls.
+    """
+    device = _device_of(inputs[0])
+    if device.type != "cuda":
+        raise RuntimeError("time_graph_ms needs CUDA")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(3):
+            fn(*inputs[i % len(inputs)])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls_per_graph):
+            fn(*inputs[i % len(inputs)])
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls_per_graph)
+    return _stats(times)
+
+
+def _stats(times: list[float]) -> dict[str, float]:
+    s = sorted(times)
+    q = lambda p: s[min(len(s) - 1, int(p * len(s)))]
+    return {"median_ms": q(0.5), "p20_ms": q(0.2), "p80_ms": q(0.8), "n": len(s)}
+
+
+def _device_of(args: tuple) -> torch.device:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def geomean(values: Sequence[float]) -> float:
+    vals = [v for v in values if v and v > 0 and math.isfinite(v)]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")
+
+
+def copy_bandwidth_gbps(device: torch.device | str = "cuda", nbytes: int = 2 * 2**30) -> float:
+    """Measured device-to-device copy bandwidth (bytes read + written), the memory ceiling for memory-bound ops."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    t = time_ms(lambda: y.copy_(x), [()], warmup=5, reps=30)["median_ms"]
+    del x, y
+    return 2 * nbytes / t / 1e6
+
+
+def environment() -> dict[str, Any]:
+    """Device, versions, command and git revision, recorded with every result file."""
+    env: dict[str, Any] = {
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    for mod in ("triton", "lightning", "torchao", "liger_kernel", "flydsl", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:
+            env[mod] = None
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).parent)
+        env["git_rev"] = (rev.stdout.strip() or None) and rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except Exception:
+        env["git_rev"] = os.environ.get("FLY_GIT_REV")
+    if env.get("git_rev") is None:
+        env["git_rev"] = os.environ.get("FLY_GIT_REV")
+    return env
+
+
+@dataclass
+class Results:
+    """Rows of one suite plus a summary; ``save`` writes ``<name>.json`` and ``<name>.md``."""
+
+    suite: str
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, **row: Any) -> dict[str, Any]:
+        self.rows.append(row)
+        print(json.dumps(row, default=str), flush=True)
+        return row
+
+    def save(self, name: str | None = None, out_dir: str | Path | None = None) -> Path:
+        out = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = name or self.suite
+        payload = {"suite": self.suite, "environment": environment(), "summary": self.summary, "notes": self.notes,
+                   "rows": self.rows}
+        path = out / f"{stem}.json"
+        path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        (out / f"{stem}.md").write_text(self.markdown())
+        return path
+
+    def markdown(self) -> str:
+        if not self.rows:
+            return f"# {self.suite}\n\n(no rows)\n"
+        cols = list(dict.fromkeys(k for r in self.rows for k in r))
+        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+        lines = [f"# {self.suite}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in self.rows]
+        if self.summary:
+            lines += ["", "## Summary", ""] + [f"- {k}: {fmt(v)}" for k, v in self.summary.items()]
+        if self.notes:
+            lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"

@@ -124,8 +124,7 @@ def copy_bandwidth_gbps(device: torch.device | str = "cuda", nbytes: int = 2 * 2
     """Measured device-to-device copy bandwidth (bytes read + written), the memory ceiling for memory-bound ops."""
     x = torch.empty(nbytes, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
-    t = time_ms(lambda: y.copy_(x), [()], warmup=5, reps=30)["median_ms"]
-    del x, y
+    t = time_ms(lambda src, dst: dst.copy_(src), [(x, y)], warmup=5, reps=30)["median_ms"]
     return 2 * nbytes / t / 1e6
 
 
@@ -148,9 +147,10 @@ def environment() -> dict[str, Any]:
                              cwd=Path(__file__).parent)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                text=True, timeout=10, cwd=Path(__file__).parent)
-        env["git_rev"] = (rev.stdout.strip() or None) and rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+        if rev.stdout.strip():
+            env["git_rev"] = rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except Exception:
-        env["git_rev"] = os.environ.get("FLY_GIT_REV")
+        pass
     if env.get("git_rev") is None:
         env["git_rev"] = os.environ.get("FLY_GIT_REV")
     return env

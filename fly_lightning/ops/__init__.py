@@ -1,4 +1,4 @@
-"""Public operators. Each is a ``torch.library`` custom op dispatched per shape signature (see ``fly_lightning.registry``)."""
+"""Public operators: ``torch.library`` custom ops dispatched per shape signature (see ``fly_lightning.registry``)."""
 
 from fly_lightning.ops.rms_norm import rms_norm
 

@@ -53,7 +53,7 @@ def _acc_dtype(x: Tensor) -> torch.dtype:
 def rms_norm_reference(
     x: Tensor, weight: Tensor | None, eps: float, offset: float = 0.0, cast_before_scale: bool = False
 ) -> tuple[Tensor, Tensor]:
-    """Plain-torch reference and oracle: returns ``(y, rstd)`` with rstd of shape ``[..., 1]`` in fp32 (fp64 for fp64)."""
+    """Plain-torch reference and oracle: ``(y, rstd)``, rstd ``[..., 1]`` in fp32 (fp64 for fp64 inputs)."""
     xf = x.to(_acc_dtype(x))
     rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     xhat = xf * rstd

@@ -9,8 +9,17 @@ from fly_lightning.modules import FlyRMSNorm
 from fly_lightning.ops import rms_norm
 from fly_lightning.policy import DispatchConfig, dispatch_config, get_dispatch_config, set_dispatch_config
 from fly_lightning.registry import OPS, get_op
+from fly_lightning.transform import TransformSummary, transform
 
 load_kernels()
+
+# registers Trainer(strategy="flydsl" | "flydsl_ddp" | "flydsl_fsdp2" | "flydsl_model_parallel")
+from fly_lightning.strategies import (  # noqa: E402
+    FlyDDPStrategy,
+    FlyFSDP2Strategy,
+    FlyModelParallelStrategy,
+    FlySingleDeviceStrategy,
+)
 
 __version__ = "0.1.0"
 
@@ -19,10 +28,16 @@ __all__ = [
     "DISPATCH_LOG",
     "OPS",
     "DispatchConfig",
+    "FlyDDPStrategy",
+    "FlyFSDP2Strategy",
+    "FlyModelParallelStrategy",
     "FlyRMSNorm",
+    "FlySingleDeviceStrategy",
+    "TransformSummary",
     "dispatch_config",
     "get_dispatch_config",
     "get_op",
     "rms_norm",
     "set_dispatch_config",
+    "transform",
 ]

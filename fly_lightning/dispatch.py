@@ -1,6 +1,7 @@
 """Choose a backend per (policy, op, shape signature), cache the decision, and count every call.
 
-The steady-state path is one signature computation, one dict lookup and one counter increment. Everything else
+The steady-state path (in ``Op.__call__``) is one signature computation, one dict lookup and one counter increment.
+Everything else
 (validation, availability, support predicates, measurement) runs once per new signature and is recorded.
 """
 
@@ -49,15 +50,9 @@ class Decision:
         return "; ".join(f"{b}: {r}" for b, r in self.rejected)
 
 
-def dispatch(op: Op, args: tuple) -> Any:
-    cfg = policy._active
-    key = (cfg.uid, op.signature(*args))
-    dec = op.cache.get(key)
-    if dec is None:
-        dec = _decide(op, cfg, key, args)
-        return _first_call(op, dec, args)
-    dec.calls += 1
-    return dec.fn(*args)
+def decide_and_call(op: Op, key: tuple[int, Hashable], args: tuple) -> Any:
+    """The slow path of ``Op.__call__`` (which holds the steady-state path): decide, record, run once."""
+    return _first_call(op, _decide(op, policy._active, key, args), args)
 
 
 def _first_call(op: Op, dec: Decision, args: tuple) -> Any:
@@ -114,8 +109,18 @@ def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args:
             chosen = min(supported, key=lambda impl: timings[impl.backend])
             rejected += [(b, f"slower when measured ({t:.4f} ms)") for b, t in timings.items() if b != chosen.backend]
     shape, dtype = _describe(args)
-    dec = Decision(op.name, key[1], shape, dtype, chosen.backend, chosen.fn, tuple(rejected), cfg.uid,
-                   tuning_s=tuning_s, timings_ms=timings)
+    dec = Decision(
+        op.name,
+        key[1],
+        shape,
+        dtype,
+        chosen.backend,
+        chosen.fn,
+        tuple(rejected),
+        cfg.uid,
+        tuning_s=tuning_s,
+        timings_ms=timings,
+    )
     op.cache[key] = dec
     DISPATCH_LOG.add(dec)
     return dec

@@ -11,6 +11,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fly_lightning import dispatch, policy
 from fly_lightning.backends import BACKENDS
 
 SupportPredicate = Callable[..., "bool | str"]
@@ -25,6 +26,8 @@ class BackendImpl:
     backend: str
     fn: Callable[..., Any]
     supports: SupportPredicate
+    constraints: str = ""  # the support boundary in words, for the support matrix
+    verified: str = "tested"  # "tested" (runs in CI) or "compile-only" (FlyDSL: compiled for gfx950, never run here)
 
 
 def _always(*args: Any, **kwargs: Any) -> bool:
@@ -44,7 +47,9 @@ class Op:
     # decisions keyed by (config uid, signature); owned by fly_lightning.dispatch
     cache: dict[tuple[int, Hashable], Any] = field(default_factory=dict, repr=False)
 
-    def implement(self, backend: str, supports: SupportPredicate = _always) -> Callable[[Callable], Callable]:
+    def implement(
+        self, backend: str, supports: SupportPredicate = _always, constraints: str = "", verified: str = "tested"
+    ) -> Callable[[Callable], Callable]:
         """Decorator registering ``fn`` as this op's implementation on ``backend``."""
         if backend not in BACKENDS:
             raise ValueError(f"unknown backend {backend!r}; known: {sorted(BACKENDS)}")
@@ -52,17 +57,20 @@ class Op:
         def deco(fn: Callable) -> Callable:
             if backend in self.impls:
                 raise ValueError(f"{self.name}: backend {backend!r} registered twice")
-            self.impls[backend] = BackendImpl(self.name, backend, fn, supports)
+            self.impls[backend] = BackendImpl(self.name, backend, fn, supports, constraints, verified)
             self.cache.clear()
             return fn
 
         return deco
 
     def __call__(self, *args: Any) -> Any:
-        """Validate, choose a backend for this shape signature (cached) and run it."""
-        from fly_lightning.dispatch import dispatch
-
-        return dispatch(self, args)
+        """Run on the backend chosen for this (policy, shape signature); decide (and validate) on first sight."""
+        key = (policy._active.uid, self.signature(*args))
+        decision = self.cache.get(key)
+        if decision is None:
+            return dispatch.decide_and_call(self, key, args)
+        decision.calls += 1
+        return decision.fn(*args)
 
 
 OPS: dict[str, Op] = {}
@@ -84,7 +92,7 @@ def register_op(
     if name in OPS:
         raise ValueError(f"operator {name!r} is already registered")
     op = Op(name=name, reference=reference, signature=signature, validate=validate, doc=doc)
-    op.implement("aten")(aten or reference)
+    op.implement("aten", constraints="every valid input (fallback and oracle)")(aten or reference)
     OPS[name] = op
     return op
 

@@ -71,14 +71,21 @@ def _rms_norm_aten(
     """ATen's fused RMSNorm where it computes our semantics; the reference for the Llama-style cast."""
     if cast_before_scale and weight is not None:
         return rms_norm_reference(x, weight, eps, offset, cast_before_scale)
-    w = None if weight is None else (weight.float() + offset if offset else weight)
+    w = None if weight is None else (weight.to(_acc_dtype(x)) + offset if offset else weight)
     y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], w, eps)
     return y.to(x.dtype), rstd.to(_acc_dtype(x))
 
 
 def _signature(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_scale: bool) -> tuple:
-    return (x.shape, x.stride(), x.dtype, x.device.type, None if weight is None else weight.dtype, bool(offset),
-            cast_before_scale)
+    return (
+        x.shape,
+        x.stride(),
+        x.dtype,
+        x.device.type,
+        None if weight is None else weight.dtype,
+        bool(offset),
+        cast_before_scale,
+    )
 
 
 RMS_NORM = register_op(
@@ -120,8 +127,14 @@ def _backward(ctx, grad_y: Tensor, grad_rstd: Tensor | None):
 
 
 def rms_norm_backward(
-    grad_y: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, cast_before_scale: bool,
-    need_x: bool = True, need_w: bool = True,
+    grad_y: Tensor,
+    x: Tensor,
+    weight: Tensor | None,
+    rstd: Tensor,
+    offset: float,
+    cast_before_scale: bool,
+    need_x: bool = True,
+    need_w: bool = True,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The existing ATen backward: ``aten._fused_rms_norm_backward`` on CUDA, its composite formula elsewhere."""
     acc = _acc_dtype(x)
@@ -164,12 +177,16 @@ def rms_norm(
         offset: added to the weight in fp32 (``1.0`` for Gemma's ``1 + w``).
         cast_before_scale: Llama-style: cast the normalised value to ``x.dtype`` before multiplying by the weight.
     """
-    if eps is None:
-        eps = torch.finfo(x.dtype).eps
+    if eps is None:  # invalid x is reported by validation, inside the op
+        eps = torch.finfo(x.dtype).eps if isinstance(x, Tensor) and x.is_floating_point() else 0.0
     args = (float(eps), float(offset), bool(cast_before_scale))
     if is_dtensor(x) or is_dtensor(weight):
         return run_on_local_shards(
-            RMS_NORM, lambda xl, wl: rms_norm_op(xl, wl, *args)[0],
-            lambda xd, wd: rms_norm_reference(xd, wd, *args)[0], x, weight, reduced_dims=(x.dim() - 1,),
+            RMS_NORM,
+            lambda xl, wl: rms_norm_op(xl, wl, *args)[0],
+            lambda xd, wd: rms_norm_reference(xd, wd, *args)[0],
+            x,
+            weight,
+            reduced_dims=(x.dim() - 1,),
         )
     return rms_norm_op(x, weight, *args)[0]

@@ -1,0 +1,188 @@
+"""Lightning strategies that transform the model, apply a dispatch policy and report what ran.
+
+``import fly_lightning`` registers, in ``lightning.pytorch`` (and in ``pytorch_lightning`` when it is installed, with
+its own classes, since the two packages' Trainers accept only their own Strategy subclasses):
+
+- ``"flydsl"``: single device (the device comes from the Trainer's accelerator/devices).
+- ``"flydsl_ddp"``: DDP.
+- ``"flydsl_fsdp2"``: FSDP2 (``fully_shard``) on a 1-D data-parallel mesh; shards each block of the model's
+  ``nn.ModuleList``s and the root when the LightningModule does not define ``configure_model`` itself.
+- ``"flydsl_model_parallel"``: Lightning's ModelParallelStrategy (FSDP2 + tensor parallel on a 2-D device mesh); the
+  user parallelises in ``configure_model`` as usual.
+
+When the model is transformed: in ``connect()``, the first strategy hook of ``fit``, before ``configure_model`` (so
+before any user sharding) and before optimizers exist; again in ``setup()`` for modules created in ``configure_model``
+(single device and DDP; sharded modules are left with the reason, see ``fly_lightning.transform``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fly_lightning.dispatch_log import DISPATCH_LOG
+from fly_lightning.policy import DispatchConfig, set_dispatch_config
+from fly_lightning.transform import TransformSummary, transform
+
+
+class _FlyStrategyMixin:
+    """Options shared by every fly-lightning strategy.
+
+    Args:
+        ops: module families to swap (``"rms_norm"``, ``"moe"``); ``None`` means all; ``()`` swaps nothing.
+        dispatch: backend policy in force while this strategy runs (default: the current one).
+        quantization: a torchao ``AOBaseConfig`` applied with ``torchao.quantization.quantize_`` after the swap, before
+            sharding and optimizers (e.g. torchao's MXFP8 training config on hardware that has it).
+        quantization_filter: ``filter_fn(module, fqn)`` passed to ``quantize_``.
+        report: print the transform summary and the dispatch table at the end (rank 0).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        ops: Iterable[str] | None = None,
+        dispatch: DispatchConfig | None = None,
+        quantization: Any = None,
+        quantization_filter: Callable[[nn.Module, str], bool] | None = None,
+        report: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.fly_ops = None if ops is None else tuple(ops)
+        self.fly_dispatch = dispatch
+        self.fly_quantization = quantization
+        self.fly_quantization_filter = quantization_filter
+        self.fly_report = report
+        self.transform_summary = TransformSummary()
+        self._fly_previous_config: DispatchConfig | None = None
+        self._fly_quantized = False
+
+    def connect(self, model: Any) -> None:
+        super().connect(model)
+        self._fly_apply(model)
+
+    def setup_environment(self) -> None:
+        if self.fly_dispatch is not None and self._fly_previous_config is None:
+            self._fly_previous_config = set_dispatch_config(self.fly_dispatch)
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        self._fly_apply(self.lightning_module)
+        super().setup(trainer)
+
+    def teardown(self) -> None:
+        if self.fly_report and self.global_rank == 0:
+            if self.transform_summary.swapped or self.transform_summary.left:
+                self.transform_summary.print()
+            if DISPATCH_LOG.decisions:
+                DISPATCH_LOG.print()
+        if self._fly_previous_config is not None:
+            set_dispatch_config(self._fly_previous_config)
+            self._fly_previous_config = None
+        super().teardown()
+
+    def _fly_apply(self, model: nn.Module | None) -> None:
+        if model is None:
+            return
+        s = transform(model, ops=self.fly_ops)
+        self.transform_summary.swapped += s.swapped
+        self.transform_summary.left = s.left  # the latest pass knows what is still left
+        self.transform_summary.unrecognised = s.unrecognised
+        if self.fly_quantization is not None and not self._fly_quantized:
+            from torchao.quantization import quantize_
+
+            quantize_(model, self.fly_quantization, filter_fn=self.fly_quantization_filter)
+            self._fly_quantized = True
+
+
+def _auto_fully_shard(strategy: Any, model: nn.Module) -> None:
+    """Default FSDP2 wrapping: each block of every ``nn.ModuleList``, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = strategy.device_mesh["data_parallel"]
+    for module in list(model.modules()):
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _build(pl: Any) -> dict[str, type]:
+    """Strategy classes for one Lightning package (``lightning.pytorch`` or ``pytorch_lightning``)."""
+    strategies = importlib.import_module(f"{pl.__name__}.strategies")
+    model_helpers = importlib.import_module(f"{pl.__name__}.utilities.model_helpers")
+
+    class FlySingleDeviceStrategy(_FlyStrategyMixin, strategies.SingleDeviceStrategy):
+        """Single device, taken from the Trainer: ``Trainer(strategy="flydsl", accelerator="gpu", devices=[1])``."""
+
+        strategy_name = "flydsl"
+
+        def __init__(self, device: torch.device | str | int | None = None, **kwargs: Any) -> None:
+            super().__init__(device=device if device is not None else "cpu", **kwargs)
+            self._device_given = device is not None
+
+        # Lightning's connector hands the devices it resolved to strategies that expose `parallel_devices`
+        @property
+        def parallel_devices(self) -> list[torch.device]:
+            return [self.root_device] if self._device_given else []
+
+        @parallel_devices.setter
+        def parallel_devices(self, devices: list[torch.device]) -> None:
+            if len(devices) != 1:
+                raise ValueError(
+                    f"strategy 'flydsl' runs on one device, got {len(devices)}; use 'flydsl_ddp', 'flydsl_fsdp2' or "
+                    "'flydsl_model_parallel' for several"
+                )
+            self._root_device = torch.device(devices[0]) if not isinstance(devices[0], torch.device) else devices[0]
+            self._device_given = True
+
+    class FlyDDPStrategy(_FlyStrategyMixin, strategies.DDPStrategy):
+        strategy_name = "flydsl_ddp"
+
+    class FlyModelParallelStrategy(_FlyStrategyMixin, strategies.ModelParallelStrategy):
+        strategy_name = "flydsl_model_parallel"
+
+    class FlyFSDP2Strategy(_FlyStrategyMixin, strategies.ModelParallelStrategy):
+        """FSDP2 on a 1-D mesh. Without a user ``configure_model``, blocks of ``nn.ModuleList``s and the root are
+        sharded with ``fully_shard``."""
+
+        strategy_name = "flydsl_fsdp2"
+
+        def __init__(self, **kwargs: Any) -> None:
+            kwargs.setdefault("tensor_parallel_size", 1)
+            super().__init__(**kwargs)
+
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            module = self.lightning_module
+            if module is not None and not model_helpers.is_overridden("configure_model", module):
+                # an instance attribute counts as an override for Lightning, and runs at the usual hook point
+                module.configure_model = lambda: _auto_fully_shard(self, module)
+
+    classes = [FlySingleDeviceStrategy, FlyDDPStrategy, FlyFSDP2Strategy, FlyModelParallelStrategy]
+    return {cls.strategy_name: cls for cls in classes}
+
+
+def register(package: str = "lightning.pytorch") -> dict[str, type]:
+    """Register the strategies in one Lightning package's ``StrategyRegistry``; returns the classes by name."""
+    pl = importlib.import_module(package)
+    registry = importlib.import_module(f"{package}.strategies").StrategyRegistry
+    classes = _build(pl)
+    for name, cls in classes.items():
+        registry.register(name, cls, description=(cls.__doc__ or name).split("\n")[0], override=True)
+    return classes
+
+
+_LIGHTNING = register("lightning.pytorch")
+FlySingleDeviceStrategy = _LIGHTNING["flydsl"]
+FlyDDPStrategy = _LIGHTNING["flydsl_ddp"]
+FlyFSDP2Strategy = _LIGHTNING["flydsl_fsdp2"]
+FlyModelParallelStrategy = _LIGHTNING["flydsl_model_parallel"]
+
+if importlib.util.find_spec("pytorch_lightning") is not None:
+    PYTORCH_LIGHTNING_STRATEGIES = register("pytorch_lightning")

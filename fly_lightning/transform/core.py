@@ -1,0 +1,139 @@
+"""The transform engine: a small table of matchers, each recognising modules by structure and building a replacement
+that shares the original parameters (state_dict keys, shapes and tensors unchanged).
+
+A matcher may confirm a structural match with a probe: run the original and the replacement on a small random input
+and compare, so a look-alike module with different math is left alone (with the reason) instead of silently changed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Matcher:
+    """Recognises one kind of module.
+
+    ``match(module)`` returns None (not this kind), or a variant name (recognised). ``build(module, variant)`` returns
+    the replacement, or raises ``Unsupported(reason)`` to leave the module with that reason.
+    """
+
+    name: str
+    family: str  # what a user enables or disables, e.g. "rms_norm", "moe"
+    match: Callable[[nn.Module], str | None]
+    build: Callable[[nn.Module, str], nn.Module]
+
+
+class Unsupported(Exception):
+    """Raised by a matcher's build: recognised, but this instance cannot be swapped (the message says why)."""
+
+
+MATCHERS: list[Matcher] = []
+
+# class-name endings of modules a user may expect us to handle, for the "not recognised" list
+_INTERESTING = ("norm", "moe", "moeblock", "experts", "router", "gate")
+
+
+def register_matcher(matcher: Matcher) -> Matcher:
+    if any(m.name == matcher.name for m in MATCHERS):
+        raise ValueError(f"matcher {matcher.name!r} registered twice")
+    MATCHERS.append(matcher)
+    return matcher
+
+
+def families() -> list[str]:
+    return sorted({m.family for m in MATCHERS})
+
+
+@dataclass
+class TransformSummary:
+    swapped: list[tuple[str, str, str]] = field(default_factory=list)  # (path, original class, matcher:variant)
+    left: list[tuple[str, str, str]] = field(default_factory=list)  # (path, class, reason)
+    unrecognised: Counter = field(default_factory=Counter)  # class name -> count (norm/MoE-looking modules only)
+
+    def __str__(self) -> str:
+        lines = [f"swapped {len(self.swapped)} module(s)"]
+        for kind, n in Counter(f"{c} -> {m}" for _, c, m in self.swapped).items():
+            lines.append(f"  {n} x {kind}")
+        if self.left:
+            lines.append(f"left {len(self.left)} recognised module(s):")
+            for reason_key, n in Counter(f"{c}: {r}" for _, c, r in self.left).items():
+                lines.append(f"  {n} x {reason_key}")
+        if self.unrecognised:
+            lines.append("not recognised: " + ", ".join(f"{c} x{n}" for c, n in sorted(self.unrecognised.items())))
+        return "\n".join(lines)
+
+    def print(self) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title="fly-lightning transform")
+        for col in ("status", "module", "count", "detail"):
+            table.add_column(col, overflow="fold")
+        for kind, n in Counter((c, m) for _, c, m in self.swapped).items():
+            table.add_row("swapped", kind[0], str(n), kind[1], style="green")
+        for kind, n in Counter((c, r) for _, c, r in self.left).items():
+            table.add_row("left", kind[0], str(n), kind[1], style="yellow")
+        for c, n in sorted(self.unrecognised.items()):
+            table.add_row("not recognised", c, str(n), "")
+        Console().print(table)
+
+
+def transform(model: nn.Module, *, ops: Iterable[str] | None = None, verbose: bool = False) -> TransformSummary:
+    """Swap supported modules of ``model`` in place and return what was swapped, left (with reasons) and unknown.
+
+    Args:
+        model: any ``nn.Module`` (a LightningModule, a Hugging Face model, a torchtitan model...).
+        ops: module families to swap (see ``fly_lightning.transform.core.families()``); ``None`` means all.
+        verbose: print the summary as a rich table.
+    """
+    wanted = set(families() if ops is None else ops)
+    unknown = wanted - set(families())
+    if unknown:
+        raise ValueError(f"unknown op families {sorted(unknown)}; known: {families()}")
+    summary = TransformSummary()
+    _walk(model, "", wanted, summary)
+    if verbose:
+        summary.print()
+    return summary
+
+
+def _walk(parent: nn.Module, prefix: str, wanted: set[str], summary: TransformSummary) -> None:
+    for name, child in list(parent.named_children()):
+        path = f"{prefix}{name}"
+        if getattr(child, "_fly_swapped", False):
+            continue  # already ours (the transform is idempotent)
+        outcome = _try_swap(child, wanted)
+        if isinstance(outcome, nn.Module):
+            outcome._fly_swapped = True
+            setattr(parent, name, outcome)
+            summary.swapped.append((path, type(child).__name__, outcome._fly_matcher))
+            continue
+        if outcome is not None:
+            summary.left.append((path, type(child).__name__, outcome))
+            continue
+        cls = type(child).__name__
+        if cls.lower().endswith(_INTERESTING):
+            summary.unrecognised[cls] += 1
+        _walk(child, f"{path}.", wanted, summary)
+
+
+def _try_swap(module: nn.Module, wanted: set[str]) -> nn.Module | str | None:
+    """The replacement, a reason it was left, or None when no matcher recognises it."""
+    for m in MATCHERS:
+        variant = m.match(module)
+        if variant is None:
+            continue
+        if m.family not in wanted:
+            return f"family {m.family!r} not selected"
+        try:
+            new = m.build(module, variant)
+        except Unsupported as exc:
+            return str(exc)
+        new._fly_matcher = f"{m.name}:{variant}"
+        return new
+    return None

@@ -1,0 +1,142 @@
+"""Dispatcher: cached decisions, per-call counts, fallback reasons, failure fallback, measured selection."""
+
+import pytest
+import torch
+
+import fly_lightning
+from fly_lightning import DISPATCH_LOG, dispatch_config
+from fly_lightning.backends import BACKENDS
+from fly_lightning.registry import Op
+
+
+def _scratch_op(name="scratch", triton_supports=lambda x: True, triton_fn=None):
+    """A private op (not in the global registry) with aten and triton backends."""
+    op = Op(name=name, reference=lambda x: x * 2, signature=lambda x: (x.shape, x.dtype))
+    op.implement("aten")(op.reference)
+    calls = []
+
+    def triton_impl(x):
+        calls.append(x.shape)
+        return x * 2
+
+    op.implement("triton", supports=triton_supports)(triton_fn or triton_impl)
+    return op, calls
+
+
+def test_decision_cached_and_every_call_counted():
+    op, calls = _scratch_op()
+    for _ in range(5):
+        op(torch.ones(3))
+    op(torch.ones(4))
+    recs = DISPATCH_LOG.records("scratch")
+    assert [(r["shape"], r["backend"], r["calls"]) for r in recs] == [("3", "triton", 5), ("4", "triton", 1)]
+    assert len(calls) == 6
+    assert recs[0]["first_call_s"] is not None
+
+
+def test_unsupported_input_falls_back_with_reason():
+    op, calls = _scratch_op(triton_supports=lambda x: True if x.dtype == torch.float32 else f"dtype {x.dtype}")
+    out = op(torch.ones(3, dtype=torch.float64))
+    assert torch.equal(out, torch.full((3,), 2.0, dtype=torch.float64))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "aten" and rec["fallback"] and "triton: dtype torch.float64" in rec["reason"]
+    assert calls == []
+
+
+def test_kernel_failure_on_first_call_falls_back_and_is_recorded():
+    def broken(x):
+        raise RuntimeError("out of shared memory")
+
+    op, _ = _scratch_op(triton_fn=broken)
+    out = op(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0))
+    op(torch.ones(2))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "aten" and rec["calls"] == 2
+    assert "triton: raised RuntimeError: out of shared memory" in rec["reason"]
+
+
+def test_policy_change_makes_a_new_decision():
+    op, calls = _scratch_op()
+    op(torch.ones(2))
+    with dispatch_config(backends=("aten",)):
+        op(torch.ones(2))
+    op(torch.ones(2))
+    recs = DISPATCH_LOG.records("scratch")
+    assert [(r["backend"], r["calls"]) for r in recs] == [("triton", 2), ("aten", 1)]
+    assert "not enabled" not in recs[1]["reason"]  # aten-only policy: triton simply not a candidate
+
+
+def test_backend_preference_order_respected():
+    op, _ = _scratch_op()
+    with dispatch_config(backends=("aten", "triton")):  # aten is moved last: it can never shadow a candidate
+        op(torch.ones(2))
+    assert DISPATCH_LOG.records("scratch")[0]["backend"] == "triton"
+
+
+def test_unavailable_backend_reason_recorded(monkeypatch):
+    op, _ = _scratch_op()
+    monkeypatch.delenv("TRITON_INTERPRET")  # a CPU machine without the interpreter: Triton has no device
+    fly_lightning.backends.reset_availability()
+    try:
+        op(torch.ones(2))
+    finally:
+        monkeypatch.undo()
+        fly_lightning.backends.reset_availability()
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "aten" and "triton: no CUDA/ROCm device" in rec["reason"]
+
+
+def test_flydsl_never_available_without_rocm():
+    assert BACKENDS["flydsl"].is_available() is False
+    assert "ROCm" in BACKENDS["flydsl"].unavailable_reason()
+
+
+def test_measure_selects_fastest_and_records_tuning():
+    import time
+
+    def slow(x):
+        time.sleep(0.01)
+        return x * 2
+
+    op, _ = _scratch_op(triton_fn=slow)
+    with dispatch_config(select="measure"):
+        out = op(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "aten"
+    assert rec["tuning_s"] > 0 and set(rec["timings_ms"]) == {"triton", "aten"}
+    assert "slower when measured" in rec["reason"]
+
+
+def test_validation_runs_once_per_signature_before_any_backend():
+    seen = []
+    op = Op(
+        name="v",
+        reference=lambda x: x,
+        signature=lambda x: (x.shape,),
+        validate=lambda x: seen.append(1) or (_ for _ in ()).throw(ValueError("bad")) if x.dim() == 0 else None,
+    )
+    op.implement("aten")(op.reference)
+    op(torch.ones(2))
+    op(torch.ones(2))
+    assert seen == []
+    with pytest.raises(ValueError, match="bad"):
+        op(torch.tensor(1.0))
+
+
+def test_table_and_summary():
+    op, _ = _scratch_op(triton_supports=lambda x: True if x.numel() < 4 else "too big")
+    op(torch.ones(2))
+    op(torch.ones(2))
+    op(torch.ones(8))
+    s = DISPATCH_LOG.summary()["scratch"]
+    assert s["calls"] == 3 and s["by_backend"] == {"triton": 2, "aten": 1}
+    assert s["specialised_share"] == pytest.approx(2 / 3)
+    assert s["fallback_reasons"] == {"flydsl: no kernel for this op; triton: too big": ["8"]}
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(DISPATCH_LOG.table())
+    text = console.export_text()
+    assert "scratch" in text and "too big" in text

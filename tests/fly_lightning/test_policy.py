@@ -1,0 +1,76 @@
+"""DispatchConfig: candidate order, ATen always last, env vars, context manager, uid sharing."""
+
+import pytest
+
+from fly_lightning.policy import (
+    DispatchConfig,
+    config_from_env,
+    dispatch_config,
+    get_dispatch_config,
+    set_dispatch_config,
+)
+
+
+def test_aten_is_always_the_last_candidate():
+    assert DispatchConfig(backends=("triton",)).candidates("rms_norm") == ("triton", "aten")
+    assert DispatchConfig(backends=("aten", "triton")).candidates("x") == ("triton", "aten")
+    assert DispatchConfig(backends=()).candidates("x") == ("aten",)
+
+
+def test_disabled_op_and_global_switch():
+    cfg = DispatchConfig(disabled_ops={"rms_norm"})
+    assert cfg.candidates("rms_norm") == ("aten",)
+    assert cfg.candidates("other") == ("flydsl", "triton", "aten")
+    assert DispatchConfig(enabled=False).candidates("other") == ("aten",)
+
+
+def test_per_op_backend_order_overrides_global():
+    cfg = DispatchConfig(backends=("flydsl", "triton"), op_backends={"grouped_mm": ("triton",)})
+    assert cfg.candidates("grouped_mm") == ("triton", "aten")
+    assert cfg.candidates("rms_norm") == ("flydsl", "triton", "aten")
+
+
+def test_unknown_backend_and_select_rejected():
+    with pytest.raises(ValueError, match="unknown backend"):
+        DispatchConfig(backends=("cutlass",))
+    with pytest.raises(ValueError, match="select"):
+        DispatchConfig(select="fastest")
+
+
+def test_equal_configs_share_a_uid():
+    a = DispatchConfig(disabled_ops={"a", "b"})
+    b = DispatchConfig(disabled_ops=frozenset({"b", "a"}))
+    assert a.uid == b.uid
+    assert a.uid != DispatchConfig().uid
+
+
+def test_env_vars():
+    cfg = config_from_env(
+        {
+            "FLY_LIGHTNING_BACKENDS": "triton",
+            "FLY_LIGHTNING_DISABLE": "rms_norm, moe_route",
+            "FLY_LIGHTNING_SELECT": "measure",
+        }
+    )
+    assert cfg.backends == ("triton", "aten")
+    assert cfg.disabled_ops == {"rms_norm", "moe_route"}
+    assert cfg.select == "measure"
+    assert config_from_env({"FLY_LIGHTNING": "0"}).enabled is False
+    assert config_from_env({}) == DispatchConfig()
+
+
+def test_context_manager_restores_previous():
+    before = get_dispatch_config()
+    with dispatch_config(backends=("aten",)) as cfg:
+        assert get_dispatch_config() is cfg
+        assert cfg.backends == ("aten",)
+    assert get_dispatch_config() is before
+
+
+def test_set_returns_previous():
+    before = get_dispatch_config()
+    prev = set_dispatch_config(select="measure")
+    try:
+        assert prev is before and get_dispatch_config().select == "measure"
+    finally:
+        set_dispatch_config(prev)

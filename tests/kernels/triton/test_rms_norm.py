@@ -1,0 +1,50 @@
+"""Triton RMSNorm kernel paths (rows, multi-row, chunked, unaligned) against the reference, outputs fully written."""
+
+import pytest
+import torch
+
+from fly_lightning.kernels.triton.rms_norm import LaunchConfig, launch_config, rms_norm_triton
+from fly_lightning.ops.rms_norm import rms_norm_reference
+
+
+def _check(x, w, cfg, cast=False, offset=0.0):
+    torch.use_deterministic_algorithms(True)  # torch.empty is NaN-filled: unwritten elements would show
+    try:
+        y, rstd = rms_norm_triton(x, w, 1e-6, offset, cast, config=cfg)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    yr, rr = rms_norm_reference(x, w, 1e-6, offset, cast)
+    assert torch.isfinite(y).all() and torch.isfinite(rstd).all()
+    torch.testing.assert_close(rstd, rr, rtol=1e-5, atol=1e-6)
+    # bf16: the normalised value may round to the neighbouring bf16 before scaling (2 ulps allowed)
+    tol = dict(rtol=1e-5, atol=1e-5) if x.dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)
+    torch.testing.assert_close(y.float(), yr.float(), **tol)
+
+
+@pytest.mark.parametrize(
+    "h, cfg",
+    [
+        (100, LaunchConfig("rows", 128, rows=4, num_warps=2)),  # multi-row, masked tail row block
+        (64, LaunchConfig("rows", 64, rows=16)),
+        (1000, LaunchConfig("rows", 256, rows=2)),  # chunked: BLOCK < H
+        (4097, LaunchConfig("unaligned", 8192, num_warps=8)),
+        (2051, LaunchConfig("unaligned", 4096)),
+        (40, LaunchConfig("unaligned", 64)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paths(h, cfg, dtype):
+    x = torch.randn(9, h).to(dtype)
+    w = torch.randn(h).to(dtype)
+    _check(x, w, cfg)
+    _check(x, None, cfg)
+    _check(x, w, cfg, cast=True)
+    _check(x, w, cfg, offset=1.0)
+
+
+def test_heuristic_picks_unaligned_only_for_contiguous_misaligned_rows():
+    assert launch_config(4097, 2, True).kernel == "unaligned"
+    assert launch_config(4097, 2, False).kernel == "rows"
+    assert launch_config(4096, 2, True).kernel == "rows"
+    assert launch_config(4100, 4, True).kernel == "rows"  # 4100 fp32 = 16400 bytes: rows stay 16-byte aligned
+    assert launch_config(100000, 2, True).block <= 32768

@@ -158,6 +158,8 @@ def _build(pl: Any) -> dict[str, type]:
             super().__init__(**kwargs)
 
         def setup_environment(self) -> None:
+            if self._data_parallel_size == "auto":  # Lightning's "auto" is one replica per node: FSDP2 spans all
+                self._data_parallel_size = self.world_size
             super().setup_environment()
             module = self.lightning_module
             if module is not None and not model_helpers.is_overridden("configure_model", module):

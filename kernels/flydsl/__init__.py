@@ -1,1 +1,5 @@
-"""placeholder"""
+"""FlyDSL kernels for AMD gfx950 (MI350). Compile-verified here (no AMD GPU): see ``NOTES.md`` in this folder.
+
+Modules starting with ``_`` hold the kernels themselves and import no fly_lightning code, so the compile child
+(``_toolchain``) can load them by file path; the public modules register the kernels into their operators.
+"""

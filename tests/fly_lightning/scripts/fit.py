@@ -1,0 +1,97 @@
+"""A short Lightning fit used by the strategy tests, run as a subprocess (multi-process Lightning re-executes argv).
+
+    python fit.py STRATEGY DEVICES OUT.json [--no-fly]
+
+Writes the per-step losses, the strategy class, the dispatch summary and the transform summary of rank 0 to OUT.json.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import lightning.pytorch as L  # noqa: E402
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import fly_lightning  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.ff = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        return x + self.ff(self.norm(x))
+
+
+class TinyLM(L.LightningModule):
+    def __init__(self, d: int = 32, vocab: int = 64, n_layers: int = 2) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(n_layers))
+        self.norm = nn.RMSNorm(d, eps=1e-6)
+        self.head = nn.Linear(d, vocab)
+        self.losses: list[float] = []
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(self.norm(h))
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch[0]
+        logits = self(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+def main() -> None:
+    strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.manual_seed(0)
+    model = TinyLM()
+    data = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8, shuffle=False)
+    if strategy == "stock_fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
+        from fly_lightning.strategies import _auto_fully_shard
+
+        model.configure_model = lambda: _auto_fully_shard(trainer.strategy, model)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=devices,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=True,
+    )
+    trainer.fit(model, loader)
+    if trainer.global_rank == 0:
+        s = getattr(trainer.strategy, "transform_summary", None)
+        json.dump(
+            {
+                "strategy": type(trainer.strategy).__name__,
+                "losses": model.losses,
+                "dispatch": fly_lightning.DISPATCH_LOG.summary(),
+                "swapped": [] if s is None else s.swapped,
+                "left": [] if s is None else s.left,
+            },
+            open(out, "w"),
+        )
+
+
+if __name__ == "__main__":
+    main()

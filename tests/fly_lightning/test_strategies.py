@@ -1,0 +1,147 @@
+"""Lightning strategies: registration, single-device fit on CPU, and 2-process gloo DDP / FSDP2 runs."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
+import torch
+from torch import nn
+
+import fly_lightning
+from fly_lightning import DISPATCH_LOG, DispatchConfig
+
+SCRIPT = Path(__file__).parent / "scripts" / "fit.py"
+
+
+def test_strategies_registered():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for name, cls in [
+        ("flydsl", fly_lightning.FlySingleDeviceStrategy),
+        ("flydsl_ddp", fly_lightning.FlyDDPStrategy),
+        ("flydsl_fsdp2", fly_lightning.FlyFSDP2Strategy),
+        ("flydsl_model_parallel", fly_lightning.FlyModelParallelStrategy),
+    ]:
+        assert name in StrategyRegistry
+        assert isinstance(StrategyRegistry.get(name), cls)
+
+
+def test_pytorch_lightning_gets_its_own_classes():
+    pl = pytest.importorskip("pytorch_lightning")
+    trainer = pl.Trainer(strategy="flydsl", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, pl.strategies.SingleDeviceStrategy)
+    assert type(trainer.strategy).__name__ == "FlySingleDeviceStrategy"
+
+
+def test_flydsl_rejects_several_devices_with_a_clear_message():
+    with pytest.raises(ValueError, match="flydsl_ddp"):
+        L.Trainer(strategy="flydsl", accelerator="cpu", devices=2)
+
+
+def _run(strategy: str, devices: int, tmp_path: Path) -> dict:
+    out = tmp_path / f"{strategy}.json"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), strategy, str(devices), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_single_device_fit_matches_stock_and_swaps(tmp_path):
+    ours, stock = _run("flydsl", 1, tmp_path), _run("auto", 1, tmp_path)
+    assert ours["strategy"] == "FlySingleDeviceStrategy"
+    assert len(ours["swapped"]) == 3  # two block norms and the final norm
+    assert ours["dispatch"]["rms_norm"]["by_backend"] == {"triton": 3 * 4}
+    assert stock["dispatch"] == {}
+    torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
+
+
+def test_ddp_two_processes_gloo(tmp_path):
+    ours, stock = _run("flydsl_ddp", 2, tmp_path), _run("ddp", 2, tmp_path)
+    assert ours["strategy"] == "FlyDDPStrategy"
+    assert ours["dispatch"]["rms_norm"]["by_backend"]["triton"] > 0
+    torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
+
+
+def test_fsdp2_two_processes_gloo(tmp_path):
+    ours, stock = _run("flydsl_fsdp2", 2, tmp_path), _run("stock_fsdp2", 2, tmp_path)
+    assert ours["strategy"] == "FlyFSDP2Strategy"
+    assert ours["dispatch"]["rms_norm"]["by_backend"]["triton"] > 0
+    assert ours["left"] == []
+    torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
+
+
+class _Dense(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.RMSNorm(16), nn.Linear(16, 1))
+
+    def training_step(self, batch, _):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit(strategy, steps=2):
+    data = torch.utils.data.TensorDataset(torch.randn(16, 16), torch.randn(16, 1))
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = _Dense()
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    return trainer, model
+
+
+def test_strategy_options_ops_and_dispatch_policy():
+    trainer, model = _fit(fly_lightning.FlySingleDeviceStrategy(ops=(), report=False))
+    assert isinstance(model.net[1], nn.RMSNorm)  # nothing swapped
+    trainer, model = _fit(fly_lightning.FlySingleDeviceStrategy(dispatch=DispatchConfig(backends=("aten",))))
+    assert type(model.net[1]).__name__ == "FlyRMSNorm"
+    rec = DISPATCH_LOG.records("rms_norm")[-1]
+    assert rec["backend"] == "aten"
+    assert fly_lightning.get_dispatch_config() == DispatchConfig()  # restored after fit
+
+
+def test_optimizer_sees_swapped_parameters():
+    trainer, model = _fit("flydsl")
+    params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
+    assert id(model.net[1].weight) in params
+
+
+def test_quantization_slot_applies_a_torchao_config():
+    from dataclasses import dataclass
+
+    from torchao.core.config import AOBaseConfig
+    from torchao.quantization.transform_module import register_quantize_module_handler
+
+    @dataclass
+    class _MarkLinear(AOBaseConfig):
+        tag: str = "marked"
+
+    @register_quantize_module_handler(_MarkLinear)
+    def _handler(module, config):
+        module.fly_test_tag = config.tag
+        return module
+
+    trainer, model = _fit(
+        fly_lightning.FlySingleDeviceStrategy(
+            quantization=_MarkLinear(), quantization_filter=lambda m, fqn: fqn == "net.0"
+        )
+    )
+    assert getattr(model.net[0], "fly_test_tag", None) == "marked"
+    assert not hasattr(model.net[2], "fly_test_tag")

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._support import device_reason
+from fly_lightning.kernels.triton._support import device_reason, interpreting
 from fly_lightning.ops.rms_norm import RMS_NORM
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -123,6 +123,35 @@ def _rms_norm_unaligned(
     tl.store(RSTD + row, rstd)
 
 
+def _configs(kernel: str) -> list[triton.Config]:
+    """Autotuning space (measured once per (H, flags) and cached by Triton; one config under the interpreter)."""
+    if interpreting():
+        return [triton.Config({"ROWS": 1} if kernel == "rows" else {}, num_warps=4)]
+    if kernel == "unaligned":
+        return [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
+    return [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8) for w in (2, 4, 8, 16)]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    block = kwargs.get("BLOCK", named_args.get("BLOCK"))
+    # keep a whole [ROWS, BLOCK] tile at <= 64 fp32 values per thread, and no more warps than elements need
+    kept = [
+        c
+        for c in configs
+        if c.kwargs.get("ROWS", 1) * block <= 64 * 32 * c.num_warps
+        and c.num_warps * 32 * 4 <= c.kwargs.get("ROWS", 1) * block
+    ]
+    return kept or configs[:1]
+
+
+_rms_norm_rows_tuned = triton.autotune(
+    _configs("rows"), key=["H", "HAS_W", "CAST_FIRST"], prune_configs_by={"early_config_prune": _prune}
+)(_rms_norm_rows)
+_rms_norm_unaligned_tuned = triton.autotune(_configs("unaligned"), key=["H", "HAS_W", "CAST_FIRST"])(
+    _rms_norm_unaligned
+)
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     kernel: str  # "rows" or "unaligned"
@@ -132,14 +161,17 @@ class LaunchConfig:
 
 
 def launch_config(h: int, itemsize: int, contiguous_rows: bool) -> LaunchConfig:
-    """Heuristic per row width; ``benchmarks/bench_rms_norm.py --sweep`` measures the alternatives."""
+    """Kernel and block per row width; rows per program and warps are autotuned unless a config is forced.
+
+    ``benchmarks/bench_rms_norm.py --sweep`` times the alternatives explicitly.
+    """
     vec = 16 // itemsize
     if contiguous_rows and h % vec and h >= 4 * vec:
         block = triton.next_power_of_2(h)
         return LaunchConfig("unaligned", block, 1, _warps(block * itemsize))
     block = min(triton.next_power_of_2(h), MAX_BLOCK)
     rows = max(1, min(16, 2048 // block)) if h <= 1024 else 1
-    return LaunchConfig("rows", block, rows, _warps(block * rows * itemsize))
+    return LaunchConfig("rows", block, rows, _warps(block * rows * itemsize))  # rows/warps: forced configs only
 
 
 def _warps(row_bytes: int) -> int:

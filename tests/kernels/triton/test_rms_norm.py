@@ -48,3 +48,16 @@ def test_heuristic_picks_unaligned_only_for_contiguous_misaligned_rows():
     assert launch_config(4096, 2, True).kernel == "rows"
     assert launch_config(4100, 4, True).kernel == "rows"  # 4100 fp32 = 16400 bytes: rows stay 16-byte aligned
     assert launch_config(100000, 2, True).block <= 32768
+
+
+def test_autotune_pruning_keeps_valid_configs():
+    import triton
+
+    from fly_lightning.kernels.triton.rms_norm import _prune
+
+    configs = [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8) for w in (2, 4, 8, 16)]
+    wide = _prune(configs, {}, BLOCK=8192)
+    assert wide and all(c.kwargs["ROWS"] * 8192 <= 64 * 32 * c.num_warps for c in wide)
+    narrow = _prune(configs, {}, BLOCK=256)
+    assert narrow and all(c.num_warps * 128 <= c.kwargs["ROWS"] * 256 for c in narrow)
+    assert _prune(configs[:1], {}, BLOCK=1 << 20)  # never empty

@@ -1,0 +1,139 @@
+"""Correctness on a real GPU, for every registered operator that has a GPU check here.
+
+Runs each op through the public API on CUDA against its fp64 reference over edge-case shapes, checks which backend
+served it (from the dispatch log), gradients against ATen, CUDA-graph capture and ``torch.compile(fullgraph=True)``.
+Prints a table and writes ``gpu_checks.json``; exits non-zero when any check fails.
+
+    python -m benchmarks.gpu_checks
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import fly_lightning
+from fly_lightning import DISPATCH_LOG
+from fly_lightning.ops.rms_norm import rms_norm_reference
+
+CHECKS: list[tuple[str, Callable[[], str | None]]] = []
+
+
+def check(name: str):
+    def deco(fn):
+        CHECKS.append((name, fn))
+        return fn
+
+    return deco
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def _backend(op: str) -> str:
+    return DISPATCH_LOG.records(op)[-1]["backend"]
+
+
+@check("rms_norm numerics and backend over edge shapes")
+def _rms_numerics() -> str | None:
+    cases = [((0, 4096), torch.bfloat16), ((1, 1), torch.float32), ((7, 4097), torch.bfloat16),
+             ((3, 5, 8192), torch.float16), ((2, 40000), torch.float32), ((33, 100), torch.bfloat16),
+             ((4096, 5120), torch.bfloat16), ((17, 2051), torch.float16)]
+    for shape, dtype in cases:
+        for offset, cast in ((0.0, False), (1.0, False), (0.0, True)):
+            x = torch.randn(shape, device="cuda", dtype=dtype) * 3
+            w = torch.randn(shape[-1], device="cuda", dtype=dtype)
+            y = fly_lightning.rms_norm(x, w, 1e-6, offset=offset, cast_before_scale=cast)
+            if x.numel() == 0:
+                continue
+            if cast:
+                ref = rms_norm_reference(x.double(), None, 1e-6)[0].to(dtype).double() * (w.double() + offset)
+            else:
+                ref = rms_norm_reference(x.double(), w.double() + offset, 1e-6)[0]
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            if not _rel(y, ref) < tol:
+                return f"{shape} {dtype} offset={offset} cast={cast}: rel err {_rel(y, ref):.2e}"
+            if _backend("rms_norm") != "triton":
+                return f"{shape} {dtype}: ran on {_backend('rms_norm')}"
+    base = torch.randn(64, 6000, device="cuda", dtype=torch.bfloat16)
+    x = base[:, :4097]  # strided rows
+    w = torch.randn(4097, device="cuda", dtype=torch.bfloat16)
+    if not _rel(fly_lightning.rms_norm(x, w, 1e-6), rms_norm_reference(x.double(), w.double(), 1e-6)[0]) < 1e-2:
+        return "strided rows wrong"
+    return None
+
+
+@check("rms_norm gradients equal ATen's on CUDA")
+def _rms_grads() -> str | None:
+    for dtype in (torch.float32, torch.bfloat16):
+        x0 = torch.randn(64, 4097, device="cuda", dtype=dtype)
+        w0 = torch.randn(4097, device="cuda", dtype=dtype)
+        g = torch.randn_like(x0)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        fly_lightning.rms_norm(x, w, 1e-6).backward(g)
+        xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        F.rms_norm(xr, (4097,), wr, 1e-6).backward(g)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        if not (_rel(x.grad, xr.grad) < tol and _rel(w.grad, wr.grad) < tol):
+            return f"{dtype}: dx {_rel(x.grad, xr.grad):.2e} dw {_rel(w.grad, wr.grad):.2e}"
+    return None
+
+
+@check("rms_norm under CUDA graph capture")
+def _rms_graph() -> str | None:
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    fly_lightning.rms_norm(x, w, 1e-6)  # decide + compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fly_lightning.rms_norm(x, w, 1e-6)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    err = _rel(y, rms_norm_reference(x.double(), w.double(), 1e-6)[0])
+    return None if err < 1e-2 else f"graph replay rel err {err:.2e}"
+
+
+@check("rms_norm under torch.compile(fullgraph=True), Inductor, forward + backward")
+def _rms_compile() -> str | None:
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x, w: (fly_lightning.rms_norm(x, w, 1e-6) * 2).sum(), fullgraph=True)
+    x = torch.randn(256, 2048, device="cuda", requires_grad=True)
+    w = torch.randn(2048, device="cuda", requires_grad=True)
+    fn(x, w).backward()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    (F.rms_norm(xr, (2048,), wr, 1e-6) * 2).sum().backward()
+    if not (_rel(x.grad, xr.grad) < 1e-4 and _rel(w.grad, wr.grad) < 1e-4):
+        return "compiled gradients differ"
+    return None if _backend("rms_norm") == "triton" else f"compiled call ran on {_backend('rms_norm')}"
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    results = []
+    for name, fn in CHECKS:
+        DISPATCH_LOG.reset()
+        try:
+            problem = fn()
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+        results.append({"check": name, "ok": problem is None, "problem": problem})
+        print(("PASS " if problem is None else "FAIL ") + name + ("" if problem is None else f": {problem}"),
+              flush=True)
+    out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_checks.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch":
+                                                     torch.__version__, "checks": results}, indent=1))
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

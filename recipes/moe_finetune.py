@@ -1,0 +1,145 @@
+"""MoE fine-tuning recipe: a Hugging Face MoE causal LM trained with ``strategy="flydsl"`` through LightningCLI.
+
+The embedded default (``fly-finetune`` with no arguments) builds a small Qwen3-MoE from a config (no download),
+trains it for a few dozen steps on the embedded Markov corpus and prints what was swapped, which kernel served which
+shapes and how step time splits by operator. Everything is a LightningCLI argument::
+
+    fly-finetune fit --model.arch mixtral --trainer.max_steps 100 --trainer.strategy flydsl_ddp --trainer.devices 2
+    fly-finetune fit --model.pretrained /path/to/Qwen3-30B-A3B --data.vocab_size 151936   # real checkpoints
+    fly-finetune fit --print_config                                                      # every option
+
+On a machine without a GPU the Triton kernels run through the Triton interpreter (numerics as on a GPU, speed
+meaningless); the recipe re-executes itself with ``TRITON_INTERPRET=1`` for that, since the variable must be set
+before Triton kernels are defined.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+
+import lightning.pytorch as L
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from fly_lightning.recipes.data import MarkovLMData
+
+logging.getLogger("torchao").setLevel(logging.ERROR)  # CUDA extension probes are noise on CPU machines
+
+ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+
+
+def build_hf_model(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                   num_experts: int, experts_per_token: int, expert_intermediate_size: int, max_seq_len: int):
+    """A randomly initialised Hugging Face MoE causal LM of one of the supported architectures."""
+    import transformers as tf
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                  max_position_embeddings=max_seq_len, tie_word_embeddings=False)
+    if arch == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**common, num_experts=num_experts, num_experts_per_tok=experts_per_token,
+                                moe_intermediate_size=expert_intermediate_size,
+                                intermediate_size=4 * expert_intermediate_size, head_dim=hidden_size // num_heads,
+                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        return tf.Qwen3MoeForCausalLM(cfg)
+    if arch == "mixtral":
+        cfg = tf.MixtralConfig(**common, num_local_experts=num_experts, num_experts_per_tok=experts_per_token,
+                               intermediate_size=expert_intermediate_size)
+        return tf.MixtralForCausalLM(cfg)
+    if arch == "olmoe":
+        cfg = tf.OlmoeConfig(**common, num_experts=num_experts, num_experts_per_tok=experts_per_token,
+                             intermediate_size=expert_intermediate_size)
+        return tf.OlmoeForCausalLM(cfg)
+    raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+
+
+class MoECausalLM(L.LightningModule):
+    """A Hugging Face MoE causal LM as a LightningModule.
+
+    Args:
+        arch: architecture of the randomly initialised model (ignored with ``pretrained``).
+        pretrained: a local path or hub id for ``AutoModelForCausalLM.from_pretrained`` (fine-tune a real model).
+        vocab_size / hidden_size / num_layers / num_heads / num_kv_heads: model size.
+        num_experts / experts_per_token / expert_intermediate_size: the MoE layers.
+        max_seq_len: position embeddings.
+        lr / weight_decay / warmup_steps: AdamW with linear warm-up, then cosine decay over ``trainer.max_steps``.
+    """
+
+    def __init__(self, arch: str = "qwen3_moe", pretrained: str | None = None, vocab_size: int = 256,
+                 hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
+                 num_experts: int = 8, experts_per_token: int = 2, expert_intermediate_size: int = 128,
+                 max_seq_len: int = 512, lr: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 5) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if pretrained:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(pretrained, torch_dtype=torch.bfloat16)
+        else:
+            self.model = build_hf_model(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                                        num_experts, experts_per_token, expert_intermediate_size, max_seq_len)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=tokens, labels=tokens).loss  # HF shifts the labels
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self(batch[0])
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self(batch[0]), prog_bar=True, sync_dist=True)
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0 else 1000)
+        warm = self.hparams.warmup_steps
+
+        def schedule(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
+
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule),
+                                                    "interval": "step"}}
+
+
+def trainer_defaults() -> dict:
+    """The embedded default run: short, observed, on whatever device is there."""
+    from fly_lightning.callbacks import default_callbacks
+
+    cuda = torch.cuda.is_available()
+    return {
+        "strategy": "flydsl",
+        "accelerator": "gpu" if cuda else "cpu",
+        "devices": 1,
+        "precision": "bf16-mixed" if cuda else "32-true",
+        "max_steps": 30,
+        "val_check_interval": 15,
+        "limit_val_batches": 4,
+        "log_every_n_steps": 5,
+        "callbacks": default_callbacks(),
+        "enable_checkpointing": False,
+        "enable_model_summary": False,
+    }
+
+
+def main(args: list[str] | None = None) -> None:
+    """Console entry point ``fly-finetune``: LightningCLI with ``fit`` and the embedded default."""
+    args = sys.argv[1:] if args is None else args
+    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+        os.environ["TRITON_INTERPRET"] = "1"  # must precede any Triton kernel definition: start afresh
+        os.execv(sys.executable, [sys.executable, "-m", "fly_lightning.recipes.moe_finetune", *args])
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("fly-finetune: no GPU, Triton kernels run through the interpreter (numerics as on GPU, speed meaningless)")
+    import fly_lightning  # noqa: F401  (registers the strategies)
+
+    LightningCLI(MoECausalLM, MarkovLMData, trainer_defaults=trainer_defaults(), seed_everything_default=0,
+                 args=args or ["fit"], save_config_kwargs={"overwrite": True})
+
+
+if __name__ == "__main__":
+    main()

@@ -127,9 +127,8 @@ def main() -> int:
     if DEVICE == "cuda":
         for what in ("device", "gemm"):
             ours, theirs = cross[f"ours_{what}_ms"], cross[f"torch_{what}_ms"]
-            need(
-                abs(ours - theirs) <= 0.01 * theirs + 0.01, f"{what} kernel time {ours:.3f} ms vs torch's {theirs:.3f}"
-            )
+            why = f"{what} kernel time {ours:.3f} ms vs torch's {theirs:.3f} ms"
+            need(abs(ours - theirs) <= 0.02 * theirs + 0.02, why)
 
     buf = io.StringIO()
     from rich.console import Console
@@ -179,7 +178,14 @@ def _cross_check(model: Model, data: torch.utils.data.TensorDataset) -> dict[str
             finally:
                 dispatch.profile_ranges = False
     b = analyse(prof.events())
-    device_events = [e for e in prof.events() if e.device_type != DeviceType.CPU and not e.is_user_annotation]
+    events = prof.events()
+    ranges = {e.name for e in events if e.device_type == CPU and getattr(e, "is_user_annotation", False)}
+    # device events, less the GPU-side spans of record_function ranges (not kernels)
+    device_events = [
+        e
+        for e in events
+        if e.device_type != CPU and not getattr(e, "is_user_annotation", False) and e.name not in ranges
+    ]
     gemm = sum(a.self_device_time_total for a in prof.key_averages() if a.key in _GEMM and a.device_type == CPU)
     return {
         "step_ms": b.step_ms,

@@ -9,7 +9,7 @@ tuning) apart from steady-state calls.
 - Scalars ``DispatchCoverage/<op>/<metric>`` go to the trainer's loggers on the steps where Lightning logs
   (``log_every_n_steps``), from this rank's counters (no collective per step): ``calls``, ``specialised_share``,
   ``share_<backend>`` for each backend the op has, ``fallback_calls``, ``signatures``, ``new_signatures``,
-  ``cold_start_s``.
+  ``cold_start_s`` (first calls incl. JIT compile, plus tuning), ``steady_calls`` (the calls after those).
 - At the end of fit the counters of every rank are gathered; rank 0 prints a rich table and writes the dispatch
   manifest (``fly_lightning.callbacks.manifest``) to ``dirpath`` or the trainer's ``log_dir``.
 
@@ -125,6 +125,8 @@ class DispatchCoverage(pl.Callback):
             out[f"{p}/signatures"] = float(len(op["signatures"]))
             cold = sections["cold_start"].get(name, {})
             out[f"{p}/new_signatures"] = float(len(cold))
+            # calls past the first (cold) call of each signature first seen in this fit
+            out[f"{p}/steady_calls"] = float(op["calls"] - sum(c["first_call_s"] is not None for c in cold.values()))
             out[f"{p}/cold_start_s"] = sum((c["first_call_s"] or 0.0) + (c["tuning_s"] or 0.0) for c in cold.values())
         return out
 

@@ -40,6 +40,7 @@ def test_fit_logs_coverage_and_writes_manifest(tiny, tmp_path, capsys):
     assert float(last["DispatchCoverage/rms_norm/signatures"]) == 1.0
     assert float(last["DispatchCoverage/rms_norm/new_signatures"]) == 0.0  # decided before the fit
     assert float(last["DispatchCoverage/rms_norm/cold_start_s"]) == 0.0
+    assert float(last["DispatchCoverage/rms_norm/steady_calls"]) == 4.0
 
     # the manifest: in the log dir, valid, the fit's signature only, stable bytes
     assert cb.manifest_path == tmp_path / "lightning_logs" / "version_0" / "dispatch_manifest.json"
@@ -66,6 +67,7 @@ def test_new_signatures_and_cold_start(tiny, tmp_path):
     row = [r for r in tiny.rows(trainer) if "DispatchCoverage/rms_norm/calls" in r][-1]
     assert float(row["DispatchCoverage/rms_norm/new_signatures"]) == 1.0
     assert float(row["DispatchCoverage/rms_norm/cold_start_s"]) > 0.0
+    assert float(row["DispatchCoverage/rms_norm/steady_calls"]) == float(row["DispatchCoverage/rms_norm/calls"]) - 1
     assert cb.manifest_path == tmp_path / "out" / "dispatch_manifest.json"
     cold = cb.manifest["cold_start"]["rms_norm"][SIG]
     assert cold["backend"] == "triton" and cold["first_call_s"] > 0 and cold["first_seen_step"] == 0

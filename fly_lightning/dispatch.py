@@ -50,6 +50,26 @@ class Decision:
         return "; ".join(f"{b}: {r}" for b, r in self.rejected)
 
 
+# --- profiler ranges, for fly_lightning.callbacks.OperatorTime -------------------------------------------------------
+# While a step is being profiled, each dispatched call runs inside record_function("fly::<op>/<backend>") so the
+# profile can attribute its time to the backend that actually ran. Off otherwise: the steady-state path in
+# ``Op.__call__`` then pays one attribute read, and no range object is created.
+profile_ranges: bool = False
+
+
+def range_name(op: str, backend: str) -> str:
+    """The profiler range around one dispatched call (parsed back by ``fly_lightning.callbacks.breakdown``)."""
+    return f"fly::{op}/{backend}"
+
+
+def call_in_range(dec: Decision, args: tuple) -> Any:
+    with torch.profiler.record_function(range_name(dec.op, dec.backend)):
+        return dec.fn(*args)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+
+
 def decide_and_call(op: Op, key: tuple[int, Hashable], args: tuple) -> Any:
     """The slow path of ``Op.__call__`` (which holds the steady-state path): decide, record, run once."""
     return _first_call(op, _decide(op, policy._active, key, args), args)
@@ -58,7 +78,7 @@ def decide_and_call(op: Op, key: tuple[int, Hashable], args: tuple) -> Any:
 def _first_call(op: Op, dec: Decision, args: tuple) -> Any:
     start = time.perf_counter()
     try:
-        out = dec.fn(*args)
+        out = call_in_range(dec, args) if profile_ranges else dec.fn(*args)
     except Exception as exc:  # a specialised kernel failing on valid input falls back, recorded, never crashes
         if dec.backend == "aten":
             raise
@@ -66,7 +86,7 @@ def _first_call(op: Op, dec: Decision, args: tuple) -> Any:
         aten = op.impls["aten"]
         dec.rejected = (*dec.rejected, (dec.backend, reason))
         dec.backend, dec.fn = "aten", aten.fn
-        out = aten.fn(*args)
+        out = call_in_range(dec, args) if profile_ranges else aten.fn(*args)
     dec.first_call_s = time.perf_counter() - start
     dec.calls += 1
     return out

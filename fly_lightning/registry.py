@@ -70,6 +70,8 @@ class Op:
         if decision is None:
             return dispatch.decide_and_call(self, key, args)
         decision.calls += 1
+        if dispatch.profile_ranges:  # only while OperatorTime profiles a step; otherwise one attribute read
+            return dispatch.call_in_range(decision, args)
         return decision.fn(*args)
 
 

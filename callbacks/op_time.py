@@ -1,0 +1,238 @@
+"""``OperatorTime``: every N steps, profile one training step and break its time down by operator and backend.
+
+An operator speedup is worth only the share of the step that operator holds. On the profiled steps this callback
+measures that share: the step's device time (GPU runs: CUDA/HIP kernels) or CPU time (CPU runs), split into each
+fly-lightning operator by the backend that ran it, dense GEMM, attention (with the SDPA backend that ran),
+communication collectives, the optimizer, everything else, and the overhead outside operators; plus the
+time-weighted coverage (the share of the step in specialised backends) and the Amdahl bound it implies. How the time
+is attributed, and the limits of the method, are in ``fly_lightning.callbacks.breakdown``.
+
+Zero overhead on other steps: ``on_train_batch_start`` compares a counter and returns; no profiler object exists
+between profiled steps, and ``fly_lightning.dispatch.profile_ranges`` (the per-call profiler ranges) is on only
+inside the profiled step.
+
+The profiled step runs from ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, optimizer step;
+not the data loading), with a device synchronisation at both ends on GPU, so its wall time is the step's time on the
+device. Each profiled step's breakdown is logged as ``OperatorTime/<part>/ms`` and ``/pct``,
+``OperatorTime/step_ms``, ``/coverage``, ``/amdahl_bound``, ``/residual_ms`` (averaged over ranks); at the end of fit
+rank 0 prints the mean over profiled steps as a rich table and writes ``op_time.json`` and, when matplotlib is
+installed, ``op_time.png`` (stacked bars) to ``dirpath`` or the trainer's ``log_dir``, beside the dispatch manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+
+from fly_lightning import dispatch
+from fly_lightning.callbacks import _common
+from fly_lightning.callbacks.breakdown import STEP_RANGE, UPDATE_MARK, StepBreakdown, analyse, mean
+
+log = logging.getLogger(__name__)
+PREFIX = "OperatorTime"
+
+
+class _Session:
+    """The live state of one profiled step."""
+
+    def __init__(self, batch: int, device: torch.device) -> None:
+        self.batch = batch
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)  # nothing from earlier steps may run inside the window
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.prof = torch.profiler.profile(activities=activities)
+        self.prof.start()
+        try:
+            dispatch.profile_ranges = True
+            self.range = torch.profiler.record_function(STEP_RANGE)
+            self.t0 = time.perf_counter()  # the wall clock brackets the range, so it can only be longer by a few µs
+            self.range.__enter__()
+        except BaseException:
+            dispatch.profile_ranges = False
+            self.prof.stop()
+            raise
+
+    def finish(self, step: int) -> StepBreakdown:
+        try:
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            self.range.__exit__(None, None, None)
+            wall_ms = (time.perf_counter() - self.t0) * 1e3
+        finally:
+            dispatch.profile_ranges = False
+            self.prof.stop()
+        return analyse(self.prof.events(), step=step, step_ms=wall_ms)
+
+    def abort(self) -> None:
+        dispatch.profile_ranges = False
+        try:
+            self.range.__exit__(None, None, None)
+        finally:
+            self.prof.stop()
+
+
+class OperatorTime(pl.Callback):
+    """Step time by operator and backend, measured with the torch profiler on one step every ``every_n_steps``.
+
+    Args:
+        every_n_steps: profile one training batch in this many.
+        first_step: the first profiled batch (counted from 0 in this fit); skip the warm-up and compile steps.
+        dirpath: where ``op_time.json``/``op_time.png`` go; default the trainer's ``log_dir``.
+        plot: write the PNG (needs matplotlib; skipped with a warning without it).
+        print_each: print the table of every profiled step (rank 0), not only the summary at the end of fit.
+        log_metrics: send the scalars of each profiled step to the loggers.
+    """
+
+    def __init__(
+        self,
+        every_n_steps: int = 100,
+        first_step: int = 10,
+        dirpath: str | Path | None = None,
+        plot: bool = True,
+        print_each: bool = False,
+        log_metrics: bool = True,
+    ) -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        if first_step < 0:
+            raise ValueError(f"first_step must be >= 0, got {first_step}")
+        self.every_n_steps = every_n_steps
+        self.first_step = first_step
+        self.dirpath = dirpath
+        self.plot = plot
+        self.print_each = print_each
+        self.log_metrics = log_metrics
+        self.results: list[StepBreakdown] = []  # one per profiled step, averaged over ranks (rank 0 only)
+        self.local_results: list[StepBreakdown] = []  # this rank's
+        self.json_path: Path | None = None
+        self.png_path: Path | None = None
+        self._batches = 0
+        self._due = False  # the current batch is a profiled one
+        self._session: _Session | None = None
+        self._dir: Path | None = None
+
+    def due(self, batch: int) -> bool:
+        """Whether training batch number ``batch`` (from 0) is profiled."""
+        return batch >= self.first_step and (batch - self.first_step) % self.every_n_steps == 0
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._dir = _common.resolve_dir(trainer, self.dirpath)
+        self._batches, self._due = 0, False
+        self.results, self.local_results = [], []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        n = self._batches
+        self._batches += 1
+        self._due = self.due(n)
+        if not self._due:
+            return
+        self._abort()
+        if torch.autograd._profiler_enabled():  # e.g. Trainer(profiler="pytorch"): two profilers cannot nest
+            rank_zero_warn(f"OperatorTime: another profiler is running; batch {n} is not broken down")
+            return
+        try:
+            self._session = _Session(n, pl_module.device)
+        except Exception as exc:  # profiling must never stop training
+            dispatch.profile_ranges = False
+            rank_zero_warn(f"OperatorTime: could not start the profiler on batch {n}: {exc!r}")
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self._session is not None:
+            with torch.profiler.record_function(UPDATE_MARK):  # marks where the closure ends and the update begins
+                pass
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self._due:
+            return
+        self._due = False
+        session, self._session = self._session, None
+        local = None
+        if session is not None:
+            try:
+                local = session.finish(step=trainer.global_step)
+            except Exception as exc:
+                rank_zero_warn(f"OperatorTime: could not break down step {trainer.global_step}: {exc!r}")
+            del session  # the profiler and its events go now, not at the next profiled step
+        if local is not None:
+            self.local_results.append(local)
+        # every rank reaches this point on the same batch, profiled or not, so the gather cannot hang
+        per_rank = [d for d in _common.gather(None if local is None else local.to_dict()) if d is not None]
+        if not trainer.is_global_zero or not per_rank:
+            return
+        result = mean([_from_dict(d) for d in per_rank])
+        result.ranks = len(per_rank)
+        self.results.append(result)
+        if self.log_metrics:
+            _common.log_metrics(trainer, result.metrics(PREFIX))
+        if self.print_each:
+            from rich.console import Console
+
+            Console().print(result.table(f"step {result.step}: time by operator"))
+        log.info(
+            "OperatorTime step %d: %.3f ms, coverage %.1f%%, residual %+.3f ms",
+            result.step,
+            result.step_ms,
+            100 * result.coverage,
+            result.residual_ms,
+        )
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._due = False
+        self._abort()  # a batch that started profiling but never reached on_train_batch_end
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._abort()
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._abort()
+        if not trainer.is_global_zero or not self.results:
+            return
+        directory = self._dir or _common.resolve_dir(trainer, self.dirpath)
+        directory.mkdir(parents=True, exist_ok=True)
+        summary = mean(self.results)
+        self.json_path = directory / "op_time.json"
+        self.json_path.write_text(
+            json.dumps(
+                {"mean": summary.to_dict(), "steps": [r.to_dict() for r in self.results]}, indent=2, sort_keys=True
+            )
+            + "\n"
+        )
+        from rich.console import Console
+
+        title = f"time by operator, mean of {len(self.results)} profiled step{'s' * (len(self.results) != 1)}"
+        Console().print(summary.table(title))
+        if self.plot:
+            from fly_lightning.callbacks.plot import save_step_bars
+
+            self.png_path = save_step_bars(self.results, directory / "op_time.png")
+            if self.png_path is not None:
+                Console().print(f"step breakdown: {self.png_path}")
+
+    def _abort(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.abort()
+
+
+def _from_dict(d: dict[str, Any]) -> StepBreakdown:
+    return StepBreakdown(
+        step=d["step"],
+        device=d["device"],
+        step_ms=d["step_ms"],
+        parts_ms=dict(d["parts_ms"]),
+        specialised=list(d["specialised"]),
+        kernel_overlap_ms=d["kernel_overlap_ms"],
+        ranks=d["ranks"],
+        notes=list(d["notes"]),
+    )

@@ -1,0 +1,175 @@
+"""DispatchCoverage: calls counted from the fit's start, scalars on Lightning's logging steps, manifest and diff."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+import fly_lightning
+from fly_lightning.callbacks import DispatchCoverage, _common, diff_manifests, load_manifest, validate_manifest
+from fly_lightning.callbacks.manifest import canonical_signature, merge_sections
+from fly_lightning.callbacks.manifest_diff import main as diff_main
+
+SIG = "(4x8x32, (256, 32, 1), float32, cpu, float32, False, False)"  # the Tiny model's RMSNorm input
+
+
+def test_fit_logs_coverage_and_writes_manifest(tiny, tmp_path, capsys):
+    w = torch.ones(32)
+    for _ in range(3):  # decisions from before the fit: one with the fit's shape, one never used in it
+        fly_lightning.rms_norm(torch.randn(4, 8, 32), w)
+    fly_lightning.rms_norm(torch.randn(5, 32), w)
+    cb = DispatchCoverage()
+    trainer, _ = tiny.fit(tmp_path, [cb], steps=4, log_every_n_steps=2)
+
+    # scalars on Lightning's logging steps only, counted from the fit's start (4 forward calls, not 7)
+    rows = [r for r in tiny.rows(trainer) if "DispatchCoverage/rms_norm/calls" in r]
+    assert [int(r["step"]) for r in rows] == [1, 3]
+    assert [float(r["DispatchCoverage/rms_norm/calls"]) for r in rows] == [2.0, 4.0]
+    last = rows[-1]
+    assert float(last["DispatchCoverage/rms_norm/share_triton"]) == 1.0
+    assert float(last["DispatchCoverage/rms_norm/share_aten"]) == 0.0
+    assert float(last["DispatchCoverage/rms_norm/specialised_share"]) == 1.0
+    assert float(last["DispatchCoverage/rms_norm/fallback_calls"]) == 0.0
+    assert float(last["DispatchCoverage/rms_norm/signatures"]) == 1.0
+    assert float(last["DispatchCoverage/rms_norm/new_signatures"]) == 0.0  # decided before the fit
+    assert float(last["DispatchCoverage/rms_norm/cold_start_s"]) == 0.0
+    assert float(last["DispatchCoverage/rms_norm/steady_calls"]) == 4.0
+
+    # the manifest: in the log dir, valid, the fit's signature only, stable bytes
+    assert cb.manifest_path == tmp_path / "lightning_logs" / "version_0" / "dispatch_manifest.json"
+    text = cb.manifest_path.read_text()
+    manifest = load_manifest(cb.manifest_path)
+    assert text == json.dumps(manifest, sort_keys=True, indent=2) + "\n"
+    op = manifest["ops"]["rms_norm"]
+    assert op["calls"] == 4 and op["by_backend"] == {"triton": 4} and op["backends"] == ["aten", "triton"]
+    assert list(op["signatures"]) == [SIG]
+    sig = op["signatures"][SIG]
+    assert sig["backend"] == "triton" and sig["shape"] == "4x8x32, 32" and sig["dtype"] == "float32"
+    assert manifest["cold_start"] == {}
+    assert manifest["run"]["world_size"] == 1 and manifest["run"]["global_step"] == 4
+    for name in fly_lightning.OPS:  # every registered operator is listed, called or not
+        assert name in manifest["ops"]
+
+    out = capsys.readouterr().out
+    assert "dispatch coverage" in out and "triton 100%" in out and "dispatch_manifest.json" in out
+
+
+def test_new_signatures_and_cold_start(tiny, tmp_path):
+    cb = DispatchCoverage(dirpath=tmp_path / "out", print_table=False)
+    trainer, _ = tiny.fit(tmp_path, [cb], steps=2, log_every_n_steps=1)
+    row = [r for r in tiny.rows(trainer) if "DispatchCoverage/rms_norm/calls" in r][-1]
+    assert float(row["DispatchCoverage/rms_norm/new_signatures"]) == 1.0
+    assert float(row["DispatchCoverage/rms_norm/cold_start_s"]) > 0.0
+    assert float(row["DispatchCoverage/rms_norm/steady_calls"]) == float(row["DispatchCoverage/rms_norm/calls"]) - 1
+    assert cb.manifest_path == tmp_path / "out" / "dispatch_manifest.json"
+    cold = cb.manifest["cold_start"]["rms_norm"][SIG]
+    assert cold["backend"] == "triton" and cold["first_call_s"] > 0 and cold["first_seen_step"] == 0
+
+
+def test_manifest_diff_shows_the_backend_change(tiny, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich folds cells to the width of a non-terminal (80)
+    a, b = DispatchCoverage(dirpath=tmp_path / "a"), DispatchCoverage(dirpath=tmp_path / "b")
+    tiny.fit(tmp_path / "run_a", [a], steps=2)
+    with fly_lightning.dispatch_config(disabled_ops={"rms_norm"}):
+        tiny.fit(tmp_path / "run_b", [b], steps=2)
+    out = capsys.readouterr().out
+    assert "op disabled by policy" in out and "4x8x32, 32" in out  # the fallback reason with its shape
+
+    sig_b = b.manifest["ops"]["rms_norm"]["signatures"][SIG]
+    assert sig_b["backend"] == "aten" and sig_b["rejected"]["triton"] == "op disabled by policy"
+    assert b.manifest["ops"]["rms_norm"]["fallback_calls"] == 2
+    diff = diff_manifests(a.manifest_path, b.manifest_path)
+    assert diff.changed == [("rms_norm", SIG, "triton", "aten")] and not diff.added and not diff.removed
+    assert not diff_manifests(a.manifest_path, a.manifest_path)
+
+    assert diff_main([str(a.manifest_path), str(b.manifest_path)]) == 1
+    assert "rms_norm" in (text := capsys.readouterr().out) and "triton -> aten" in text
+    assert diff_main([str(a.manifest_path), str(a.manifest_path)]) == 0
+    assert "no backend changes" in capsys.readouterr().out
+    assert diff_main([str(a.manifest_path), str(tmp_path / "missing.json")]) == 2
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "fly_lightning.callbacks.manifest_diff", str(a.manifest_path), str(b.manifest_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cli.returncode == 1, cli.stderr
+    assert "triton -> aten" in cli.stdout
+
+
+def _manifest() -> dict:
+    sig = {
+        "backend": "triton",
+        "by_backend": {"triton": 3},
+        "calls": 3,
+        "shape": "2x4",
+        "dtype": "float32",
+        "rejected": {},
+    }
+    op = {
+        "backends": ["aten", "triton"],
+        "calls": 3,
+        "by_backend": {"triton": 3},
+        "fallback_calls": 0,
+        "specialised_share": 1.0,
+        "signatures": {"(2x4)": sig},
+    }
+    return {"format": "fly-lightning dispatch manifest", "version": 1, "ops": {"op": op}, "cold_start": {}, "run": {}}
+
+
+@pytest.mark.parametrize(
+    "breakage, where",
+    [
+        (lambda m: m.pop("format"), "format"),
+        (lambda m: m.update(version=2), "version"),
+        (lambda m: m.pop("run"), "run"),
+        (lambda m: m["ops"]["op"].update(calls=4), "ops.op.calls"),
+        (lambda m: m["ops"]["op"].update(specialised_share=1.5), "specialised_share"),
+        (lambda m: m["ops"]["op"]["signatures"]["(2x4)"].update(calls=2), "signatures['(2x4)'].calls"),
+        (lambda m: m["ops"]["op"]["signatures"]["(2x4)"].update(backend="aten"), "backend"),
+        (lambda m: m["ops"]["op"]["signatures"]["(2x4)"]["by_backend"].update(triton=-1), "by_backend"),
+        (lambda m: m["ops"]["op"]["signatures"]["(2x4)"].pop("shape"), "shape"),
+        (lambda m: m["ops"]["op"].update(calls=True), "ops.op.calls"),
+    ],
+)
+def test_validate_manifest_names_the_broken_field(breakage, where):
+    validate_manifest(_manifest())
+    broken = copy.deepcopy(_manifest())
+    breakage(broken)
+    with pytest.raises(ValueError, match="dispatch manifest: .*" + re.escape(where)):
+        validate_manifest(broken)
+
+
+def test_merge_over_ranks():
+    def rank(by_backend: dict[str, int]) -> dict:
+        sig = {"by_backend": by_backend, "shape": "2x4", "dtype": "float32", "rejected": {"flydsl": "no kernel"}}
+        return {"ops": {"op": {"backends": ["aten", "triton"], "signatures": {"(2x4)": sig}}}, "cold_start": {}}
+
+    merged = merge_sections([rank({"triton": 3}), rank({"triton": 2, "aten": 1})])
+    op = merged["ops"]["op"]
+    assert op["calls"] == 6 and op["by_backend"] == {"triton": 5, "aten": 1}
+    assert op["specialised_share"] == pytest.approx(5 / 6)
+    assert op["signatures"]["(2x4)"]["backend"] == "triton"
+
+
+def test_canonical_signature_is_readable_and_stable():
+    sig = (torch.Size([2, 3]), (3, 1), torch.bfloat16, torch.device("cpu"), None, True, frozenset({"b", "a"}))
+    assert canonical_signature(sig) == "(2x3, (3, 1), bfloat16, cpu, None, True, {a, b})"
+    assert canonical_signature(torch.Size([])) == "scalar"
+
+
+def test_manifest_sums_over_ranks(tiny, tmp_path):
+    cb = DispatchCoverage(print_table=False)
+    with mock.patch.object(_common, "gather", side_effect=lambda obj: [obj, copy.deepcopy(obj)]):
+        tiny.fit(tmp_path, [cb], steps=2)
+    op = cb.manifest["ops"]["rms_norm"]
+    assert cb.manifest["run"]["world_size"] == 2
+    assert op["calls"] == 4 and op["signatures"][SIG]["by_backend"] == {"triton": 4}

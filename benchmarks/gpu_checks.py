@@ -44,9 +44,16 @@ def _backend(op: str) -> str:
 
 @check("rms_norm numerics and backend over edge shapes")
 def _rms_numerics() -> str | None:
-    cases = [((0, 4096), torch.bfloat16), ((1, 1), torch.float32), ((7, 4097), torch.bfloat16),
-             ((3, 5, 8192), torch.float16), ((2, 40000), torch.float32), ((33, 100), torch.bfloat16),
-             ((4096, 5120), torch.bfloat16), ((17, 2051), torch.float16)]
+    cases = [
+        ((0, 4096), torch.bfloat16),
+        ((1, 1), torch.float32),
+        ((7, 4097), torch.bfloat16),
+        ((3, 5, 8192), torch.float16),
+        ((2, 40000), torch.float32),
+        ((33, 100), torch.bfloat16),
+        ((4096, 5120), torch.bfloat16),
+        ((17, 2051), torch.float16),
+    ]
     for shape, dtype in cases:
         for offset, cast in ((0.0, False), (1.0, False), (0.0, True)):
             x = torch.randn(shape, device="cuda", dtype=dtype) * 3
@@ -126,12 +133,14 @@ def main() -> int:
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
         results.append({"check": name, "ok": problem is None, "problem": problem})
-        print(("PASS " if problem is None else "FAIL ") + name + ("" if problem is None else f": {problem}"),
-              flush=True)
+        print(
+            ("PASS " if problem is None else "FAIL ") + name + ("" if problem is None else f": {problem}"), flush=True
+        )
     out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_checks.json").write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch":
-                                                     torch.__version__, "checks": results}, indent=1))
+    (out / "gpu_checks.json").write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": results}, indent=1)
+    )
     return 0 if all(r["ok"] for r in results) else 1
 
 

@@ -13,12 +13,19 @@ from fly_lightning.callbacks.dispatch_coverage import DispatchCoverage
 from fly_lightning.callbacks.manifest import ManifestDiff, diff_manifests, load_manifest, validate_manifest
 from fly_lightning.callbacks.op_time import OperatorTime
 
+
+def default_callbacks(every_n_steps: int = 10, first_step: int = 5) -> list:
+    """Both callbacks, as the recipes use them: coverage always, one profiled step every ``every_n_steps``."""
+    return [DispatchCoverage(), OperatorTime(every_n_steps=every_n_steps, first_step=first_step)]
+
+
 __all__ = [
     "DispatchCoverage",
     "ManifestDiff",
     "OperatorTime",
     "StepBreakdown",
     "analyse",
+    "default_callbacks",
     "diff_manifests",
     "load_manifest",
     "validate_manifest",

@@ -1,7 +1,7 @@
-"""The embedded default data: token sequences from a seeded order-2 Markov chain.
+"""The embedded default data: token sequences from a seeded first-order Markov chain.
 
 No download and no file: every machine generates the same corpus, and a model can learn it (the loss falls well below
-the uniform ``log(vocab)``), which makes the default run a real, checkable fine-tuning job.
+the uniform ``log(vocab)`` towards ``log(branching)``), which makes the default run a real, checkable training job.
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 def markov_corpus(n_seqs: int, seq_len: int, vocab: int, seed: int = 0, branching: int = 4) -> torch.Tensor:
-    """``[n_seqs, seq_len]`` int64 tokens; each (previous two tokens) pair allows ``branching`` next tokens."""
+    """``[n_seqs, seq_len]`` int64 tokens; each token allows ``branching`` equally likely next tokens."""
     g = torch.Generator().manual_seed(seed)
-    table_VVB = torch.randint(0, vocab, (vocab, vocab, branching), generator=g)
+    table_VB = torch.randint(0, vocab, (vocab, branching), generator=g)
     seqs = torch.empty(n_seqs, seq_len, dtype=torch.long)
-    seqs[:, :2] = torch.randint(0, vocab, (n_seqs, 2), generator=g)
+    seqs[:, 0] = torch.randint(0, vocab, (n_seqs,), generator=g)
     choice = torch.randint(0, branching, (n_seqs, seq_len), generator=g)
-    for t in range(2, seq_len):
-        seqs[:, t] = table_VVB[seqs[:, t - 2], seqs[:, t - 1], choice[:, t]]
+    for t in range(1, seq_len):
+        seqs[:, t] = table_VB[seqs[:, t - 1], choice[:, t]]
     return seqs
 
 
@@ -35,8 +35,15 @@ class MarkovLMData(L.LightningDataModule):
         seed: corpus seed.
     """
 
-    def __init__(self, vocab_size: int = 256, seq_len: int = 129, batch_size: int = 8, n_train: int = 2048,
-                 n_val: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        seq_len: int = 129,
+        batch_size: int = 8,
+        n_train: int = 2048,
+        n_val: int = 64,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
 
@@ -44,11 +51,16 @@ class MarkovLMData(L.LightningDataModule):
         h = self.hparams
         data = markov_corpus(h.n_train + h.n_val, h.seq_len, h.vocab_size, h.seed)
         self.train_set = TensorDataset(data[: h.n_train])
-        self.val_set = TensorDataset(data[h.n_train:])
+        self.val_set = TensorDataset(data[h.n_train :])
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.hparams.batch_size, shuffle=True, drop_last=True,
-                          generator=torch.Generator().manual_seed(self.hparams.seed))
+        return DataLoader(
+            self.train_set,
+            batch_size=self.hparams.batch_size,
+            shuffle=True,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(self.hparams.seed),
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)

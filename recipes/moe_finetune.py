@@ -31,27 +31,58 @@ logging.getLogger("torchao").setLevel(logging.ERROR)  # CUDA extension probes ar
 ARCHS = ("qwen3_moe", "mixtral", "olmoe")
 
 
-def build_hf_model(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
-                   num_experts: int, experts_per_token: int, expert_intermediate_size: int, max_seq_len: int):
+def build_hf_model(
+    arch: str,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    num_experts: int,
+    experts_per_token: int,
+    expert_intermediate_size: int,
+    max_seq_len: int,
+):
     """A randomly initialised Hugging Face MoE causal LM of one of the supported architectures."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  max_position_embeddings=max_seq_len, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_seq_len,
+        tie_word_embeddings=False,
+    )
     if arch == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(**common, num_experts=num_experts, num_experts_per_tok=experts_per_token,
-                                moe_intermediate_size=expert_intermediate_size,
-                                intermediate_size=4 * expert_intermediate_size, head_dim=hidden_size // num_heads,
-                                decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        cfg = tf.Qwen3MoeConfig(
+            **common,
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            moe_intermediate_size=expert_intermediate_size,
+            intermediate_size=4 * expert_intermediate_size,
+            head_dim=hidden_size // num_heads,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
         return tf.Qwen3MoeForCausalLM(cfg)
     if arch == "mixtral":
-        cfg = tf.MixtralConfig(**common, num_local_experts=num_experts, num_experts_per_tok=experts_per_token,
-                               intermediate_size=expert_intermediate_size)
+        cfg = tf.MixtralConfig(
+            **common,
+            num_local_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            intermediate_size=expert_intermediate_size,
+        )
         return tf.MixtralForCausalLM(cfg)
     if arch == "olmoe":
-        cfg = tf.OlmoeConfig(**common, num_experts=num_experts, num_experts_per_tok=experts_per_token,
-                             intermediate_size=expert_intermediate_size)
+        cfg = tf.OlmoeConfig(
+            **common,
+            num_experts=num_experts,
+            num_experts_per_tok=experts_per_token,
+            intermediate_size=expert_intermediate_size,
+        )
         return tf.OlmoeForCausalLM(cfg)
     raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
 
@@ -68,10 +99,23 @@ class MoECausalLM(L.LightningModule):
         lr / weight_decay / warmup_steps: AdamW with linear warm-up, then cosine decay over ``trainer.max_steps``.
     """
 
-    def __init__(self, arch: str = "qwen3_moe", pretrained: str | None = None, vocab_size: int = 256,
-                 hidden_size: int = 128, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                 num_experts: int = 8, experts_per_token: int = 2, expert_intermediate_size: int = 128,
-                 max_seq_len: int = 512, lr: float = 3e-3, weight_decay: float = 0.0, warmup_steps: int = 5) -> None:
+    def __init__(
+        self,
+        arch: str = "qwen3_moe",
+        pretrained: str | None = None,
+        vocab_size: int = 256,
+        hidden_size: int = 128,
+        num_layers: int = 2,
+        num_heads: int = 4,
+        num_kv_heads: int = 2,
+        num_experts: int = 8,
+        experts_per_token: int = 2,
+        expert_intermediate_size: int = 128,
+        max_seq_len: int = 512,
+        lr: float = 3e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 5,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         if pretrained:
@@ -79,8 +123,18 @@ class MoECausalLM(L.LightningModule):
 
             self.model = AutoModelForCausalLM.from_pretrained(pretrained, torch_dtype=torch.bfloat16)
         else:
-            self.model = build_hf_model(arch, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-                                        num_experts, experts_per_token, expert_intermediate_size, max_seq_len)
+            self.model = build_hf_model(
+                arch,
+                vocab_size,
+                hidden_size,
+                num_layers,
+                num_heads,
+                num_kv_heads,
+                num_experts,
+                experts_per_token,
+                expert_intermediate_size,
+                max_seq_len,
+            )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens, labels=tokens).loss  # HF shifts the labels
@@ -103,8 +157,10 @@ class MoECausalLM(L.LightningModule):
                 return (step + 1) / warm
             return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, total - warm))))
 
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule),
-                                                    "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"},
+        }
 
 
 def trainer_defaults() -> dict:
@@ -134,11 +190,19 @@ def main(args: list[str] | None = None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # must precede any Triton kernel definition: start afresh
         os.execv(sys.executable, [sys.executable, "-m", "fly_lightning.recipes.moe_finetune", *args])
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print("fly-finetune: no GPU, Triton kernels run through the interpreter (numerics as on GPU, speed meaningless)")
+        print(
+            "fly-finetune: no GPU, Triton kernels run through the interpreter (numerics as on GPU, speed meaningless)"
+        )
     import fly_lightning  # noqa: F401  (registers the strategies)
 
-    LightningCLI(MoECausalLM, MarkovLMData, trainer_defaults=trainer_defaults(), seed_everything_default=0,
-                 args=args or ["fit"], save_config_kwargs={"overwrite": True})
+    LightningCLI(
+        MoECausalLM,
+        MarkovLMData,
+        trainer_defaults=trainer_defaults(),
+        seed_everything_default=0,
+        args=args or ["fit"],
+        save_config_kwargs={"overwrite": True},
+    )
 
 
 if __name__ == "__main__":

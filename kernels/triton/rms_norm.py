@@ -124,9 +124,7 @@ def _rms_norm_unaligned(
 
 
 def _configs(kernel: str) -> list[triton.Config]:
-    """Autotuning space (measured once per (H, flags) and cached by Triton; one config under the interpreter)."""
-    if interpreting():
-        return [triton.Config({"ROWS": 1} if kernel == "rows" else {}, num_warps=4)]
+    """Autotuning space, measured once per (H, flags) and cached by Triton."""
     if kernel == "unaligned":
         return [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
     return [triton.Config({"ROWS": r}, num_warps=w) for r in (1, 2, 4, 8) for w in (2, 4, 8, 16)]
@@ -221,38 +219,24 @@ def rms_norm_triton(
     n_rows = x2.shape[0]
     contiguous_rows = x2.stride(0) == h and y.dtype == x.dtype
     cfg = config or launch_config(h, x.element_size(), contiguous_rows)
+    tuned = config is None and not interpreting()
+    if config is None and interpreting() and cfg.kernel == "rows":
+        # the interpreter runs programs one after another: few programs with many rows each
+        cfg = LaunchConfig("rows", cfg.block, max(1, min(256, 16384 // cfg.block)), 4)
     w = weight if weight is not None else x2  # placeholder pointer, never read
     flags = dict(HAS_W=weight is not None, CAST_FIRST=cast_before_scale and weight is not None)
     if cfg.kernel == "unaligned":
-        _rms_norm_unaligned[(n_rows,)](
-            x2,
-            w,
-            y,
-            rstd,
-            eps,
-            offset,
-            H=h,
-            VEC=16 // x.element_size(),
-            BLOCK=cfg.block,
-            num_warps=cfg.num_warps,
-            **flags,
-        )
+        args = (x2, w, y, rstd, eps, offset)
+        consts = dict(H=h, VEC=16 // x.element_size(), BLOCK=cfg.block, **flags)
+        if tuned:
+            _rms_norm_unaligned_tuned[(n_rows,)](*args, **consts)
+        else:
+            _rms_norm_unaligned[(n_rows,)](*args, num_warps=cfg.num_warps, **consts)
     else:
-        _rms_norm_rows[(triton.cdiv(n_rows, cfg.rows),)](
-            x2,
-            w,
-            y,
-            rstd,
-            n_rows,
-            x2.stride(0),
-            h,
-            eps,
-            offset,
-            H=h,
-            BLOCK=cfg.block,
-            ROWS=cfg.rows,
-            CHUNKED=cfg.block < h,
-            num_warps=cfg.num_warps,
-            **flags,
-        )
+        args = (x2, w, y, rstd, n_rows, x2.stride(0), h, eps, offset)
+        consts = dict(H=h, BLOCK=cfg.block, CHUNKED=cfg.block < h, **flags)
+        if tuned:
+            _rms_norm_rows_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](*args, **consts)
+        else:
+            _rms_norm_rows[(triton.cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, num_warps=cfg.num_warps, **consts)
     return y, rstd

@@ -18,11 +18,12 @@ import io
 import json
 import os
 import sys
-from pathlib import Path
 from unittest import mock
 
 import torch
 from torch import nn
+
+from benchmarks.harness import results_dir
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--cpu", action="store_true", help="dry run on CPU with the Triton interpreter")
@@ -44,7 +45,7 @@ CPU = DeviceType.CPU
 DEVICE = "cpu" if ARGS.cpu else "cuda"
 D, HEADS, T, B, LAYERS = (32, 2, 8, 2, 1) if ARGS.cpu else (1024, 8, 1024, 8, 4)
 STEPS, EVERY, FIRST = 8, 3, 2  # profiled batches 2 and 5
-OUT = Path(os.environ.get("OUT") or Path(__file__).parent / "results") / "callbacks"
+OUT = results_dir() / "callbacks"
 
 
 class Block(nn.Module):

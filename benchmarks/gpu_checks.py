@@ -10,16 +10,15 @@ Prints a table and writes ``gpu_checks.json``; exits non-zero when any check fai
 from __future__ import annotations
 
 import json
-import os
 import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 import fly_lightning
+from benchmarks.harness import results_dir
 from fly_lightning import DISPATCH_LOG
 from fly_lightning.ops.rms_norm import rms_norm_reference
 
@@ -136,7 +135,7 @@ def main() -> int:
         print(
             ("PASS " if problem is None else "FAIL ") + name + ("" if problem is None else f": {problem}"), flush=True
         )
-    out = Path(os.environ.get("OUT", Path(__file__).parent / "results"))
+    out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_checks.json").write_text(
         json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": results}, indent=1)

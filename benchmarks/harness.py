@@ -26,6 +26,11 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 L2_BYTES = 64 * 2**20  # H100/H200 have 50-60 MB of L2; rotate through at least 3x this
 
 
+def results_dir() -> Path:
+    """Where suites write: $FLY_RESULTS_DIR (GPU sessions collect it), else $OUT, else benchmarks/results."""
+    return Path(os.environ.get("FLY_RESULTS_DIR") or os.environ.get("OUT") or RESULTS_DIR)
+
+
 def rotation_count(bytes_per_set: int, min_sets: int = 2, max_sets: int = 64) -> int:
     """How many input sets to cycle through so one pass touches more than 3x the L2."""
     return int(max(min_sets, min(max_sets, math.ceil(3 * L2_BYTES / max(1, bytes_per_set)))))
@@ -182,7 +187,7 @@ class Results:
         return row
 
     def save(self, name: str | None = None, out_dir: str | Path | None = None) -> Path:
-        out = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
+        out = Path(out_dir) if out_dir else results_dir()
         out.mkdir(parents=True, exist_ok=True)
         stem = name or self.suite
         payload = {

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One GPU session (the device tool's machine): install what the image lacks, then run the named phases.
+# Results of every suite are collected under $FLY_RESULTS_DIR and returned as one archive plus the log
+# (the device tool returns at most 8 files).
+#
+#   bash benchmarks/gpu_session.sh checks rms route callbacks recipe     # phases, in order
+#
+# Needs .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export FLY_RESULTS_DIR=/tmp/fly_results; mkdir -p "$FLY_RESULTS_DIR"
+export FLY_GIT_REV=${FLY_GIT_REV:-unknown}
+log="$OUT/session-$(echo "$*" | tr ' ' '_').log"
+{
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
+    || { echo "install failed"; exit 1; }
+} >"$log" 2>&1
+export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+status=0
+run() {  # name, timeout seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name: $*" | tee -a "$log"
+  local t0=$SECONDS
+  timeout "$limit" "$@" >>"$log" 2>&1; local rc=$?
+  echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
+  [ $rc -eq 0 ] || status=1
+}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv;
+  python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; } \
+  >>"$log" 2>&1
+for phase in "$@"; do
+  case $phase in
+    checks) run checks 300 python3 -m benchmarks.gpu_checks ;;
+    rms) run rms 300 python3 -m benchmarks.bench_rms_norm --sweep ;;
+    overhead) run overhead 120 python3 -m benchmarks.bench_dispatch_overhead ;;
+    route) run route 300 python3 -m benchmarks.bench_moe_route ;;
+    grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
+    moe) run moe 300 python3 -m benchmarks.bench_moe_layer ;;
+    callbacks) run callbacks 240 python3 -m benchmarks.gpu_check_callbacks ;;
+    recipe) run recipe 300 python3 -m fly_lightning.recipes.moe_finetune fit --trainer.max_steps 60 \
+              --trainer.default_root_dir "$FLY_RESULTS_DIR/recipe" ;;
+    *) echo "unknown phase $phase" | tee -a "$log"; status=1 ;;
+  esac
+done
+tar czf "$OUT/results-$(echo "$*" | tr ' ' '_').tgz" -C "$FLY_RESULTS_DIR" . 2>>"$log"
+tail -40 "$log"
+exit $status

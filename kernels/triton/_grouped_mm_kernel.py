@@ -1,0 +1,397 @@
+"""Triton grouped GEMM for uneven expert loads: the kernel, its launch configurations and the launcher.
+
+Design:
+- The tile schedule is built on the device from ``offs``: every program loads the offsets once (one vector load),
+  derives each group's tile count and the total, then walks the global tile sequence ``pid, pid + P, ...``
+  advancing a scalar group cursor. No host sync, so it runs under CUDA graphs and torch.compile, and the launch
+  grid depends only on shapes (persistent: ``P = programs_per_sm x SMs``; otherwise one program per tile of the
+  host-side upper bound ``(cdiv(M, BLOCK_M) + E) x cdiv(N, BLOCK_N)``, the surplus exiting at once).
+- Within a group, tiles are ordered in bands of ``GROUP_M`` row tiles so that programs running together share the
+  expert's weight columns and the band's rows in L2.
+- Offsets are clamped to ``[0, M]`` and group sizes to >= 0 on the device, so invalid offsets cannot address memory
+  outside the tensors (the host never reads them).
+- Loads: TMA tensor descriptors created on the device (``tl.make_tensor_descriptor``; a 3-D ``[E, K, N]`` or
+  ``[E, N, K]`` weight descriptor so the K tail is zero-filled per expert) where the strides are 16-byte aligned;
+  plain masked pointer loads otherwise (and in ``GATHER`` mode for the activations, whose rows are read through
+  the permutation index). Stores: masked pointer stores, or a per-group TMA descriptor of shape
+  ``[group end, N]`` that clips the rows past the group end.
+- ``GATHER``: A row r is ``x[idx[r] // TOPK]`` (token rows read through the routing permutation, no permuted copy).
+  ``SCATTER``: output row r is written to row ``idx[r]`` (slot order), no unpermute copy.
+- bf16 ``tl.dot`` is wrong in the Triton interpreter: operands are upcast to fp32 there (``UPCAST``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels.triton._grouped_mm_config import (
+    INTERPRETER_PROGRAMS,
+    MEASURED,
+    GroupedMMConfig,
+    candidate_configs,
+    choose_config,
+    measure_key,
+)
+from fly_lightning.kernels.triton._support import interpreting
+
+
+@triton.jit
+def _band_swizzle(local, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile ``local`` of a group's ``num_m x num_n`` grid, ordered in bands of GROUP_M row tiles."""
+    width = GROUP_M * num_n
+    first_m = (local // width) * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (local % width) % band_m
+    pid_n = (local % width) // band_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mma_step(
+    acc,
+    kk,
+    a_ptrs,
+    w_ptrs,
+    a_desc,
+    w_desc,
+    row_ok,
+    col_ok,
+    row0,
+    n0,
+    g,
+    K,
+    stride_wk,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    W_K_MAJOR: tl.constexpr,
+    TMA_A: tl.constexpr,
+    TMA_W: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc += A[:, k-tile kk] @ W[g][k-tile kk, :]."""
+    k0 = kk * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if TMA_A:
+        a = a_desc.load([row0, k0])  # rows past the group end belong to the next group: never stored
+    else:
+        a = tl.load(a_ptrs + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+    if TMA_W:
+        if W_K_MAJOR:
+            b = w_desc.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = w_desc.load([g, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        b = tl.load(w_ptrs + ks[:, None] * stride_wk, mask=(ks[:, None] < K) & col_ok[None, :], other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    X,
+    W,
+    OUT,
+    OFFS,
+    IDX,
+    M,
+    N,
+    K,
+    E,
+    X_ROWS,
+    stride_xm,
+    stride_we,
+    stride_wk,
+    stride_wn,
+    stride_om,
+    NUM_PROGS,
+    E_POW2: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    W_K_MAJOR: tl.constexpr,
+    TMA_A: tl.constexpr,
+    TMA_W: tl.constexpr,
+    TMA_STORE: tl.constexpr,
+    GATHER: tl.constexpr,
+    SCATTER: tl.constexpr,
+    UPCAST: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    # every group's tile count, from the offsets (clamped: the host never validates device offsets)
+    e_ids = tl.arange(0, E_POW2)
+    ends = tl.load(OFFS + e_ids, mask=e_ids < E, other=0)
+    starts = tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0)
+    ends = tl.minimum(tl.maximum(ends, 0), M)
+    starts = tl.minimum(tl.maximum(starts, 0), M)
+    total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
+
+    a_desc = X  # placeholders when not TMA (never used then)
+    w_desc = W
+    if TMA_A:
+        a_desc = tl.make_tensor_descriptor(X, shape=[X_ROWS, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if TMA_W:
+        if W_K_MAJOR:
+            w_desc = tl.make_tensor_descriptor(
+                W, shape=[E, N, K], strides=[stride_we, stride_wn, 1], block_shape=[1, BLOCK_N, BLOCK_K]
+            )
+        else:
+            w_desc = tl.make_tensor_descriptor(
+                W, shape=[E, K, N], strides=[stride_we, stride_wk, 1], block_shape=[1, BLOCK_K, BLOCK_N]
+            )
+
+    # scalar cursor over groups; the same clamped arithmetic as the vector count above, so the two always agree
+    g = pid * 0
+    g_first = pid * 0  # global index of group g's first tile
+    g_start = pid * 0
+    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
+    g_size = tl.maximum(g_end - g_start, 0)
+    g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    tile = pid
+    while tile < total:  # a device-valued bound (a while loop: the interpreter cannot range over a tensor)
+        while (tile >= g_first + g_tiles) & (g < E - 1):
+            g_first += g_tiles
+            g += 1
+            g_start = g_end
+            g_end = tl.minimum(tl.maximum(tl.load(OFFS + g), 0), M)
+            g_size = tl.maximum(g_end - g_start, 0)
+            g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+        pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
+        row0 = g_start + pid_m * BLOCK_M
+        row_end = g_start + g_size
+        n0 = pid_n * BLOCK_N
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < row_end
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        if GATHER:
+            src = tl.load(IDX + rows, mask=row_ok, other=0) // TOPK
+        else:
+            src = tl.where(row_ok, rows, 0)
+        a_ptrs = X + src.to(tl.int64)[:, None] * stride_xm
+        w_ptrs = W + g.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if INTERPRET:  # the interpreter cannot range over a device value
+            kk = 0
+            while kk < k_tiles:
+                acc = _mma_step(
+                    acc,
+                    kk,
+                    a_ptrs,
+                    w_ptrs,
+                    a_desc,
+                    w_desc,
+                    row_ok,
+                    col_ok,
+                    row0,
+                    n0,
+                    g,
+                    K,
+                    stride_wk,
+                    BLOCK_K,
+                    BLOCK_M,
+                    BLOCK_N,
+                    W_K_MAJOR,
+                    TMA_A,
+                    TMA_W,
+                    UPCAST,
+                )
+                kk += 1
+        else:
+            for kk in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
+                acc = _mma_step(
+                    acc,
+                    kk,
+                    a_ptrs,
+                    w_ptrs,
+                    a_desc,
+                    w_desc,
+                    row_ok,
+                    col_ok,
+                    row0,
+                    n0,
+                    g,
+                    K,
+                    stride_wk,
+                    BLOCK_K,
+                    BLOCK_M,
+                    BLOCK_N,
+                    W_K_MAJOR,
+                    TMA_A,
+                    TMA_W,
+                    UPCAST,
+                )
+
+        c = acc.to(OUT.dtype.element_ty)
+        if TMA_STORE:
+            # shape [group end, N]: the descriptor clips the rows that belong to the next group
+            o_desc = tl.make_tensor_descriptor(
+                OUT, shape=[row_end, N], strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_N]
+            )
+            o_desc.store([row0, n0], c)
+        else:
+            if SCATTER:
+                dst = tl.load(IDX + rows, mask=row_ok, other=0)
+            else:
+                dst = rows
+            o_ptrs = OUT + dst.to(tl.int64)[:, None] * stride_om + cols[None, :]
+            tl.store(o_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
+        tile += NUM_PROGS
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in strides)
+
+
+def _tma_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_available(t: torch.Tensor) -> bool:
+    """Device-side tensor descriptors: Hopper or newer, or the interpreter."""
+    if t.device.type == "cpu":
+        return interpreting()
+    return hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    idx: torch.Tensor | None = None,
+    topk: int = 1,
+    gather: bool = False,
+    scatter: bool = False,
+    config: GroupedMMConfig | None = None,
+) -> torch.Tensor:
+    """Run the kernel into ``out``: ``[M, N]``, M rows in group order (slot order with ``scatter``).
+
+    ``x`` is ``[M, K]`` (``[T, K]`` with ``gather``: row r reads ``x[idx[r] // topk]``); ``w`` ``[E, K, N]`` with
+    N or K contiguous; ``idx`` int32 ``[M]`` (gather/scatter only).
+    """
+    e, k, n = w.shape
+    m = idx.shape[0] if (gather or scatter) else x.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config or choose_config(x, w, m, gather, scatter)
+    w_k_major = w.stride(2) != 1
+    w_inner = w.stride(2) if w_k_major else w.stride(1)
+    tma = cfg.tma and tma_available(x)
+    tma_a = tma and not gather and _aligned(x, x.stride(0))
+    tma_w = tma and _aligned(w, w.stride(0), w_inner)
+    tma_store = tma and cfg.tma_store and not scatter and _aligned(out, out.stride(0))
+    if (tma_a or tma_w or tma_store) and x.is_cuda:
+        triton.set_allocator(_tma_allocator)
+    interp = x.device.type == "cpu"
+    bm, bn = cfg.block_m, cfg.block_n
+    upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
+    if interp:
+        progs = min(INTERPRETER_PROGRAMS, upper)
+    elif cfg.programs_per_sm:
+        progs = min(cfg.programs_per_sm * _num_sms(x.device.index or 0), upper)
+    else:
+        progs = upper
+    index = idx if idx is not None else offs  # placeholder pointer, never read without GATHER/SCATTER
+    _grouped_mm_kernel[(progs,)](
+        x,
+        w,
+        out,
+        offs,
+        index,
+        m,
+        n,
+        k,
+        e,
+        x.shape[0],
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        progs,
+        E_POW2=triton.next_power_of_2(e),
+        TOPK=topk,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        W_K_MAJOR=w_k_major,
+        TMA_A=tma_a,
+        TMA_W=tma_w,
+        TMA_STORE=tma_store,
+        GATHER=gather,
+        SCATTER=scatter,
+        UPCAST=interp and x.dtype == torch.bfloat16,
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        INTERPRET=interp,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def tune(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    idx: torch.Tensor | None = None,
+    topk: int = 1,
+    gather: bool = False,
+    scatter: bool = False,
+    candidates: list[GroupedMMConfig] | None = None,
+    reps: int = 10,
+) -> GroupedMMConfig:
+    """Time ``candidates`` on these inputs (CUDA) and remember the fastest for their shape class."""
+    m = idx.shape[0] if (gather or scatter) else x.shape[0]
+    out = torch.empty(m, w.shape[2], dtype=x.dtype, device=x.device)
+    best, best_ms = None, float("inf")
+    for cfg in candidates or candidate_configs():
+        try:
+            run = lambda: launch(x, w, offs, out, idx=idx, topk=topk, gather=gather, scatter=scatter, config=cfg)  # noqa: B023
+            run()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                run()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / reps
+        except Exception:  # a configuration that does not compile or fit is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError("no grouped_mm configuration ran")
+    MEASURED[measure_key(x, w, m, gather, scatter)] = best
+    return best
+
+
+def auto_tune_enabled() -> bool:
+    return os.environ.get("FLY_LIGHTNING_GROUPED_MM_TUNE") == "1"

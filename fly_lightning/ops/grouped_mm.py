@@ -197,6 +197,31 @@ def grouped_mm_backward(
     return dx, dw
 
 
+def weight_grad_like(w: Tensor) -> Tensor:
+    """An empty tensor with the shape and the layout ``weight_grad`` gives for ``w``."""
+    e, k, n = w.shape
+    if w.stride(-2) == 1 and w.stride(-1) != 1:
+        return w.new_empty((e, n, k)).transpose(-2, -1)
+    return w.new_empty((e, k, n))
+
+
+# The backward is an opaque op of its own: its implementation may read offsets on the host (the reference, for
+# layouts ATen refuses), which tracing could not follow; torch.compile sees only shapes.
+@torch.library.custom_op("fly::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward_op(
+    grad: Tensor, x: Tensor, w: Tensor, offs: Tensor, need_x: bool, need_w: bool
+) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)``; an unneeded gradient is an empty ``[0]`` tensor."""
+    dx, dw = grouped_mm_backward(grad, x, w, offs, need_x, need_w)
+    return (x.new_empty(0) if dx is None else dx), (w.new_empty(0) if dw is None else dw)
+
+
+@grouped_mm_backward_op.register_fake
+def _(grad: Tensor, x: Tensor, w: Tensor, offs: Tensor, need_x: bool, need_w: bool) -> tuple[Tensor, Tensor]:
+    dx = x.new_empty(x.shape) if need_x else x.new_empty(0)
+    return dx, (weight_grad_like(w) if need_w else w.new_empty(0))
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, w, offs, _ = inputs
     ctx.save_for_backward(x, w, offs)
@@ -204,8 +229,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: Tensor):
     x, w, offs = ctx.saved_tensors
-    dx, dw = grouped_mm_backward(grad, x, w, offs, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-    return dx, dw, None, None
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = grouped_mm_backward_op(grad, x, w, offs, need_x, need_w)
+    return (dx if need_x else None), (dw if need_w else None), None, None
 
 
 grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
@@ -226,6 +252,8 @@ def grouped_mm(x_MK: Tensor, w: Tensor, offs_E: Tensor, *, out_dtype: torch.dtyp
     Offset values are checked only on the CPU; on a GPU they are never read by the host (no sync), and the Triton
     kernel clamps them so that invalid offsets cannot touch memory outside the tensors.
     """
-    if isinstance(x_MK, Tensor) and x_MK.dim() == 2:
+    if not (isinstance(x_MK, Tensor) and isinstance(w, Tensor) and isinstance(offs_E, Tensor)):
+        _validate(x_MK, w, offs_E, out_dtype)  # raises the ValueError naming the argument
+    if x_MK.dim() == 2:
         _check_offsets(offs_E, x_MK.shape[0], "grouped_mm")
     return grouped_mm_op(x_MK, w, offs_E, out_dtype)

@@ -28,6 +28,7 @@ from fly_lightning.ops.grouped_mm import (
     _grouped_mm_aten,
     grouped_mm_reference,
     weight_grad,
+    weight_grad_like,
 )
 from fly_lightning.registry import register_op
 
@@ -209,6 +210,41 @@ def moe_grouped_mm_backward(
     return dx, dw
 
 
+@torch.library.custom_op("fly::moe_grouped_mm_backward", mutates_args=())
+def moe_grouped_mm_backward_op(
+    grad: Tensor,
+    x: Tensor,
+    w: Tensor,
+    offs: Tensor,
+    perm: Tensor,
+    topk: int,
+    gather: bool,
+    scatter: bool,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)`` as an opaque op (see ``grouped_mm_backward_op``); an unneeded gradient is an empty ``[0]``."""
+    dx, dw = moe_grouped_mm_backward(grad, x, w, offs, perm, topk, gather, scatter, need_x, need_w)
+    return (x.new_empty(0) if dx is None else dx), (w.new_empty(0) if dw is None else dw)
+
+
+@moe_grouped_mm_backward_op.register_fake
+def _(
+    grad: Tensor,
+    x: Tensor,
+    w: Tensor,
+    offs: Tensor,
+    perm: Tensor,
+    topk: int,
+    gather: bool,
+    scatter: bool,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[Tensor, Tensor]:
+    dx = x.new_empty(x.shape) if need_x else x.new_empty(0)
+    return dx, (weight_grad_like(w) if need_w else w.new_empty(0))
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, w, offs, perm, topk, gather, scatter, _ = inputs
     ctx.save_for_backward(x, w, offs, perm)
@@ -217,10 +253,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: Tensor):
     x, w, offs, perm = ctx.saved_tensors
-    dx, dw = moe_grouped_mm_backward(
-        grad, x, w, offs, perm, ctx.topk, ctx.gather, ctx.scatter, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    )
-    return dx, dw, None, None, None, None, None, None
+    need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = moe_grouped_mm_backward_op(grad, x, w, offs, perm, ctx.topk, ctx.gather, ctx.scatter, need_x, need_w)
+    return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None
 
 
 moe_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)

@@ -108,4 +108,4 @@ def candidate_configs() -> list[GroupedMMConfig]:
             replace(c, group_m=4),
             replace(c, warp_specialize=True, num_warps=4),
         ]
-    return base + variants
+    return list(dict.fromkeys(base + variants))  # in order, without repeats

@@ -38,23 +38,31 @@ class GroupedMMConfig:
         )
 
 
-def shape_class(m: int, n: int, k: int, e: int) -> tuple[str, str]:
-    """(rows per group class, N class): the key of the configuration table."""
+def shape_class(m: int, n: int, k: int, e: int) -> tuple[str, str, str]:
+    """(rows per group, N, K) classes: the key of the configuration table."""
     avg = m / max(1, e)
     m_class = "small" if avg < 96 else "mid" if avg < 384 else "large"
-    n_class = "narrow" if n <= 1024 else "wide"
-    return m_class, n_class
+    n_class = "narrow" if n <= 1536 else "wide"
+    k_class = "short" if k <= 1024 else "long"
+    return m_class, n_class, k_class
 
 
 # Starting points for Hopper (H100/H200) per shape class; `python -m benchmarks.bench_grouped_mm --sweep` measures
 # the alternatives on the GPU and prints the winners in this form.
-CONFIG_TABLE: dict[tuple[str, str], GroupedMMConfig] = {
-    ("small", "narrow"): GroupedMMConfig(64, 128, 64, 8, 4, 4),
-    ("small", "wide"): GroupedMMConfig(64, 256, 64, 8, 3, 8),
-    ("mid", "narrow"): GroupedMMConfig(128, 128, 64, 8, 4, 8),
-    ("mid", "wide"): GroupedMMConfig(128, 256, 64, 8, 3, 8),
-    ("large", "narrow"): GroupedMMConfig(128, 128, 64, 8, 4, 8),
-    ("large", "wide"): GroupedMMConfig(128, 256, 64, 8, 3, 8),
+C = GroupedMMConfig
+CONFIG_TABLE: dict[tuple[str, str, str], GroupedMMConfig] = {
+    ("small", "narrow", "short"): C(64, 128, 64, 8, 4, 4),
+    ("small", "narrow", "long"): C(64, 128, 64, 8, 4, 4),
+    ("small", "wide", "short"): C(64, 256, 64, 8, 3, 8),
+    ("small", "wide", "long"): C(64, 256, 64, 8, 3, 8),
+    ("mid", "narrow", "short"): C(128, 128, 64, 8, 4, 8),
+    ("mid", "narrow", "long"): C(128, 128, 64, 8, 4, 8),
+    ("mid", "wide", "short"): C(128, 256, 64, 8, 3, 8),
+    ("mid", "wide", "long"): C(128, 256, 64, 8, 3, 8),
+    ("large", "narrow", "short"): C(128, 128, 64, 8, 4, 8),
+    ("large", "narrow", "long"): C(128, 128, 64, 8, 4, 8),
+    ("large", "wide", "short"): C(128, 256, 64, 8, 3, 8),
+    ("large", "wide", "long"): C(128, 256, 64, 8, 3, 8),
 }
 # Ampere and older: no TMA, less shared memory.
 PRE_HOPPER_CONFIG = GroupedMMConfig(128, 128, 32, 8, 3, 8, tma=False)
@@ -68,7 +76,7 @@ MEASURED: dict[tuple, GroupedMMConfig] = {}
 
 def measure_key(x: torch.Tensor, w: torch.Tensor, m: int, gather: bool, scatter: bool) -> tuple:
     n, k, e = w.shape[2], w.shape[1], w.shape[0]
-    return (*shape_class(m, n, k, e), k >= 4096, w.stride(-1) != 1, x.dtype, gather, scatter)
+    return (*shape_class(m, n, k, e), w.stride(-1) != 1, x.dtype, gather, scatter)
 
 
 def choose_config(

@@ -115,9 +115,10 @@ def test_gather_and_scatter_modes(gather, scatter, variant):
 
 
 def test_configuration_choice():
-    assert gc.shape_class(8 * 4096, 14336, 4096, 8) == ("large", "wide")
-    assert gc.shape_class(128 * 64, 768, 2048, 128) == ("small", "narrow")
-    assert gc.shape_class(256 * 64, 2048, 2048, 64) == ("mid", "wide")
+    assert gc.shape_class(8 * 4096, 14336, 4096, 8) == ("large", "wide", "long")
+    assert gc.shape_class(128 * 64, 768, 2048, 128) == ("small", "narrow", "long")
+    assert gc.shape_class(256 * 64, 2048, 768, 64) == ("mid", "wide", "short")
+    assert len(gc.CONFIG_TABLE) == 12
     x, w, _ = _problem([4, 4], k=16, n=16)
     assert gc.choose_config(x, w, 8) == gc.INTERPRETER_CONFIG  # CPU tensors under the interpreter
     assert len(set(gc.candidate_configs())) == len(gc.candidate_configs())

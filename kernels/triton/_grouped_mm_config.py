@@ -15,7 +15,12 @@ class GroupedMMConfig:
 
     ``programs_per_sm = 0`` launches one program per tile of the host-side upper bound (not persistent).
     ``tma`` enables TMA loads where the strides allow (the activations only when they are not gathered);
-    ``tma_store`` the per-group TMA store (never with a scatter).
+    ``tma_store`` the per-group TMA store (never with a scatter). ``schedule``: ``"scan"`` (each program counts
+    the tiles from the offsets and walks the groups: one launch) or ``"table"`` (a one-program kernel writes the
+    tile prefix sums first; each tile then finds its group by binary search). ``warp_specialize``: ``""`` (software
+    pipelining only), ``"tiles"`` (Triton's Hopper warp specialisation on the persistent tile loop: needs the
+    ``table`` schedule and 4 warps) or ``"k"`` (on the K loop); ``flatten`` flattens the tile loop with the K loop
+    (pipelining across tiles).
     """
 
     block_m: int = 128
@@ -27,10 +32,14 @@ class GroupedMMConfig:
     tma: bool = True
     tma_store: bool = False
     programs_per_sm: int = 1
-    warp_specialize: bool = False
+    schedule: str = "scan"
+    warp_specialize: str = ""
+    flatten: bool = False
 
     def label(self) -> str:
-        flags = "".join(f for f, on in (("T", self.tma), ("S", self.tma_store), ("W", self.warp_specialize)) if on)
+        flags = "".join(f for f, on in (("T", self.tma), ("S", self.tma_store), ("F", self.flatten)) if on)
+        flags += "t" if self.schedule == "table" else ""
+        flags += f"W{self.warp_specialize}" if self.warp_specialize else ""
         persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
@@ -94,17 +103,26 @@ def choose_config(
 
 
 def candidate_configs() -> list[GroupedMMConfig]:
-    """What ``tune`` and the benchmark sweep try: tile shapes x stages x warps, persistent or not, TMA or not."""
+    """What the benchmark sweep tries: tile shapes x stages x warps; persistent (1 or 2 programs per SM) or one
+    program per tile; TMA loads or pointers; TMA store; band width; scan or table schedule; warp specialisation."""
     base = [
-        GroupedMMConfig(128, 256, 64, 8, 3, 8),
-        GroupedMMConfig(128, 256, 64, 8, 4, 8),
-        GroupedMMConfig(128, 128, 64, 8, 4, 8),
-        GroupedMMConfig(128, 128, 64, 8, 4, 4),
-        GroupedMMConfig(128, 128, 128, 8, 3, 8),
-        GroupedMMConfig(64, 256, 64, 8, 4, 4),
-        GroupedMMConfig(64, 128, 64, 8, 4, 4),
-        GroupedMMConfig(64, 128, 128, 8, 3, 4),
-        GroupedMMConfig(256, 128, 64, 8, 3, 8),
+        C(128, 256, 64, 8, 3, 8),
+        C(128, 256, 64, 8, 4, 8),
+        C(128, 128, 64, 8, 4, 8),
+        C(128, 128, 64, 8, 4, 4),
+        C(128, 128, 128, 8, 3, 8),
+        C(64, 256, 64, 8, 4, 4),
+        C(64, 128, 64, 8, 4, 4),
+        C(64, 128, 128, 8, 3, 4),
+        C(256, 128, 64, 8, 3, 8),
+    ]
+    specialised = [  # warp specialisation: 4 warps per partition (one producer and two consumer warp groups)
+        C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 256, 64, 8, 4, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 128, 64, 8, 4, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 128, 128, 8, 3, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="k"),
+        C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles", tma_store=True),
     ]
     variants = []
     for c in base[:3]:
@@ -114,6 +132,21 @@ def candidate_configs() -> list[GroupedMMConfig]:
             replace(c, programs_per_sm=2),
             replace(c, tma_store=True, num_stages=min(c.num_stages, 3)),
             replace(c, group_m=4),
-            replace(c, warp_specialize=True, num_warps=4),
+            replace(c, flatten=True),
+            replace(c, schedule="table"),
         ]
-    return list(dict.fromkeys(base + variants))  # in order, without repeats
+    return list(dict.fromkeys(base + specialised + variants))  # in order, without repeats
+
+
+def tune_candidates(m_class: str) -> list[GroupedMMConfig]:
+    """A short list for a measured choice (``tune``): the likely winners of a rows-per-group class."""
+    if m_class == "small":
+        return [C(64, 128, 64, 8, 4, 4), C(64, 256, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 4, schedule="table",
+                                                                       warp_specialize="tiles")]  # fmt: skip
+    return [
+        C(128, 256, 64, 8, 3, 8),
+        C(128, 128, 64, 8, 4, 8),
+        C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 128, 64, 8, 4, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 256, 64, 8, 3, 8, flatten=True),
+    ]

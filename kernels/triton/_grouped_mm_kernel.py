@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 import os
+import time
+from dataclasses import replace
 
 import torch
 import triton
@@ -33,9 +35,10 @@ from fly_lightning.kernels.triton._grouped_mm_config import (
     INTERPRETER_PROGRAMS,
     MEASURED,
     GroupedMMConfig,
-    candidate_configs,
     choose_config,
     measure_key,
+    shape_class,
+    tune_candidates,
 )
 from fly_lightning.kernels.triton._support import interpreting
 
@@ -95,163 +98,172 @@ def _mma_step(
 
 
 @triton.jit
+def _advance(tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M: tl.constexpr):
+    """Move the group cursor until ``tile`` lies in group g; the same clamped arithmetic as the tile count."""
+    while (tile >= g_first + g_tiles) & (g < E - 1):
+        g_first += g_tiles
+        g += 1
+        g_start = g_end
+        g_end = tl.minimum(tl.maximum(tl.load(OFFS + g), 0), M)
+        g_size = tl.maximum(g_end - g_start, 0)
+        g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    return g, g_first, g_start, g_end, g_size, g_tiles
+
+
+@triton.jit
+def _group_rows(OFFS, g, M):
+    """Rows [start, start + size) of group g, clamped to [0, M] (the host never validates device offsets)."""
+    start = tl.minimum(tl.maximum(tl.load(OFFS + g - 1, mask=g > 0, other=0), 0), M)
+    end = tl.minimum(tl.maximum(tl.load(OFFS + g), 0), M)
+    return start, tl.maximum(end - start, 0)
+
+
+@triton.jit
+def _tile_schedule_kernel(OFFS, TILE_END, M, N, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          E_POW2: tl.constexpr):  # fmt: skip
+    """TILE_END[e] = number of output tiles in groups 0..e (inclusive prefix sum), for the table schedule."""
+    e_ids = tl.arange(0, E_POW2)
+    ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
+    tiles = tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    tl.store(TILE_END + e_ids, tl.cumsum(tiles, axis=0), mask=e_ids < E)
+
+
+@triton.jit
+def _find_group(TILE_END, tile, E, LOG2_E: tl.constexpr):
+    """The group of ``tile``: how many groups end at or before it (branch-free binary search, no loop op)."""
+    lo = tile * 0
+    for step in tl.static_range(LOG2_E - 1, -1, -1):
+        probe = lo + (1 << step)
+        inside = probe <= E
+        ends_at = tl.load(TILE_END + probe - 1, mask=inside, other=2147483647)
+        lo = tl.where(inside & (ends_at <= tile), probe, lo)
+    return tl.minimum(lo, E - 1)
+
+
+# fmt: off
+@triton.jit
+def _tile(
+    tile, g, g_first, g_start, g_size, X, W, OUT, IDX, a_desc, w_desc, N, K,
+    stride_xm, stride_we, stride_wk, stride_wn, stride_om, num_n, k_tiles,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_K_MAJOR: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, UPCAST: tl.constexpr, WS_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Compute and store output tile ``tile`` (of group g, whose rows are [g_start, g_start + g_size))."""
+    pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
+    row0 = g_start + pid_m * BLOCK_M
+    row_end = g_start + g_size
+    n0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if GATHER:
+        src = tl.load(IDX + rows, mask=row_ok, other=0) // TOPK
+    else:
+        src = tl.where(row_ok, rows, 0)
+    a_ptrs = X + src.to(tl.int64)[:, None] * stride_xm
+    w_ptrs = W + g.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:  # the interpreter cannot range over a device value
+        kk = 0
+        while kk < k_tiles:
+            acc = _mma_step(acc, kk, a_ptrs, w_ptrs, a_desc, w_desc, row_ok, col_ok, row0, n0, g, K, stride_wk,
+                            BLOCK_K, BLOCK_M, BLOCK_N, W_K_MAJOR, TMA_A, TMA_W, UPCAST)
+            kk += 1
+    else:
+        for kk in tl.range(0, k_tiles, warp_specialize=WS_K):
+            acc = _mma_step(acc, kk, a_ptrs, w_ptrs, a_desc, w_desc, row_ok, col_ok, row0, n0, g, K, stride_wk,
+                            BLOCK_K, BLOCK_M, BLOCK_N, W_K_MAJOR, TMA_A, TMA_W, UPCAST)
+
+    c = acc.to(OUT.dtype.element_ty)
+    if TMA_STORE:
+        # shape [group end, N]: the descriptor clips the rows that belong to the next group
+        o_desc = tl.make_tensor_descriptor(OUT, shape=[row_end, N], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+        o_desc.store([row0, n0], c)
+    else:
+        if SCATTER:
+            dst = tl.load(IDX + rows, mask=row_ok, other=0)
+        else:
+            dst = rows
+        o_ptrs = OUT + dst.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(o_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
 def _grouped_mm_kernel(
-    X,
-    W,
-    OUT,
-    OFFS,
-    IDX,
-    M,
-    N,
-    K,
-    E,
-    X_ROWS,
-    stride_xm,
-    stride_we,
-    stride_wk,
-    stride_wn,
-    stride_om,
-    NUM_PROGS,
-    E_POW2: tl.constexpr,
-    TOPK: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    W_K_MAJOR: tl.constexpr,
-    TMA_A: tl.constexpr,
-    TMA_W: tl.constexpr,
-    TMA_STORE: tl.constexpr,
-    GATHER: tl.constexpr,
-    SCATTER: tl.constexpr,
-    UPCAST: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    X, W, OUT, OFFS, IDX, TILE_END, M, N, K, E, X_ROWS,
+    stride_xm, stride_we, stride_wk, stride_wn, stride_om, NUM_PROGS,
+    E_POW2: tl.constexpr, TABLE: tl.constexpr, LOG2_E: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_K_MAJOR: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, UPCAST: tl.constexpr,
+    WS_K: tl.constexpr, WS_TILES: tl.constexpr, FLATTEN: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
 
-    # every group's tile count, from the offsets (clamped: the host never validates device offsets)
-    e_ids = tl.arange(0, E_POW2)
-    ends = tl.load(OFFS + e_ids, mask=e_ids < E, other=0)
-    starts = tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0)
-    ends = tl.minimum(tl.maximum(ends, 0), M)
-    starts = tl.minimum(tl.maximum(starts, 0), M)
-    total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
+    if TABLE:  # tile counts from _tile_schedule_kernel: no reduction here (Hopper warp specialisation refuses them)
+        total = tl.load(TILE_END + E - 1)
+    else:  # every group's tile count from the offsets, clamped like _group_rows
+        e_ids = tl.arange(0, E_POW2)
+        ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
+        starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
+        total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
 
     a_desc = X  # placeholders when not TMA (never used then)
     w_desc = W
     if TMA_A:
-        a_desc = tl.make_tensor_descriptor(X, shape=[X_ROWS, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+        a_desc = tl.make_tensor_descriptor(X, shape=[X_ROWS, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     if TMA_W:
         if W_K_MAJOR:
-            w_desc = tl.make_tensor_descriptor(
-                W, shape=[E, N, K], strides=[stride_we, stride_wn, 1], block_shape=[1, BLOCK_N, BLOCK_K]
-            )
+            w_desc = tl.make_tensor_descriptor(W, shape=[E, N, K], strides=[stride_we, stride_wn, 1],
+                                               block_shape=[1, BLOCK_N, BLOCK_K])
         else:
-            w_desc = tl.make_tensor_descriptor(
-                W, shape=[E, K, N], strides=[stride_we, stride_wk, 1], block_shape=[1, BLOCK_K, BLOCK_N]
-            )
+            w_desc = tl.make_tensor_descriptor(W, shape=[E, K, N], strides=[stride_we, stride_wk, 1],
+                                               block_shape=[1, BLOCK_K, BLOCK_N])
 
-    # scalar cursor over groups; the same clamped arithmetic as the vector count above, so the two always agree
-    g = pid * 0
-    g_first = pid * 0  # global index of group g's first tile
-    g_start = pid * 0
-    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
-    g_size = tl.maximum(g_end - g_start, 0)
-    g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
-    tile = pid
-    while tile < total:  # a device-valued bound (a while loop: the interpreter cannot range over a tensor)
-        while (tile >= g_first + g_tiles) & (g < E - 1):
-            g_first += g_tiles
-            g += 1
-            g_start = g_end
-            g_end = tl.minimum(tl.maximum(tl.load(OFFS + g), 0), M)
-            g_size = tl.maximum(g_end - g_start, 0)
-            g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
-        pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
-        row0 = g_start + pid_m * BLOCK_M
-        row_end = g_start + g_size
-        n0 = pid_n * BLOCK_N
-        rows = row0 + tl.arange(0, BLOCK_M)
-        row_ok = rows < row_end
-        cols = n0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        if GATHER:
-            src = tl.load(IDX + rows, mask=row_ok, other=0) // TOPK
-        else:
-            src = tl.where(row_ok, rows, 0)
-        a_ptrs = X + src.to(tl.int64)[:, None] * stride_xm
-        w_ptrs = W + g.to(tl.int64) * stride_we + cols[None, :] * stride_wn
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if INTERPRET:  # the interpreter cannot range over a device value
-            kk = 0
-            while kk < k_tiles:
-                acc = _mma_step(
-                    acc,
-                    kk,
-                    a_ptrs,
-                    w_ptrs,
-                    a_desc,
-                    w_desc,
-                    row_ok,
-                    col_ok,
-                    row0,
-                    n0,
-                    g,
-                    K,
-                    stride_wk,
-                    BLOCK_K,
-                    BLOCK_M,
-                    BLOCK_N,
-                    W_K_MAJOR,
-                    TMA_A,
-                    TMA_W,
-                    UPCAST,
-                )
-                kk += 1
-        else:
-            for kk in tl.range(0, k_tiles, warp_specialize=WARP_SPECIALIZE):
-                acc = _mma_step(
-                    acc,
-                    kk,
-                    a_ptrs,
-                    w_ptrs,
-                    a_desc,
-                    w_desc,
-                    row_ok,
-                    col_ok,
-                    row0,
-                    n0,
-                    g,
-                    K,
-                    stride_wk,
-                    BLOCK_K,
-                    BLOCK_M,
-                    BLOCK_N,
-                    W_K_MAJOR,
-                    TMA_A,
-                    TMA_W,
-                    UPCAST,
-                )
-
-        c = acc.to(OUT.dtype.element_ty)
-        if TMA_STORE:
-            # shape [group end, N]: the descriptor clips the rows that belong to the next group
-            o_desc = tl.make_tensor_descriptor(
-                OUT, shape=[row_end, N], strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_N]
-            )
-            o_desc.store([row0, n0], c)
-        else:
-            if SCATTER:
-                dst = tl.load(IDX + rows, mask=row_ok, other=0)
+    if not TABLE:  # scan schedule: a scalar group cursor carried across this program's tiles (increasing order)
+        g = pid * 0
+        g_first = pid * 0  # global index of group g's first tile
+        g_start = pid * 0
+        g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
+        g_size = tl.maximum(g_end - g_start, 0)
+        g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    if INTERPRET:  # the interpreter cannot range over a device value
+        tile = pid
+        while tile < total:
+            if TABLE:
+                g = _find_group(TILE_END, tile, E, LOG2_E)
+                g_first = tl.load(TILE_END + g - 1, mask=g > 0, other=0)
+                g_start, g_size = _group_rows(OFFS, g, M)
             else:
-                dst = rows
-            o_ptrs = OUT + dst.to(tl.int64)[:, None] * stride_om + cols[None, :]
-            tl.store(o_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
-        tile += NUM_PROGS
+                g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+                    tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+            _tile(tile, g, g_first, g_start, g_size, X, W, OUT, IDX, a_desc, w_desc, N, K,
+                  stride_xm, stride_we, stride_wk, stride_wn, stride_om, num_n, k_tiles,
+                  TOPK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_K_MAJOR, TMA_A, TMA_W, TMA_STORE,
+                  GATHER, SCATTER, UPCAST, WS_K, INTERPRET)
+            tile += NUM_PROGS
+    else:
+        for tile in tl.range(pid, total, NUM_PROGS, flatten=FLATTEN, warp_specialize=WS_TILES):
+            if TABLE:
+                g = _find_group(TILE_END, tile, E, LOG2_E)
+                g_first = tl.load(TILE_END + g - 1, mask=g > 0, other=0)
+                g_start, g_size = _group_rows(OFFS, g, M)
+            else:
+                g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+                    tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+            _tile(tile, g, g_first, g_start, g_size, X, W, OUT, IDX, a_desc, w_desc, N, K,
+                  stride_xm, stride_we, stride_wk, stride_wn, stride_om, num_n, k_tiles,
+                  TOPK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_K_MAJOR, TMA_A, TMA_W, TMA_STORE,
+                  GATHER, SCATTER, UPCAST, WS_K, INTERPRET)
+# fmt: on
 
 
 @functools.cache
@@ -305,9 +317,14 @@ def launch(
     tma_a = tma and not gather and _aligned(x, x.stride(0))
     tma_w = tma and _aligned(w, w.stride(0), w_inner)
     tma_store = tma and cfg.tma_store and not scatter and _aligned(out, out.stride(0))
+    interp = x.device.type == "cpu"
+    if cfg.tma and not tma_w and not interp and cfg.block_m * cfg.block_n > 128 * 128:
+        cfg = replace(cfg, block_n=128)  # the pointer path spills registers with larger tiles
+    if cfg.warp_specialize and not (tma_a and tma_w) and not interp:
+        # Triton's Hopper warp specialisation takes TMA loads only: pointer loads (gather, unaligned) run unspecialised
+        cfg = replace(cfg, warp_specialize="", num_warps=8)
     if (tma_a or tma_w or tma_store) and x.is_cuda:
         triton.set_allocator(_tma_allocator)
-    interp = x.device.type == "cpu"
     bm, bn = cfg.block_m, cfg.block_n
     upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
     if interp:
@@ -317,12 +334,19 @@ def launch(
     else:
         progs = upper
     index = idx if idx is not None else offs  # placeholder pointer, never read without GATHER/SCATTER
+    table = cfg.schedule == "table"
+    tile_end = offs
+    if table:  # per-group tile counts first, by a one-program kernel (still no host sync)
+        tile_end = torch.empty_like(offs)
+        _tile_schedule_kernel[(1,)](offs, tile_end, m, n, e, BLOCK_M=bm, BLOCK_N=bn,
+                                    E_POW2=max(16, triton.next_power_of_2(e)), num_warps=4)  # fmt: skip
     _grouped_mm_kernel[(progs,)](
         x,
         w,
         out,
         offs,
         index,
+        tile_end,
         m,
         n,
         k,
@@ -335,6 +359,8 @@ def launch(
         out.stride(0),
         progs,
         E_POW2=max(1024, triton.next_power_of_2(e)),  # one compilation for every E up to 1024
+        TABLE=table,
+        LOG2_E=8 if e <= 256 else 12,
         TOPK=topk,
         BLOCK_M=bm,
         BLOCK_N=bn,
@@ -347,7 +373,9 @@ def launch(
         GATHER=gather,
         SCATTER=scatter,
         UPCAST=interp and x.dtype == torch.bfloat16,
-        WARP_SPECIALIZE=cfg.warp_specialize,
+        WS_K=cfg.warp_specialize == "k",
+        WS_TILES=cfg.warp_specialize == "tiles",
+        FLATTEN=cfg.flatten,
         INTERPRET=interp,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
@@ -367,22 +395,17 @@ def tune(
     candidates: list[GroupedMMConfig] | None = None,
     reps: int = 10,
 ) -> GroupedMMConfig:
-    """Time ``candidates`` on these inputs (CUDA) and remember the fastest for their shape class."""
+    """Time ``candidates`` (default: ``tune_candidates`` of the shape class) on these inputs and remember the fastest
+    for their shape class (``MEASURED``, consulted by ``choose_config``)."""
     m = idx.shape[0] if (gather or scatter) else x.shape[0]
     out = torch.empty(m, w.shape[2], dtype=x.dtype, device=x.device)
+    if candidates is None:
+        candidates = tune_candidates(shape_class(m, w.shape[2], w.shape[1], w.shape[0])[0])
     best, best_ms = None, float("inf")
-    for cfg in candidates or candidate_configs():
+    for cfg in candidates:
         try:
-            run = lambda: launch(x, w, offs, out, idx=idx, topk=topk, gather=gather, scatter=scatter, config=cfg)  # noqa: B023
-            run()
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                run()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end) / reps
+            run = lambda: launch(x, w, offs, out, idx=idx, topk=topk, gather=gather, scatter=scatter, config=cfg)  # noqa: B023, E731
+            ms = _elapsed_ms(run, reps, x.is_cuda)
         except Exception:  # a configuration that does not compile or fit is skipped
             continue
         if ms < best_ms:
@@ -391,6 +414,23 @@ def tune(
         raise RuntimeError("no grouped_mm configuration ran")
     MEASURED[measure_key(x, w, m, gather, scatter)] = best
     return best
+
+
+def _elapsed_ms(fn, reps: int, cuda: bool) -> float:
+    fn()  # compiles
+    if not cuda:
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / reps
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
 
 
 def auto_tune_enabled() -> bool:

@@ -34,8 +34,9 @@ def test_suite_runs(monkeypatch):
     assert len(res.rows) == len(TINY)
     for row in res.rows:
         assert row["fly_backend"] == "triton" and row["fly_err"] < 2e-2 and row["aten_err"] < 2e-2, row
-        assert row["x_vs_aten"] > 0 and row["x_vs_loop"] > 0
+        assert row["x_vs_aten"] > 0 and row["x_vs_loop"] > 0 and row["tuned_x_vs_aten"] > 0
     assert res.summary["failed_checks"] == [] and res.summary["n_x_vs_aten"] == len(TINY)
+    assert res.summary["n_tuned_x_vs_aten"] == len(TINY)
 
 
 def test_sweep_runs():

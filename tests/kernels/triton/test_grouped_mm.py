@@ -20,6 +20,9 @@ VARIANTS = {
     "not_persistent": replace(BASE, programs_per_sm=0),
     "block_m16_group1": replace(BASE, block_m=16, group_m=1),
     "block_n64_k16": replace(BASE, block_n=64, block_k=16, group_m=4),
+    "table": replace(BASE, schedule="table"),
+    "table_tma_ws": replace(BASE, schedule="table", tma=True, tma_store=True, warp_specialize="tiles"),
+    "flatten": replace(BASE, flatten=True, programs_per_sm=2),
 }
 
 
@@ -84,19 +87,20 @@ def test_zero_k_gives_zeros_and_empty_problems_return():
     assert gk.launch(x, w, offs, torch.empty(0, 8, dtype=x.dtype)).shape == (0, 8)
 
 
+@pytest.mark.parametrize("schedule", ["scan", "table"])
 @pytest.mark.parametrize("offsets", [[4, 2, 9], [3, 50, 60], [-5, 4, 9], [9, 9, 100]])
-def test_invalid_offsets_never_touch_memory_outside_the_tensors(offsets):
+def test_invalid_offsets_never_touch_memory_outside_the_tensors(offsets, schedule):
     m, k, n = 9, 16, 16
     x, w, _ = _problem([3, 3, 3], k=k, n=n)
     offs = torch.tensor(offsets, dtype=torch.int32)
     guard = torch.full((m + 4, n), 7.0, dtype=x.dtype)
     out = guard[2 : 2 + m]  # rows of the buffer outside `out` must stay untouched
-    gk.launch(x, w, offs, out, config=BASE)
+    gk.launch(x, w, offs, out, config=replace(BASE, schedule=schedule))
     assert (guard[:2] == 7).all() and (guard[2 + m :] == 7).all()
 
 
 @pytest.mark.parametrize("gather,scatter", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("variant", ["pointer", "tma"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "table"])
 def test_gather_and_scatter_modes(gather, scatter, variant):
     t, topk, e, k, n = 23, 2, 5, 32, 40
     gen = torch.Generator().manual_seed(2)

@@ -232,7 +232,8 @@ class FlyMoE(nn.Module):
         if shape[-1] != self.hidden_size:
             raise ValueError(f"FlyMoE: expected last dim {self.hidden_size}, got {shape[-1]}")
         x = hidden_states.reshape(-1, self.hidden_size)
-        logits = F.linear(x, self.router_weight)
+        router_w = self.router_weight
+        logits = F.linear(x.to(router_w.dtype), router_w)  # some routers keep fp32 weights
         weights, _, counts, offs, perm = _route(self, logits)
         if hasattr(self, "tokens_per_expert"):
             with torch.no_grad():

@@ -1,23 +1,28 @@
-"""Triton grouped GEMM for uneven expert loads: the kernel, its launch configurations and the launcher.
+"""Triton grouped GEMM for uneven expert loads: the kernel and its launcher (configurations: ``_grouped_mm_config``).
 
 Design:
-- The tile schedule is built on the device from ``offs``: every program loads the offsets once (one vector load),
-  derives each group's tile count and the total, then walks the global tile sequence ``pid, pid + P, ...``
-  advancing a scalar group cursor. No host sync, so it runs under CUDA graphs and torch.compile, and the launch
-  grid depends only on shapes (persistent: ``P = programs_per_sm x SMs``; otherwise one program per tile of the
-  host-side upper bound ``(cdiv(M, BLOCK_M) + E) x cdiv(N, BLOCK_N)``, the surplus exiting at once).
-- Within a group, tiles are ordered in bands of ``GROUP_M`` row tiles so that programs running together share the
-  expert's weight columns and the band's rows in L2.
-- Offsets are clamped to ``[0, M]`` and group sizes to >= 0 on the device, so invalid offsets cannot address memory
-  outside the tensors (the host never reads them).
-- Loads: TMA tensor descriptors created on the device (``tl.make_tensor_descriptor``; a 3-D ``[E, K, N]`` or
-  ``[E, N, K]`` weight descriptor so the K tail is zero-filled per expert) where the strides are 16-byte aligned;
-  plain masked pointer loads otherwise (and in ``GATHER`` mode for the activations, whose rows are read through
-  the permutation index). Stores: masked pointer stores, or a per-group TMA descriptor of shape
-  ``[group end, N]`` that clips the rows past the group end.
+- The tile schedule over (group, tile) is built on the device from ``offs``; the launch grid depends on shapes only
+  (no host sync: CUDA graphs, torch.compile). Persistent: ``programs_per_sm x SMs`` programs walk the global tile
+  sequence ``pid, pid + P, ...``; otherwise one program per tile of the host-side upper bound
+  ``(cdiv(M, BLOCK_M) + E) x cdiv(N, BLOCK_N)``, the surplus exiting at once. Two schedules:
+  ``scan`` - every program loads all offsets as one vector, sums the tile counts, and advances a scalar group cursor
+  over its (increasing) tiles: one launch; ``table`` - a one-program kernel writes the tiles' prefix sums, each tile
+  finds its group by an unrolled binary search: a second tiny launch, but no reduction or loop op around the tile
+  loop, which Triton's Hopper warp specialisation requires.
+- Within a group, tiles are ordered in bands of ``GROUP_M`` row tiles, so programs running together share the expert's
+  weight columns and the band's rows in L2.
+- Offsets are clamped to ``[0, M]`` and group sizes to >= 0 on the device: invalid offsets (the host never reads
+  them) cannot address memory outside the tensors.
+- Loads: TMA tensor descriptors created on the device (``tl.make_tensor_descriptor``) where strides are 16-byte
+  aligned: activations through one ``[M, K]`` descriptor (a tile's rows past its group end come from the next group
+  and are never stored), weights through a 3-D ``[E, K, N]`` / ``[E, N, K]`` descriptor (the K tail is zero-filled
+  per expert). Plain masked pointer loads otherwise (unaligned strides, pre-Hopper GPUs, the interpreter if asked,
+  and gathered activation rows). Stores: masked pointer stores, or a per-group TMA descriptor of shape
+  ``[group end, N]`` that clips the rows of the next group. Rows at and past ``offs[-1]`` are never written.
 - ``GATHER``: A row r is ``x[idx[r] // TOPK]`` (token rows read through the routing permutation, no permuted copy).
-  ``SCATTER``: output row r is written to row ``idx[r]`` (slot order), no unpermute copy.
-- bf16 ``tl.dot`` is wrong in the Triton interpreter: operands are upcast to fp32 there (``UPCAST``).
+  ``SCATTER``: output row r is written to row ``idx[r]`` (slot order, no un-permute copy).
+- bf16 ``tl.dot`` is wrong in the Triton interpreter: operands are upcast to fp32 there (``UPCAST``); loops over
+  device values are ``while`` loops there (the interpreter cannot ``range`` over a tensor).
 """
 
 from __future__ import annotations
@@ -308,6 +313,9 @@ def launch(
     m = idx.shape[0] if (gather or scatter) else x.shape[0]
     if m == 0 or n == 0:
         return out
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            return launch(x, w, offs, out, idx=idx, topk=topk, gather=gather, scatter=scatter, config=config)
     if k == 0:
         return out.zero_()
     cfg = config or choose_config(x, w, m, gather, scatter)

@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 import fly_lightning
+from benchmarks.bench_grouped_mm import backend_of
 from benchmarks.harness import Results
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton._grouped_mm_config import CONFIG_TABLE, GroupedMMConfig
@@ -78,7 +79,7 @@ def run_checks(device: str = "cuda") -> Results:
             def dispatched(k_major=k_major, dtype=dtype):
                 x, w, offs = _problem(COUNTS, 512, 384, dtype, k_major, tail=9)
                 y = fly_lightning.grouped_mm(x, w, offs)
-                backend = fly_lightning.DISPATCH_LOG.records("grouped_mm")[-1]["backend"]
+                backend = backend_of("grouped_mm", x, w, offs, None)
                 err = _err(y, x, w, offs)
                 return backend == "triton" and err < 1e-2, f"backend={backend} err={err:.2e}"
 
@@ -97,7 +98,7 @@ def run_checks(device: str = "cuda") -> Results:
     def unaligned():
         x, w, offs = _problem([5, 300, 0, 77], 1003, 77, k_major=False)
         y = fly_lightning.grouped_mm(x, w, offs)
-        backend = fly_lightning.DISPATCH_LOG.records("grouped_mm")[-1]["backend"]
+        backend = backend_of("grouped_mm", x, w, offs, None)
         err = _err(y, x, w, offs)
         return backend == "triton" and err < 1e-2, f"K=1003 N=77 backend={backend} err={err:.2e}"
 
@@ -135,7 +136,7 @@ def run_checks(device: str = "cuda") -> Results:
             if scatter:
                 ref = ref[torch.argsort(perm.long())]
             err = ((y.float() - ref).norm() / ref.norm()).item()
-            backend = fly_lightning.DISPATCH_LOG.records("moe_grouped_mm")[-1]["backend"]
+            backend = backend_of("moe_grouped_mm", x, w, offs, perm, topk, gather, scatter, None)
             return backend == "triton" and err < 1e-2, f"backend={backend} err={err:.2e}"
 
         check(f"moe_grouped_mm gather={gather} scatter={scatter}", moe_op)

@@ -10,7 +10,10 @@ Two data paths, numerically identical:
 
 The combine is deterministic: no atomics; a token's k expert outputs are summed in slot order (a batched ``[1, k] x
 [k, H]`` product in the activation dtype with fp32 accumulation; the routing weights are rounded to that dtype, as
-transformers' Qwen/OLMoE blocks do). The backward of the token gather sums each token's k slot gradients the same way.
+transformers' Qwen/OLMoE blocks do). The scatter writes unweighted rows: the weights are applied in that combine (one
+pass over the slots either way), which keeps the routing-weight gradient a plain ``bmm`` backward. Every permutation
+is a gather in both directions (the inverse permutation is computed once); the backward of the token gather sums
+each token's k slot gradients in slot order.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torch import Tensor, nn
 
 from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts, make_experts
 from fly_lightning.ops.grouped_mm import grouped_mm
-from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
+from fly_lightning.ops.moe_grouped_mm import inverse_permutation, moe_grouped_mm
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "plain"
@@ -80,23 +83,30 @@ class _GatherTokens(torch.autograd.Function):
     """``x[perm // k]`` whose backward sums each token's k slot gradients in slot order (no atomic index_add)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, perm: Tensor, top_k: int) -> Tensor:
-        ctx.save_for_backward(perm)
+    def forward(ctx, x: Tensor, perm: Tensor, inv: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(inv)
         ctx.top_k, ctx.tokens = top_k, x.shape[0]
         return x.index_select(0, perm.long() // top_k)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (perm,) = ctx.saved_tensors
-        slots = torch.empty_like(grad)
-        slots[perm.long()] = grad
-        return slots.view(ctx.tokens, ctx.top_k, grad.shape[-1]).sum(1), None, None
+        (inv,) = ctx.saved_tensors
+        slots = grad.index_select(0, inv.long())  # slot s = t * k + j takes expert-ordered row inv[s]
+        return slots.view(ctx.tokens, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
 
 
-def inverse_permutation(perm: Tensor) -> Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm.long()] = torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device)
-    return inv
+class _Permute(torch.autograd.Function):
+    """``y = x[index]`` for a permutation ``index``; the gradient is gathered back through ``inverse``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index.long())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse.long()), None, None
 
 
 def experts_forward(
@@ -120,7 +130,8 @@ def experts_forward(
     if fused:
         project = lambda w: moe_grouped_mm(x_TH, w, offs_E, perm_M, topk=k, gather=True)  # noqa: E731
     else:
-        xs = _GatherTokens.apply(x_TH, perm_M, k)
+        inv = inverse_permutation(perm_M)
+        xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
         project = lambda w: grouped_mm(xs, w, offs_E)  # noqa: E731
     if up_EHI is None:
         hid = project(gate_up_EHN)
@@ -135,7 +146,7 @@ def experts_forward(
     if fused:
         out_slots = moe_grouped_mm(act, down_EIH, offs_E, perm_M, topk=k, scatter=True)
     else:
-        out_slots = grouped_mm(act, down_EIH, offs_E).index_select(0, inverse_permutation(perm_M).long())
+        out_slots = _Permute.apply(grouped_mm(act, down_EIH, offs_E), inv, perm_M)
     out = out_slots.view(t, k, h)
     if score_before_experts:
         return out.sum(1)

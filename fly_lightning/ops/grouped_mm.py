@@ -1,13 +1,14 @@
 """Grouped GEMM for MoE experts: ragged 2D activations x 3D expert weights, grouped by int32 end offsets.
 
-``out[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ w[e]`` (``offs[-1]`` read as 0), the semantics of
+``out[s_e:offs[e]] = x[s_e:offs[e]] @ w[e]`` with ``s_0 = 0``, ``s_e = offs[e - 1]``: the semantics of
 ``torch._grouped_mm`` / ``F.grouped_mm`` for the 2D x 3D case:
 
 - ``w`` is ``[E, K, N]`` with either N contiguous or K contiguous (the transposed view of a contiguous ``[E, N, K]``,
   as ``nn.Linear``-style expert weights and transformers v5 ``gate_up_proj`` / ``down_proj`` are stored);
 - ``offs`` is int32 ``[E]``, non-decreasing, ``offs[-1] <= M``; an empty group (equal neighbours) is allowed;
-- rows at and past ``offs[-1]`` are left unwritten, exactly as torch does (it allocates the output with
-  ``empty``): their values are unspecified, in the output and in the input gradient;
+- rows at and past the last offset ``offs[E - 1]`` are left unwritten, exactly as torch does (it allocates the
+  output with ``empty``): their values are unspecified, in the output and in the input gradient (every backend here,
+  the reference included, leaves them unwritten too);
 - bf16/fp16/fp32 inputs, fp32 accumulation; ``out_dtype`` is the input dtype or float32.
 
 Forward is dispatched (Triton / ATen); backward (dX and dW) always runs ``torch._grouped_mm`` where it accepts the

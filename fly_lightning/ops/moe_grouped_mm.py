@@ -93,6 +93,12 @@ def _check_perm(offs: Tensor, perm: Tensor, m: int) -> None:
         raise ValueError(f"moe_grouped_mm: perm values must lie in [0, {m})")
 
 
+def inverse_permutation(perm: Tensor) -> Tensor:
+    """``inv`` with ``inv[perm[r]] = r`` (a scatter with unique indices: deterministic)."""
+    p = perm.long()
+    return torch.empty_like(p).scatter_(0, p, torch.arange(p.shape[0], device=p.device)).to(perm.dtype)
+
+
 def moe_grouped_mm_reference(
     x: Tensor,
     w: Tensor,
@@ -108,10 +114,8 @@ def moe_grouped_mm_reference(
     p = perm.long()
     xs = x.index_select(0, p // topk) if gather else x
     out = mm(xs, w, offs, out_dtype)
-    if scatter:
-        slots = torch.empty_like(out)
-        slots[p] = out
-        return slots
+    if scatter:  # out_slots[perm[r]] = out[r], as a gather
+        return out.index_select(0, inverse_permutation(perm).long())
     return out
 
 
@@ -201,9 +205,8 @@ def moe_grouped_mm_backward(
     dx = None
     if need_x:
         dxs = _aten_mm(g, w.transpose(-2, -1), offs)
-        if gather:  # each token's topk slot gradients, summed in slot order
-            slots = torch.empty_like(dxs)
-            slots[p] = dxs
+        if gather:  # each token's topk slot gradients, gathered to slot order and summed in that order
+            slots = dxs.index_select(0, inverse_permutation(perm).long())
             dx = slots.view(x.shape[0], topk, x.shape[1]).sum(1)
         else:
             dx = dxs

@@ -127,6 +127,20 @@ def test_deterministic_and_empty_batch():
     assert moe(torch.randn(0, H).half()).shape == (0, H)
 
 
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_runs_under_deterministic_algorithms_without_reading_unwritten_memory(path):
+    torch.use_deterministic_algorithms(True)  # also NaN-fills torch.empty: any unwritten row read would show
+    try:
+        moe = _fresh(torch.float16, path=path)
+        x = torch.randn(14, H).half().requires_grad_()
+        y = moe(x)
+        y.float().sum().backward()
+        grads = [x.grad, moe.router_weight.grad, moe.experts.gate_up_proj.grad, moe.experts.down_proj.grad]
+        assert torch.isfinite(y).all() and all(torch.isfinite(g).all() for g in grads)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
 def _hf_blocks():
     from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock

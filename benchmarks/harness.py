@@ -69,9 +69,8 @@ def time_ms(
     return _stats(times)
 
 
-def time_graph_ms(
-    fn: Callable[..., Any], inputs: Sequence[tuple], *, calls_per_graph: int = 20, replays: int = 30
-) -> dict[str, float]:
+def time_graph_ms(fn: Callable[..., Any], inputs: Sequence[tuple], *, calls_per_graph: int = 20,
+                  replays: int = 30) -> dict[str, float]:
     """Device time per call from CUDA-graph replays (no host launch overhead): for launch-bound small ops.
 
     ``calls_per_graph`` calls cycling through ``inputs`` are captured in one graph; each replay is timed with events
@@ -144,20 +143,10 @@ def environment() -> dict[str, Any]:
         except Exception:
             env[mod] = None
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).parent,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            cwd=Path(__file__).parent,
-        )
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).parent)
         if rev.stdout.strip():
             env["git_rev"] = rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except Exception:
@@ -185,13 +174,8 @@ class Results:
         out = Path(out_dir or os.environ.get("OUT") or RESULTS_DIR)
         out.mkdir(parents=True, exist_ok=True)
         stem = name or self.suite
-        payload = {
-            "suite": self.suite,
-            "environment": environment(),
-            "summary": self.summary,
-            "notes": self.notes,
-            "rows": self.rows,
-        }
+        payload = {"suite": self.suite, "environment": environment(), "summary": self.summary, "notes": self.notes,
+                   "rows": self.rows}
         path = out / f"{stem}.json"
         path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
         (out / f"{stem}.md").write_text(self.markdown())

@@ -114,18 +114,8 @@ def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args:
             chosen = min(supported, key=lambda impl: timings[impl.backend])
             rejected += [(b, f"slower when measured ({t:.4f} ms)") for b, t in timings.items() if b != chosen.backend]
     shape, dtype = _describe(args)
-    dec = Decision(
-        op.name,
-        key[1],
-        shape,
-        dtype,
-        chosen.backend,
-        chosen.fn,
-        tuple(rejected),
-        cfg.uid,
-        tuning_s=tuning_s,
-        timings_ms=timings,
-    )
+    dec = Decision(op.name, key[1], shape, dtype, chosen.backend, chosen.fn, tuple(rejected), cfg.uid,
+                   tuning_s=tuning_s, timings_ms=timings)
     op.cache[key] = dec
     DISPATCH_LOG.add(dec)
     return dec

@@ -59,9 +59,8 @@ class DispatchLog:
 
     def summary(self) -> dict[str, dict[str, Any]]:
         """Per op: total calls, calls per backend, and the share served by a specialised backend."""
-        out: dict[str, dict[str, Any]] = defaultdict(
-            lambda: {"calls": 0, "by_backend": defaultdict(int), "signatures": 0, "fallback_reasons": {}}
-        )
+        out: dict[str, dict[str, Any]] = defaultdict(lambda: {"calls": 0, "by_backend": defaultdict(int),
+                                                                 "signatures": 0, "fallback_reasons": {}})
         for d in self.decisions:
             s = out[d.op]
             s["calls"] += d.calls

@@ -52,13 +52,8 @@ class DispatchConfig:
         object.__setattr__(self, "op_backends", {k: _order(v) for k, v in dict(self.op_backends).items()})
         if self.select not in ("first", "measure"):
             raise ValueError(f"select must be 'first' or 'measure', got {self.select!r}")
-        key = (
-            self.enabled,
-            self.backends,
-            tuple(sorted(self.disabled_ops)),
-            tuple(sorted(self.op_backends.items())),
-            self.select,
-        )
+        key = (self.enabled, self.backends, tuple(sorted(self.disabled_ops)), tuple(sorted(self.op_backends.items())),
+               self.select)
         object.__setattr__(self, "uid", _UIDS.setdefault(key, len(_UIDS) + 1))
 
     def candidates(self, op: str) -> tuple[str, ...]:

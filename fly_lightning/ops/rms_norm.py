@@ -77,15 +77,8 @@ def _rms_norm_aten(
 
 
 def _signature(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_scale: bool) -> tuple:
-    return (
-        x.shape,
-        x.stride(),
-        x.dtype,
-        x.device.type,
-        None if weight is None else weight.dtype,
-        bool(offset),
-        cast_before_scale,
-    )
+    return (x.shape, x.stride(), x.dtype, x.device.type, None if weight is None else weight.dtype, bool(offset),
+            cast_before_scale)
 
 
 RMS_NORM = register_op(
@@ -127,14 +120,8 @@ def _backward(ctx, grad_y: Tensor, grad_rstd: Tensor | None):
 
 
 def rms_norm_backward(
-    grad_y: Tensor,
-    x: Tensor,
-    weight: Tensor | None,
-    rstd: Tensor,
-    offset: float,
-    cast_before_scale: bool,
-    need_x: bool = True,
-    need_w: bool = True,
+    grad_y: Tensor, x: Tensor, weight: Tensor | None, rstd: Tensor, offset: float, cast_before_scale: bool,
+    need_x: bool = True, need_w: bool = True,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The existing ATen backward: ``aten._fused_rms_norm_backward`` on CUDA, its composite formula elsewhere."""
     acc = _acc_dtype(x)
@@ -182,11 +169,7 @@ def rms_norm(
     args = (float(eps), float(offset), bool(cast_before_scale))
     if is_dtensor(x) or is_dtensor(weight):
         return run_on_local_shards(
-            RMS_NORM,
-            lambda xl, wl: rms_norm_op(xl, wl, *args)[0],
-            lambda xd, wd: rms_norm_reference(xd, wd, *args)[0],
-            x,
-            weight,
-            reduced_dims=(x.dim() - 1,),
+            RMS_NORM, lambda xl, wl: rms_norm_op(xl, wl, *args)[0],
+            lambda xd, wd: rms_norm_reference(xd, wd, *args)[0], x, weight, reduced_dims=(x.dim() - 1,),
         )
     return rms_norm_op(x, weight, *args)[0]

@@ -33,21 +33,9 @@ def _scale(xhat, w, offset, CAST_FIRST: tl.constexpr, X_DTYPE: tl.constexpr, W_D
 
 @triton.jit
 def _rms_norm_rows(
-    X,
-    W,
-    Y,
-    RSTD,
-    n_rows,
-    stride_x,
-    stride_y,
-    eps,
-    offset,
-    H: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ROWS: tl.constexpr,
-    CHUNKED: tl.constexpr,
-    HAS_W: tl.constexpr,
-    CAST_FIRST: tl.constexpr,
+    X, W, Y, RSTD, n_rows, stride_x, stride_y, eps, offset,
+    H: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, CHUNKED: tl.constexpr,
+    HAS_W: tl.constexpr, CAST_FIRST: tl.constexpr,
 ):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n_rows
@@ -82,17 +70,8 @@ def _rms_norm_rows(
 
 @triton.jit
 def _rms_norm_unaligned(
-    X,
-    W,
-    Y,
-    RSTD,
-    eps,
-    offset,
-    H: tl.constexpr,
-    VEC: tl.constexpr,
-    BLOCK: tl.constexpr,
-    HAS_W: tl.constexpr,
-    CAST_FIRST: tl.constexpr,
+    X, W, Y, RSTD, eps, offset,
+    H: tl.constexpr, VEC: tl.constexpr, BLOCK: tl.constexpr, HAS_W: tl.constexpr, CAST_FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = row * H
@@ -165,11 +144,7 @@ def _supports(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: 
 
 @RMS_NORM.implement("triton", supports=_supports)
 def rms_norm_triton(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    offset: float,
-    cast_before_scale: bool,
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, cast_before_scale: bool,
     config: LaunchConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = x.shape[-1]
@@ -186,34 +161,12 @@ def rms_norm_triton(
     flags = dict(HAS_W=weight is not None, CAST_FIRST=cast_before_scale and weight is not None)
     if cfg.kernel == "unaligned":
         _rms_norm_unaligned[(n_rows,)](
-            x2,
-            w,
-            y,
-            rstd,
-            eps,
-            offset,
-            H=h,
-            VEC=16 // x.element_size(),
-            BLOCK=cfg.block,
-            num_warps=cfg.num_warps,
-            **flags,
+            x2, w, y, rstd, eps, offset, H=h, VEC=16 // x.element_size(), BLOCK=cfg.block,
+            num_warps=cfg.num_warps, **flags,
         )
     else:
         _rms_norm_rows[(triton.cdiv(n_rows, cfg.rows),)](
-            x2,
-            w,
-            y,
-            rstd,
-            n_rows,
-            x2.stride(0),
-            h,
-            eps,
-            offset,
-            H=h,
-            BLOCK=cfg.block,
-            ROWS=cfg.rows,
-            CHUNKED=cfg.block < h,
-            num_warps=cfg.num_warps,
-            **flags,
+            x2, w, y, rstd, n_rows, x2.stride(0), h, eps, offset, H=h, BLOCK=cfg.block, ROWS=cfg.rows,
+            CHUNKED=cfg.block < h, num_warps=cfg.num_warps, **flags,
         )
     return y, rstd

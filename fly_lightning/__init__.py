@@ -5,8 +5,8 @@
 
 from fly_lightning.backends import BACKENDS, load_kernels
 from fly_lightning.dispatch_log import DISPATCH_LOG
-from fly_lightning.modules import FlyRMSNorm
-from fly_lightning.ops import rms_norm
+from fly_lightning.modules import FlyMoE, FlyRMSNorm
+from fly_lightning.ops import grouped_mm, moe_grouped_mm, rms_norm
 from fly_lightning.policy import DispatchConfig, dispatch_config, get_dispatch_config, set_dispatch_config
 from fly_lightning.registry import OPS, get_op
 from fly_lightning.transform import TransformSummary, transform
@@ -31,12 +31,15 @@ __all__ = [
     "FlyDDPStrategy",
     "FlyFSDP2Strategy",
     "FlyModelParallelStrategy",
+    "FlyMoE",
     "FlyRMSNorm",
     "FlySingleDeviceStrategy",
     "TransformSummary",
     "dispatch_config",
     "get_dispatch_config",
     "get_op",
+    "grouped_mm",
+    "moe_grouped_mm",
     "rms_norm",
     "set_dispatch_config",
     "transform",

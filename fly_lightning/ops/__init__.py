@@ -1,5 +1,7 @@
 """Public operators: ``torch.library`` custom ops dispatched per shape signature (see ``fly_lightning.registry``)."""
 
+from fly_lightning.ops.grouped_mm import grouped_mm
+from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.rms_norm import rms_norm
 
-__all__ = ["rms_norm"]
+__all__ = ["grouped_mm", "moe_grouped_mm", "rms_norm"]

@@ -1,0 +1,258 @@
+"""Grouped GEMM suite (GPU): fly-lightning's ``grouped_mm`` against ``torch._grouped_mm`` (CUTLASS), a per-expert
+loop of ``torch.mm`` and the Triton peer (Inductor's grouped-mm template: ``torch.compile`` of ``torch._grouped_mm``
+under ``max_autotune`` with only Triton GEMM backends), on the 24 cases of ``benchmarks/grouped_mm_cases.py``.
+
+Every case is first checked against an fp32 per-group reference (each implementation, relative Frobenius error),
+then timed (device events, steady state: compilation and autotuning excluded). TFLOP/s = 2*M*K*N / time. ``fly`` is
+the configuration table (the default); ``fly_tuned`` the measured choice among a few configurations per case.
+
+The peer autotunes ~40 configurations per distinct shape at its first call (~15-25 s each). By default it runs on
+the 8 distinct model-projection shapes, which cover the 16 projection and uneven cases; ``--peer all`` adds the 8
+uniform shapes (about 3 more minutes), ``--peer none`` skips it. Inductor caches under $TORCHINDUCTOR_CACHE_DIR:
+point it at a kept folder to reuse the autotuning across runs.
+
+    python -m benchmarks.bench_grouped_mm             # the suite: about 4-5 min on an H200 (peer autotuning ~3)
+    python -m benchmarks.bench_grouped_mm --sweep     # launch configurations per shape class: about 3 min
+    python -m benchmarks.bench_grouped_mm --moe       # MoE layer, fused gather/scatter vs plain: about 1 min
+    python -m benchmarks.bench_grouped_mm --check     # GPU correctness of every path: about 1 min
+    (modes combine; results: $OUT/grouped_mm_suite.{json,md}, grouped_mm_sweep.*, moe_layer.*, grouped_mm_check.*)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+import fly_lightning
+from benchmarks.grouped_mm_cases import Case, cases, make_inputs
+from benchmarks.harness import Results, geomean, rotation_count, time_ms
+from fly_lightning.ops.grouped_mm import grouped_mm_reference
+
+PEER_UNIFORM_SUBSET: tuple[str, ...] = ()  # uniform cases the default peer subset also compiles
+
+
+def backend_of(op_name: str, *args) -> str | None:
+    """The backend the dispatcher chose for these arguments' signature under the current policy."""
+    op = fly_lightning.get_op(op_name)
+    decision = op.cache.get((fly_lightning.get_dispatch_config().uid, op.signature(*args)))
+    return decision.backend if decision is not None else None
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def loop_fn(case: Case) -> Callable:
+    """One ``torch.mm`` per expert into slices of one output (group sizes known on the host: no sync timed)."""
+    bounds, start = [], 0
+    for c in case.counts:
+        bounds.append((start, start + c))
+        start += c
+
+    def loop(x, w, offs):
+        out = torch.empty(x.shape[0], w.shape[2], dtype=x.dtype, device=x.device)
+        for e, (s, t) in enumerate(bounds):
+            if t > s:
+                torch.mm(x[s:t], w[e], out=out[s:t])
+        return out
+
+    return loop
+
+
+def _inductor_patch():
+    return torch._inductor.config.patch(max_autotune=True, max_autotune_gemm_backends="TRITON")
+
+
+class Peer:
+    """Inductor's Triton grouped-mm template, compiled (and autotuned) once per distinct shape."""
+
+    def __init__(self) -> None:
+        self.compiled: dict[tuple, Callable] = {}
+        self.compile_s: dict[tuple, float] = {}
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 256)
+
+    def get(self, case: Case, x, w, offs) -> Callable:
+        key = case.shape_key
+        if key not in self.compiled:
+            fn = torch.compile(lambda a, b, o: torch._grouped_mm(a, b, offs=o), dynamic=False)
+            start = time.perf_counter()
+            with _inductor_patch():
+                fn(x, w, offs)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            self.compile_s[key] = time.perf_counter() - start
+
+            def run(a, b, o, fn=fn):
+                with _inductor_patch():
+                    return fn(a, b, o)
+
+            self.compiled[key] = run
+        return self.compiled[key]
+
+
+def elapsed_ms(fn: Callable, reps: int = 1) -> float:
+    """Mean time of ``reps`` back-to-back calls (device events on CUDA, else wall clock), after one warm-up call."""
+    fn()
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _reps(fn: Callable, args: tuple, budget_s: float = 0.25) -> int:
+    return int(min(100, max(10, budget_s * 1e3 / max(elapsed_ms(lambda: fn(*args)), 1e-3))))
+
+
+def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_list: list[Case] | None = None,
+          reps: int | None = None, tune: bool = True) -> Results:  # fmt: skip
+    from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+    from fly_lightning.kernels.triton._grouped_mm_config import choose_config, shape_class, tune_candidates
+
+    res = Results("grouped_mm_suite")
+    peer = Peer() if peer_mode != "none" else None
+    impls: dict[str, Callable] = {"fly": lambda x, w, o: fly_lightning.grouped_mm(x, w, o), "aten": None, "loop": None}
+    for case in case_list or cases():
+        if only and only not in case.name:
+            continue
+        x, w, offs = make_inputs(case, device)
+        nbytes = (x.numel() + w.numel() + case.m * case.n) * x.element_size()
+        n_sets = rotation_count(nbytes, min_sets=1) if device == "cuda" else 1
+        sets = [(x, w, offs)] + [make_inputs(case, device, seed=s) for s in range(1, n_sets)]
+        impls["aten"] = lambda a, b, o: torch._grouped_mm(a, b, offs=o)
+        impls["loop"] = loop_fn(case)
+        use_peer = peer is not None and (peer_mode == "all" or case.family != "uniform" or
+                                         case.name in PEER_UNIFORM_SUBSET)  # fmt: skip
+        run = dict(impls)
+        row = dict(case=case.name, family=case.family, load=case.load, E=case.e, M=case.m, K=case.k, N=case.n,
+                   w_layout="K-major" if case.k_major else "N-major", max_rows=max(case.counts),
+                   empty_groups=sum(1 for c in case.counts if c == 0),
+                   fly_config=choose_config(x, w, case.m).label())  # fmt: skip
+        if use_peer:
+            try:
+                run["peer"] = peer.get(case, x, w, offs)
+                row["peer_compile_s"] = round(peer.compile_s.get(case.shape_key, 0.0), 1)
+            except Exception as exc:  # reported, not fatal
+                row["peer_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        ref = grouped_mm_reference(x.float(), w.float(), offs)
+        for name, fn in run.items():
+            try:
+                row[f"{name}_err"] = rel_err(fn(x, w, offs), ref)
+            except Exception as exc:
+                row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        del ref
+        row["fly_backend"] = backend_of("grouped_mm", x, w, offs, None)
+        for name, fn in run.items():
+            if f"{name}_error" in row or row.get(f"{name}_err", 1.0) > 2e-2:
+                continue
+            ms = time_ms(fn, sets, warmup=3, reps=reps or _reps(fn, sets[0]))["median_ms"]
+            row[f"{name}_ms"] = round(ms, 4)
+            row[f"{name}_tflops"] = round(case.flops / ms / 1e9, 1)
+        if tune and "fly_ms" in row:  # the measured choice among a few configurations
+            try:
+                best_cfg = gk.tune(
+                    x, w, offs, candidates=tune_candidates(shape_class(case.m, case.n, case.k, case.e)[0])
+                )
+                row["fly_tuned_config"] = best_cfg.label()
+                fn = impls["fly"]
+                ms = time_ms(fn, sets, warmup=3, reps=reps or _reps(fn, sets[0]))["median_ms"]
+                row["fly_tuned_ms"], row["fly_tuned_tflops"] = round(ms, 4), round(case.flops / ms / 1e9, 1)
+            except Exception as exc:
+                row["fly_tuned_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+            finally:
+                gk.MEASURED.clear()  # the next case starts from the table again
+        for mine, prefix in (("fly", "x_vs"), ("fly_tuned", "tuned_x_vs")):
+            my_ms = row.get(f"{mine}_ms")
+            for name in ("aten", "peer", "loop"):
+                if my_ms and row.get(f"{name}_ms"):
+                    row[f"{prefix}_{name}"] = round(row[f"{name}_ms"] / my_ms, 3)
+            best = min((row[k] for k in ("aten_ms", "peer_ms") if row.get(k)), default=None)
+            if my_ms and best:
+                row[f"{prefix}_best"] = round(best / my_ms, 3)
+        res.add(**row)
+        del x, w, offs, sets
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    _summarise(res, peer)
+    return res
+
+
+def _summarise(res: Results, peer: Peer | None) -> None:
+    rows = res.rows
+    keys = [f"{p}_{b}" for p in ("x_vs", "tuned_x_vs") for b in ("peer", "aten", "best", "loop")]
+    for key in keys:
+        vals = [r[key] for r in rows if key in r]
+        res.summary[f"geomean_{key}"] = round(geomean(vals), 3)
+        res.summary[f"n_{key}"] = len(vals)
+        res.summary[f"wins_{key}"] = sum(v >= 1.0 for v in vals)
+        for fam in ("uniform", "projection", "uneven"):
+            fam_vals = [r[key] for r in rows if key in r and r["family"] == fam]
+            if fam_vals:
+                res.summary[f"geomean_{key}_{fam}"] = round(geomean(fam_vals), 3)
+    tflops = [r["fly_tflops"] for r in rows if "fly_tflops" in r]
+    res.summary["fly_tflops_range"] = (min(tflops), max(tflops)) if tflops else None
+    res.summary["failed_checks"] = [r["case"] for r in rows if r.get("fly_err", 1.0) > 2e-2]
+    res.summary["fly_not_on_triton"] = [r["case"] for r in rows if r.get("fly_backend") != "triton"]
+    if peer is not None:
+        res.summary["peer_shapes_compiled"] = len(peer.compile_s)
+        res.summary["peer_compile_total_s"] = round(sum(peer.compile_s.values()), 1)
+    res.notes += [
+        "x_vs_<baseline> = baseline time / fly time (> 1: fly faster); x_vs_best: against the faster of "
+        "torch._grouped_mm and the Triton peer where the peer ran, else torch._grouped_mm.",
+        "peer = torch.compile(torch._grouped_mm) with max_autotune and max_autotune_gemm_backends='TRITON' (Inductor's "
+        "grouped-mm template; it autotunes on uniform synthetic offsets, then runs on the real ones).",
+        "loop = torch.mm per expert with host-known group sizes (no device sync timed: favourable to the loop).",
+        "fly = the configuration table (what users get by default); fly_tuned = the measured choice among "
+        "tune_candidates() for the case (tuning time excluded), reported as tuned_x_vs_<baseline>.",
+    ]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--suite", action="store_true", help="run the 24-case suite (default when no mode is given)")
+    p.add_argument("--sweep", action="store_true", help="time the kernel's launch configurations per shape class")
+    p.add_argument("--moe", action="store_true", help="MoE layer benchmark: fused gather/scatter vs plain")
+    p.add_argument("--check", action="store_true", help="GPU correctness checks of every path")
+    p.add_argument("--peer", choices=("subset", "all", "none"), default="subset")
+    p.add_argument("--only", help="run the suite cases whose name contains this")
+    p.add_argument("--no-tune", action="store_true", help="skip the per-case measured configuration (fly_tuned)")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
+    modes = [m for m in ("check", "suite", "moe", "sweep") if getattr(args, m)] or ["suite"]
+    for mode in modes:
+        start = time.perf_counter()
+        if mode == "check":
+            from benchmarks.check_grouped_mm_gpu import run_checks
+
+            res = run_checks()
+        elif mode == "suite":
+            res = suite(args.peer, args.only, tune=not args.no_tune)
+        elif mode == "moe":
+            from benchmarks.bench_moe_layer import run_moe
+
+            res = run_moe()
+        else:
+            from benchmarks.sweep_grouped_mm import run_sweep
+
+            res = run_sweep()
+        res.summary["wall_s"] = round(time.perf_counter() - start, 1)
+        path = res.save()
+        print(f"{mode}: {res.summary}\nwrote {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""``FlyMoE``: a token-choice top-k MoE block (router, SwiGLU experts, weighted combine) on grouped GEMMs.
+
+Forward: router logits -> top-k routing (weights, expert ids, group end offsets, stable permutation) -> expert rows
+in expert order -> gate/up grouped GEMM -> SwiGLU -> down grouped GEMM -> each token's k outputs combined.
+
+Two data paths, numerically identical:
+- ``plain``: gather the token rows into expert order, ``grouped_mm``, ``grouped_mm``, un-permute;
+- ``fused``: ``moe_grouped_mm`` reads the token rows through the permutation inside the gate/up GEMM and writes the
+  down GEMM's rows straight to their slots (no permuted copies).
+
+The combine is deterministic: no atomics; a token's k expert outputs are summed in slot order (a batched ``[1, k] x
+[k, H]`` product in the activation dtype with fp32 accumulation; the routing weights are rounded to that dtype, as
+transformers' Qwen/OLMoE blocks do). The scatter writes unweighted rows: the weights are applied in that combine (one
+pass over the slots either way), which keeps the routing-weight gradient a plain ``bmm`` backward. Every permutation
+is a gather in both directions (the inverse permutation is computed once); the backward of the token gather sums
+each token's k slot gradients in slot order.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts, make_experts
+from fly_lightning.ops.grouped_mm import grouped_mm
+from fly_lightning.ops.moe_grouped_mm import inverse_permutation, moe_grouped_mm
+
+Path = Literal["plain", "fused", "auto"]
+AUTO_PATH: Literal["plain", "fused"] = "plain"
+"""What ``path="auto"`` runs; set from ``python -m benchmarks.bench_grouped_mm --moe`` (the faster on the GPU)."""
+
+
+def route_topk_placeholder(
+    logits_TE: Tensor,
+    top_k: int,
+    *,
+    score_func: str = "softmax",
+    norm_topk_prob: bool = True,
+    route_scale: float = 1.0,
+    expert_bias: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Plain-torch top-k routing: a placeholder for ``fly_lightning.ops.moe_route`` (called from one place only).
+
+    Returns fp32 weights ``[T, k]``, int32 expert ids ``[T, k]``, int32 counts ``[E]``, int32 group end offsets
+    ``[E]`` and the int32 stable permutation ``[T * k]`` (``perm[r]`` = slot ``t * k + j`` of the r-th row in
+    expert order). ``expert_bias`` shifts the selection only (torchtitan's auxiliary-loss-free balancing).
+    """
+    num_experts = logits_TE.shape[-1]
+    scores = torch.sigmoid(logits_TE.float()) if score_func == "sigmoid" else F.softmax(logits_TE.float(), dim=-1)
+    if expert_bias is not None:
+        ids = torch.topk(scores + expert_bias, top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    else:
+        weights, ids = torch.topk(scores, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if route_scale != 1.0:
+        weights = weights * route_scale
+    flat = ids.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # integer adds: exact in any order
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    perm = torch.argsort(flat, stable=True).to(torch.int32)
+    return weights, ids.to(torch.int32), counts, offs, perm
+
+
+def _route(moe: FlyMoE, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The single routing call site (swap for ``moe_route`` here)."""
+    return route_topk_placeholder(
+        logits,
+        moe.top_k,
+        score_func=moe.score_func,
+        norm_topk_prob=moe.norm_topk_prob,
+        route_scale=moe.route_scale,
+        expert_bias=getattr(moe, "expert_bias", None),
+    )
+
+
+class _GatherTokens(torch.autograd.Function):
+    """``x[perm // k]`` whose backward sums each token's k slot gradients in slot order (no atomic index_add)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, perm: Tensor, inv: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(inv)
+        ctx.top_k, ctx.tokens = top_k, x.shape[0]
+        return x.index_select(0, perm.long() // top_k)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inv,) = ctx.saved_tensors
+        slots = grad.index_select(0, inv.long())  # slot s = t * k + j takes expert-ordered row inv[s]
+        return slots.view(ctx.tokens, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+
+
+class _Permute(torch.autograd.Function):
+    """``y = x[index]`` for a permutation ``index``; the gradient is gathered back through ``inverse``."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, index.long())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse.long()), None, None
+
+
+def experts_forward(
+    x_TH: Tensor,
+    weights_Tk: Tensor,
+    offs_E: Tensor,
+    perm_M: Tensor,
+    gate_up_EHN: Tensor,
+    up_EHI: Tensor | None,
+    down_EIH: Tensor,
+    *,
+    fused: bool,
+    score_before_experts: bool = False,
+) -> Tensor:
+    """Routed SwiGLU experts and the deterministic combine: ``[T, H]``.
+
+    ``gate_up_EHN`` is ``[E, H, 2I]`` (gate columns first) when ``up_EHI`` is None, else the ``[E, H, I]`` gate.
+    """
+    t, h = x_TH.shape
+    k = weights_Tk.shape[1]
+    if fused:
+        project = lambda w: moe_grouped_mm(x_TH, w, offs_E, perm_M, topk=k, gather=True)  # noqa: E731
+    else:
+        inv = inverse_permutation(perm_M)
+        xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
+        project = lambda w: grouped_mm(xs, w, offs_E)  # noqa: E731
+    if up_EHI is None:
+        hid = project(gate_up_EHN)
+        inter = hid.shape[1] // 2
+        gate, up = hid[:, :inter], hid[:, inter:]
+    else:
+        gate, up = project(gate_up_EHN), project(up_EHI)
+    if score_before_experts:  # torchtitan: the score scales the expert input; experts are linear up to SwiGLU
+        s = weights_Tk.reshape(-1).index_select(0, perm_M.long()).unsqueeze(1).to(gate.dtype)
+        gate, up = gate * s, up * s
+    act = F.silu(gate) * up
+    if fused:
+        out_slots = moe_grouped_mm(act, down_EIH, offs_E, perm_M, topk=k, scatter=True)
+    else:
+        out_slots = _Permute.apply(grouped_mm(act, down_EIH, offs_E), inv, perm_M)
+    out = out_slots.view(t, k, h)
+    if score_before_experts:
+        return out.sum(1)
+    return torch.bmm(weights_Tk.to(out.dtype).unsqueeze(1), out).squeeze(1)
+
+
+class FlyMoE(nn.Module):
+    """Token-choice top-k MoE block with SwiGLU experts on grouped GEMMs, in a model's own parameter layout.
+
+    Args:
+        hidden_size: H. intermediate_size: I (per expert). num_experts: E. top_k: experts per token.
+        layout: parameter/state_dict layout (``fly_lightning.modules.moe_layout``): ``"hf"`` (transformers v5),
+            ``"mixtral"``/``"qwen"`` (per-expert Linear lists), ``"torchtitan"``, ``"torchtitan_legacy"``.
+        score_func: ``"softmax"`` or ``"sigmoid"`` router scores (fp32).
+        norm_topk_prob: renormalise the selected k scores to sum to 1 (Mixtral, Qwen3-30B-A3B: yes; OLMoE: no).
+        route_scale: multiplies the routing weights.
+        score_before_experts: apply the routing weight to the expert input (torchtitan's default) instead of its
+            output; the combine is then a plain sum.
+        load_balance_bias: keep torchtitan's ``expert_bias`` buffer (selection only) and ``tokens_per_expert``.
+        shared_experts: a dense module added to the routed output (torchtitan ``shared_experts``), kept as is.
+        path: ``"plain"``, ``"fused"`` (gather/scatter inside the GEMMs) or ``"auto"`` (``AUTO_PATH``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        layout: str = "hf",
+        score_func: Literal["softmax", "sigmoid"] = "softmax",
+        norm_topk_prob: bool = True,
+        route_scale: float = 1.0,
+        score_before_experts: bool = False,
+        load_balance_bias: bool = False,
+        shared_experts: nn.Module | None = None,
+        path: Path = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; known: {LAYOUTS}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        if path not in ("plain", "fused", "auto"):
+            raise ValueError(f"path must be 'plain', 'fused' or 'auto', got {path!r}")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k, self.layout = num_experts, top_k, layout
+        self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, float(route_scale)
+        self.score_before_experts, self.path = score_before_experts, path
+        router = RouterWeight(num_experts, hidden_size, device=device, dtype=dtype)
+        if layout.startswith("torchtitan"):
+            self.router = nn.Module()
+            self.router.gate = router
+        else:
+            self.gate = router
+        self.experts = make_experts(layout, num_experts, hidden_size, intermediate_size, device, dtype)
+        if load_balance_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device))
+            self.register_buffer(
+                "tokens_per_expert", torch.zeros(num_experts, dtype=torch.float32, device=device), persistent=False
+            )
+        self.shared_experts = shared_experts
+        self.reset_parameters()
+
+    @property
+    def router_weight(self) -> Tensor:
+        return (self.router.gate if self.layout.startswith("torchtitan") else self.gate).weight
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        nn.init.normal_(self.router_weight, std=std)
+        init_experts(self.experts, std)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, **options: object) -> FlyMoE:
+        """Wrap an existing MoE block (transformers v5/v4, torchtitan), keeping its parameter names and shapes.
+
+        Fused-layout parameters are shared with ``module``; per-expert Linear lists are copied into stacked storage.
+        Raises ``ValueError`` (with the reason) for blocks whose routing or experts ``FlyMoE`` does not compute.
+        """
+        from fly_lightning.modules.moe_convert import from_module
+
+        return from_module(cls, module, **options)
+
+    def resolved_path(self) -> Literal["plain", "fused"]:
+        return AUTO_PATH if self.path == "auto" else self.path
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        if shape[-1] != self.hidden_size:
+            raise ValueError(f"FlyMoE: expected last dim {self.hidden_size}, got {shape[-1]}")
+        x = hidden_states.reshape(-1, self.hidden_size)
+        router_w = self.router_weight
+        logits = F.linear(x.to(router_w.dtype), router_w)  # some routers keep fp32 weights
+        weights, _, counts, offs, perm = _route(self, logits)
+        if hasattr(self, "tokens_per_expert"):
+            with torch.no_grad():
+                self.tokens_per_expert.add_(counts)
+        gate_up, up, down = self.experts.projections()
+        y = experts_forward(
+            x,
+            weights,
+            offs,
+            perm,
+            gate_up,
+            up,
+            down,
+            fused=self.resolved_path() == "fused",
+            score_before_experts=self.score_before_experts,
+        )
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return (
+            f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, experts={self.num_experts}, "
+            f"top_k={self.top_k}, layout={self.layout}, score={self.score_func}, norm={self.norm_topk_prob}, "
+            f"path={self.path}"
+        )

@@ -1,0 +1,168 @@
+"""``FlyMoE.from_module``: recognise an existing MoE block and wrap its weights in the same layout.
+
+Recognised blocks:
+- transformers v5 sparse MoE blocks (``gate`` top-k router with ``weight`` [E, H]; ``experts`` with
+  ``gate_up_proj``/``down_proj`` and a SiLU ``act_fn``): Mixtral, Qwen2/3-MoE without shared expert, OLMoE, ...;
+- per-expert ``nn.ModuleList`` blocks (transformers 4 style): ``gate`` ``nn.Linear(H, E)``, experts with
+  ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` Linear layers;
+- torchtitan ``MoE`` (``router.gate``, ``experts.w1/w2/w3``, optional ``shared_experts`` and ``expert_bias``).
+
+Anything else (biases, non-SiLU activations, group-limited or corrected routers such as DeepSeek-V3's, shared
+experts with their own gate, router jitter) raises ``ValueError`` naming what is not supported.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from fly_lightning.modules.moe_layout import ExpertList
+
+if TYPE_CHECKING:
+    from fly_lightning.modules.moe import FlyMoE
+
+
+def _is_silu(act: Any) -> bool:
+    return (
+        act is None
+        or isinstance(act, nn.SiLU)
+        or type(act).__name__ in ("SiLUActivation", "SiLU")
+        or act in (torch.nn.functional.silu,)
+    )
+
+
+def _reject(module: nn.Module, why: str) -> None:
+    raise ValueError(f"FlyMoE.from_module: {type(module).__name__}: {why}")
+
+
+def _check_block(module: nn.Module) -> None:
+    for name in ("shared_expert", "shared_expert_gate"):
+        if getattr(module, name, None) is not None:
+            _reject(module, f"has a gated shared expert ({name}); not supported")
+    if getattr(module, "jitter_noise", 0) or getattr(module, "router_jitter_noise", 0):
+        _reject(module, "router jitter noise is not supported")
+
+
+def _check_router(module: nn.Module, router: nn.Module) -> None:
+    for name in ("e_score_correction_bias", "n_group", "topk_group"):
+        if getattr(router, name, None) is not None:
+            _reject(module, f"router has {name} (group-limited or corrected routing); not supported")
+    if getattr(router, "bias", None) is not None:
+        _reject(module, "router has a bias")
+
+
+def _new(
+    cls: type[FlyMoE], weight: torch.Tensor, h: int, i: int, e: int, k: int, materialize: bool, **kw: Any
+) -> FlyMoE:
+    """A FlyMoE built on the meta device; ``materialize`` allocates (uninitialised) storage on ``weight``'s device.
+
+    Without it every parameter and buffer must be replaced by the caller (shared with the wrapped block).
+    """
+    with torch.device("meta"):
+        moe = cls(h, i, e, k, dtype=weight.dtype, **kw)
+    if materialize:
+        moe.to_empty(device=weight.device)
+    return moe
+
+
+def _hf_v5(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
+    experts, router = module.experts, module.gate
+    _check_block(module)
+    _check_router(module, router)
+    if getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None:
+        _reject(module, "experts have biases")
+    if getattr(experts, "is_transposed", False) or not getattr(experts, "has_gate", True):
+        _reject(module, "transposed or gate-less expert weights are not supported")
+    if not _is_silu(getattr(experts, "act_fn", None)):
+        _reject(module, f"expert activation {type(experts.act_fn).__name__} is not SiLU")
+    e, two_i, h = experts.gate_up_proj.shape
+    k = int(getattr(router, "top_k", getattr(module, "top_k", 0)))
+    norm = bool(getattr(router, "norm_topk_prob", getattr(module, "norm_topk_prob", True)))  # Mixtral: always
+    kw = dict(layout="hf", norm_topk_prob=norm) | options
+    moe = _new(cls, router.weight, h, two_i // 2, e, k, False, **kw)
+    moe.gate.weight = router.weight
+    moe.experts.gate_up_proj, moe.experts.down_proj = experts.gate_up_proj, experts.down_proj
+    return moe
+
+
+_LIST_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
+
+
+def _expert_list(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
+    experts, router = module.experts, module.gate
+    _check_block(module)
+    _check_router(module, router)
+    first = experts[0]
+    layout = next((name for name, attrs in _LIST_NAMES.items() if all(hasattr(first, a) for a in attrs)), None)
+    if layout is None:
+        _reject(module, "experts have neither w1/w3/w2 nor gate_proj/up_proj/down_proj")
+    gate_n, up_n, down_n = _LIST_NAMES[layout]
+    for ex in experts:
+        if any(getattr(ex, n).bias is not None for n in (gate_n, up_n, down_n)):
+            _reject(module, "expert Linear layers have biases")
+        act = getattr(ex, "act_fn", getattr(ex, "act", None))
+        if not _is_silu(act):
+            _reject(module, f"expert activation {type(act).__name__} is not SiLU")
+    i, h = getattr(first, gate_n).weight.shape
+    k = int(getattr(module, "top_k", getattr(router, "top_k", 0)))
+    norm = bool(getattr(module, "norm_topk_prob", True))
+    kw = dict(layout=layout, norm_topk_prob=norm) | options
+    moe = _new(cls, getattr(first, gate_n).weight, h, i, len(experts), k, True, **kw)
+    moe.gate.weight = router.weight
+    assert isinstance(moe.experts, ExpertList)
+    with torch.no_grad():
+        for j, ex in enumerate(experts):
+            moe.experts.gate_up_proj[j, :i].copy_(getattr(ex, gate_n).weight)
+            moe.experts.gate_up_proj[j, i:].copy_(getattr(ex, up_n).weight)
+            moe.experts.down_proj[j].copy_(getattr(ex, down_n).weight)
+    return moe
+
+
+def _torchtitan(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
+    router, experts = module.router, module.experts
+    gate = router.gate
+    if getattr(router, "_debug_force_load_balance", False):
+        _reject(module, "debug forced load balance is not supported")
+    _check_router(module, gate)
+    e, h = gate.weight.shape
+    w1 = experts.w1
+    legacy = w1.shape[1] == h and w1.shape[2] != h  # [E, H, I] (older torchtitan) vs [E, I, H]
+    i = w1.shape[2] if legacy else w1.shape[1]
+    bias = getattr(module, "expert_bias", None)
+    kw = (
+        dict(
+            layout="torchtitan_legacy" if legacy else "torchtitan",
+            score_func=router.score_func,
+            norm_topk_prob=bool(router.route_norm),
+            route_scale=float(router.route_scale),
+            score_before_experts=bool(getattr(module, "score_before_experts", False)),
+            load_balance_bias=bias is not None,
+        )
+        | options
+    )
+    moe = _new(cls, gate.weight, h, i, e, int(router.top_k), False, **kw)
+    moe.router.gate.weight = gate.weight
+    moe.experts.w1, moe.experts.w2, moe.experts.w3 = experts.w1, experts.w2, experts.w3
+    if bias is not None:
+        moe.expert_bias = bias
+        moe.tokens_per_expert = module.tokens_per_expert
+    moe.shared_experts = getattr(module, "shared_experts", None)
+    return moe
+
+
+def from_module(cls: type[FlyMoE], module: nn.Module, **options: Any) -> FlyMoE:
+    experts = getattr(module, "experts", None)
+    if experts is None:
+        _reject(module, "no `experts` attribute")
+    if hasattr(module, "router") and hasattr(module.router, "gate") and hasattr(experts, "w1"):
+        return _torchtitan(cls, module, options)
+    if not hasattr(module, "gate"):
+        _reject(module, "no `gate` router")
+    if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        return _hf_v5(cls, module, options)
+    if isinstance(experts, nn.ModuleList) and len(experts) > 0:
+        return _expert_list(cls, module, options)
+    _reject(module, f"unrecognised experts container {type(experts).__name__}")
+    raise AssertionError  # unreachable

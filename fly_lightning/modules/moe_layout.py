@@ -1,0 +1,153 @@
+"""Expert weight containers whose parameter names and shapes are those of the common MoE implementations.
+
+``FlyMoE`` keeps each model's own checkpoint layout, so swapping it in changes no state_dict key or shape. Keys are
+relative to the MoE block; E experts, hidden size H, expert intermediate size I:
+
+- ``hf`` (transformers v5 Mixtral, Qwen2/3-MoE, OLMoE, ...): ``gate.weight`` [E, H], ``experts.gate_up_proj``
+  [E, 2I, H] (gate rows first), ``experts.down_proj`` [E, H, I]. Stored as named.
+- ``mixtral`` (per-expert Linear lists): ``gate.weight``, ``experts.{i}.w1.weight`` [I, H] (gate),
+  ``experts.{i}.w3.weight`` [I, H] (up), ``experts.{i}.w2.weight`` [H, I] (down). Stored stacked.
+- ``qwen`` (per-expert Linear lists of transformers 4 Qwen2/3-MoE and OLMoE): ``gate.weight``,
+  ``experts.{i}.gate_proj.weight`` [I, H], ``experts.{i}.up_proj.weight`` [I, H], ``experts.{i}.down_proj.weight``
+  [H, I]. Stored stacked.
+- ``torchtitan``: ``router.gate.weight`` [E, H], ``experts.w1`` [E, I, H] (gate), ``experts.w3`` [E, I, H] (up),
+  ``experts.w2`` [E, H, I] (down), plus ``expert_bias`` [E] with load balancing. Stored as named.
+- ``torchtitan_legacy``: as ``torchtitan`` with ``w1``/``w3`` [E, H, I] and ``w2`` [E, I, H]. Stored as named.
+
+"Stored as named": the parameters are the model's own tensors (shared, not copied, by ``FlyMoE.from_module``).
+"Stored stacked": a grouped GEMM needs each projection contiguous over experts, so the per-expert matrices live in
+one ``[E, 2I, H]`` and one ``[E, H, I]`` parameter; state_dict hooks present and accept the per-expert keys, as
+views of the stacked storage (in-place loading, e.g. by distributed checkpointing, writes through). Optimizer state
+and ``named_parameters`` use the stacked names.
+
+Every container exposes ``projections()``: the ``[E, K, N]`` weights of the grouped GEMMs (transposed views, no
+copy): ``(gate_up or gate, up or None, down)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+LAYOUTS = ("hf", "mixtral", "qwen", "torchtitan", "torchtitan_legacy")
+LIST_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
+
+
+class RouterWeight(nn.Module):
+    """The router's ``[E, H]`` weight (``gate.weight``, or ``router.gate.weight`` in torchtitan)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
+
+
+class FusedExperts(nn.Module):
+    """transformers v5 experts: ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and ``down_proj`` [E, H, I]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None, dtype=None) -> None:
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i, device=device, dtype=dtype))
+
+    def projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        return self.gate_up_proj.transpose(1, 2), None, self.down_proj.transpose(1, 2)
+
+
+class ExpertList(FusedExperts):
+    """Per-expert Linear weights in the state dict (``{i}.w1.weight`` ...) over stacked storage."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        names: tuple[str, str, str],
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(num_experts, hidden_size, intermediate_size, device, dtype)
+        self.names = tuple(names)  # (gate, up, down)
+        self.register_state_dict_post_hook(_list_state_dict_hook)
+        self.register_load_state_dict_pre_hook(_list_load_hook)
+
+    def extra_repr(self) -> str:
+        return f"state_dict names={self.names}"
+
+
+def _list_keys(module: ExpertList, prefix: str, i: int) -> tuple[str, str, str]:
+    return tuple(f"{prefix}{i}.{name}.weight" for name in module.names)
+
+
+def _list_state_dict_hook(module: ExpertList, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    gate_up = state_dict.pop(prefix + "gate_up_proj")
+    down = state_dict.pop(prefix + "down_proj")
+    inter = gate_up.shape[1] // 2
+    for i in range(gate_up.shape[0]):
+        kg, ku, kd = _list_keys(module, prefix, i)
+        state_dict[kg], state_dict[ku], state_dict[kd] = gate_up[i, :inter], gate_up[i, inter:], down[i]
+
+
+def _list_load_hook(
+    module: ExpertList,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list,
+    unexpected_keys: list,
+    error_msgs: list,
+) -> None:
+    keys = [_list_keys(module, prefix, i) for i in range(module.gate_up_proj.shape[0])]
+    if not all(k in state_dict for ks in keys for k in ks):
+        return  # stacked keys, or an incomplete list: the ordinary missing/unexpected key report applies
+    gates = [state_dict.pop(kg) for kg, _, _ in keys]
+    ups = [state_dict.pop(ku) for _, ku, _ in keys]
+    downs = [state_dict.pop(kd) for _, _, kd in keys]
+    state_dict[prefix + "gate_up_proj"] = torch.cat([torch.stack(gates), torch.stack(ups)], dim=1)
+    state_dict[prefix + "down_proj"] = torch.stack(downs)
+
+
+class SplitExperts(nn.Module):
+    """torchtitan ``GroupedExperts``: ``w1`` (gate), ``w3`` (up), ``w2`` (down) as 3-D parameters.
+
+    Current torchtitan stores them like stacked ``nn.Linear`` weights (``w1``/``w3`` [E, I, H], ``w2`` [E, H, I]);
+    ``legacy=True`` is the earlier transposed layout (``w1``/``w3`` [E, H, I], ``w2`` [E, I, H]).
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, legacy: bool = False, device=None, dtype=None
+    ) -> None:
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.legacy = legacy
+        up_shape, down_shape = ((e, h, i), (e, i, h)) if legacy else ((e, i, h), (e, h, i))
+        self.w1 = nn.Parameter(torch.empty(up_shape, device=device, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(down_shape, device=device, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(up_shape, device=device, dtype=dtype))
+
+    def projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        if self.legacy:
+            return self.w1, self.w3, self.w2
+        return self.w1.transpose(1, 2), self.w3.transpose(1, 2), self.w2.transpose(1, 2)
+
+    def extra_repr(self) -> str:
+        return "legacy=True" if self.legacy else ""
+
+
+def make_experts(
+    layout: str, num_experts: int, hidden_size: int, intermediate_size: int, device=None, dtype=None
+) -> nn.Module:
+    args = (num_experts, hidden_size, intermediate_size)
+    if layout == "hf":
+        return FusedExperts(*args, device=device, dtype=dtype)
+    if layout in LIST_NAMES:
+        return ExpertList(*args, LIST_NAMES[layout], device=device, dtype=dtype)
+    if layout in ("torchtitan", "torchtitan_legacy"):
+        return SplitExperts(*args, legacy=layout == "torchtitan_legacy", device=device, dtype=dtype)
+    raise ValueError(f"unknown expert layout {layout!r}; known: {LAYOUTS}")
+
+
+def init_experts(experts: nn.Module, std: float = 0.02) -> None:
+    for p in experts.parameters():
+        nn.init.normal_(p, std=std)

@@ -1,0 +1,152 @@
+"""Launch configurations of the Triton grouped GEMM: the per-shape-class table, and what tuning/sweeps try."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from fly_lightning.kernels.triton._support import interpreting
+
+
+@dataclass(frozen=True)
+class GroupedMMConfig:
+    """One launch configuration of the grouped GEMM kernel.
+
+    ``programs_per_sm = 0`` launches one program per tile of the host-side upper bound (not persistent).
+    ``tma`` enables TMA loads where the strides allow (the activations only when they are not gathered);
+    ``tma_store`` the per-group TMA store (never with a scatter). ``schedule``: ``"scan"`` (each program counts
+    the tiles from the offsets and walks the groups: one launch) or ``"table"`` (a one-program kernel writes the
+    tile prefix sums first; each tile then finds its group by binary search). ``warp_specialize``: ``""`` (software
+    pipelining only), ``"tiles"`` (Triton's Hopper warp specialisation on the persistent tile loop: needs the
+    ``table`` schedule and 4 warps) or ``"k"`` (on the K loop); ``flatten`` flattens the tile loop with the K loop
+    (pipelining across tiles).
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    block_k: int = 64
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    tma: bool = True
+    tma_store: bool = False
+    programs_per_sm: int = 1
+    schedule: str = "scan"
+    warp_specialize: str = ""
+    flatten: bool = False
+
+    def label(self) -> str:
+        flags = "".join(f for f, on in (("T", self.tma), ("S", self.tma_store), ("F", self.flatten)) if on)
+        flags += "t" if self.schedule == "table" else ""
+        flags += f"W{self.warp_specialize}" if self.warp_specialize else ""
+        persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
+            f"_{persist}{'_' + flags if flags else ''}"
+        )
+
+
+def shape_class(m: int, n: int, k: int, e: int) -> tuple[str, str, str]:
+    """(rows per group, N, K) classes: the key of the configuration table."""
+    avg = m / max(1, e)
+    m_class = "small" if avg < 96 else "mid" if avg < 384 else "large"
+    n_class = "narrow" if n <= 1536 else "wide"
+    k_class = "short" if k <= 1024 else "long"
+    return m_class, n_class, k_class
+
+
+# Starting points for Hopper (H100/H200) per shape class; `python -m benchmarks.bench_grouped_mm --sweep` measures
+# the alternatives on the GPU and prints the winners in this form.
+C = GroupedMMConfig
+CONFIG_TABLE: dict[tuple[str, str, str], GroupedMMConfig] = {
+    ("small", "narrow", "short"): C(64, 128, 64, 8, 4, 4),
+    ("small", "narrow", "long"): C(64, 128, 64, 8, 4, 4),
+    ("small", "wide", "short"): C(64, 256, 64, 8, 3, 8),
+    ("small", "wide", "long"): C(64, 256, 64, 8, 3, 8),
+    ("mid", "narrow", "short"): C(128, 128, 64, 8, 4, 8),
+    ("mid", "narrow", "long"): C(128, 128, 64, 8, 4, 8),
+    ("mid", "wide", "short"): C(128, 256, 64, 8, 3, 8),
+    ("mid", "wide", "long"): C(128, 256, 64, 8, 3, 8),
+    ("large", "narrow", "short"): C(128, 128, 64, 8, 4, 8),
+    ("large", "narrow", "long"): C(128, 128, 64, 8, 4, 8),
+    ("large", "wide", "short"): C(128, 256, 64, 8, 3, 8),
+    ("large", "wide", "long"): C(128, 256, 64, 8, 3, 8),
+}
+# Ampere and older: no TMA, less shared memory.
+PRE_HOPPER_CONFIG = GroupedMMConfig(128, 128, 32, 8, 3, 8, tma=False)
+# The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
+INTERPRETER_CONFIG = GroupedMMConfig(32, 32, 32, 2, 1, 4, tma=False, programs_per_sm=1)
+INTERPRETER_PROGRAMS = 3
+
+MEASURED: dict[tuple, GroupedMMConfig] = {}
+"""Configurations chosen by ``tune`` (or ``FLY_LIGHTNING_GROUPED_MM_TUNE=1``), keyed like ``measure_key``."""
+
+
+def measure_key(x: torch.Tensor, w: torch.Tensor, m: int, gather: bool, scatter: bool) -> tuple:
+    n, k, e = w.shape[2], w.shape[1], w.shape[0]
+    return (*shape_class(m, n, k, e), w.stride(-1) != 1, x.dtype, gather, scatter)
+
+
+def choose_config(
+    x: torch.Tensor, w: torch.Tensor, m: int, gather: bool = False, scatter: bool = False
+) -> GroupedMMConfig:
+    """The measured choice for this shape class if any, else the table."""
+    if interpreting() and x.device.type == "cpu":
+        return INTERPRETER_CONFIG
+    measured = MEASURED.get(measure_key(x, w, m, gather, scatter))
+    if measured is not None:
+        return measured
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return PRE_HOPPER_CONFIG
+    return CONFIG_TABLE[shape_class(m, w.shape[2], w.shape[1], w.shape[0])]
+
+
+def candidate_configs() -> list[GroupedMMConfig]:
+    """What the benchmark sweep tries: tile shapes x stages x warps; persistent (1 or 2 programs per SM) or one
+    program per tile; TMA loads or pointers; TMA store; band width; scan or table schedule; warp specialisation."""
+    base = [
+        C(128, 256, 64, 8, 3, 8),
+        C(128, 256, 64, 8, 4, 8),
+        C(128, 128, 64, 8, 4, 8),
+        C(128, 128, 64, 8, 4, 4),
+        C(128, 128, 128, 8, 3, 8),
+        C(64, 256, 64, 8, 4, 4),
+        C(64, 128, 64, 8, 4, 4),
+        C(64, 128, 128, 8, 3, 4),
+        C(256, 128, 64, 8, 3, 8),
+    ]
+    specialised = [  # warp specialisation: 4 warps per partition (one producer and two consumer warp groups)
+        C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 256, 64, 8, 4, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 128, 64, 8, 4, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 128, 128, 8, 3, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="k"),
+        C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles", tma_store=True),
+    ]
+    variants = []
+    for c in base[:3]:
+        variants += [
+            replace(c, tma=False),
+            replace(c, programs_per_sm=0),
+            replace(c, programs_per_sm=2),
+            replace(c, tma_store=True, num_stages=min(c.num_stages, 3)),
+            replace(c, group_m=4),
+            replace(c, flatten=True),
+            replace(c, schedule="table"),
+        ]
+    return list(dict.fromkeys(base + specialised + variants))  # in order, without repeats
+
+
+def tune_candidates(m_class: str) -> list[GroupedMMConfig]:
+    """A short list for a measured choice (``tune``): the likely winners of a rows-per-group class."""
+    if m_class == "small":
+        return [C(64, 128, 64, 8, 4, 4), C(64, 256, 64, 8, 3, 8), C(128, 128, 64, 8, 4, 4, schedule="table",
+                                                                       warp_specialize="tiles")]  # fmt: skip
+    return [
+        C(128, 256, 64, 8, 3, 8),
+        C(128, 128, 64, 8, 4, 8),
+        C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 128, 64, 8, 4, 4, schedule="table", warp_specialize="tiles"),
+        C(128, 256, 64, 8, 3, 8, flatten=True),
+    ]

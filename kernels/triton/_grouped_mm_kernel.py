@@ -1,0 +1,445 @@
+"""Triton grouped GEMM for uneven expert loads: the kernel and its launcher (configurations: ``_grouped_mm_config``).
+
+Design:
+- The tile schedule over (group, tile) is built on the device from ``offs``; the launch grid depends on shapes only
+  (no host sync: CUDA graphs, torch.compile). Persistent: ``programs_per_sm x SMs`` programs walk the global tile
+  sequence ``pid, pid + P, ...``; otherwise one program per tile of the host-side upper bound
+  ``(cdiv(M, BLOCK_M) + E) x cdiv(N, BLOCK_N)``, the surplus exiting at once. Two schedules:
+  ``scan`` - every program loads all offsets as one vector, sums the tile counts, and advances a scalar group cursor
+  over its (increasing) tiles: one launch; ``table`` - a one-program kernel writes the tiles' prefix sums, each tile
+  finds its group by an unrolled binary search: a second tiny launch, but no reduction or loop op around the tile
+  loop, which Triton's Hopper warp specialisation requires.
+- Within a group, tiles are ordered in bands of ``GROUP_M`` row tiles, so programs running together share the expert's
+  weight columns and the band's rows in L2.
+- Offsets are clamped to ``[0, M]`` and group sizes to >= 0 on the device: invalid offsets (the host never reads
+  them) cannot address memory outside the tensors.
+- Loads: TMA tensor descriptors created on the device (``tl.make_tensor_descriptor``) where strides are 16-byte
+  aligned: activations through one ``[M, K]`` descriptor (a tile's rows past its group end come from the next group
+  and are never stored), weights through a 3-D ``[E, K, N]`` / ``[E, N, K]`` descriptor (the K tail is zero-filled
+  per expert). Plain masked pointer loads otherwise (unaligned strides, pre-Hopper GPUs, the interpreter if asked,
+  and gathered activation rows). Stores: masked pointer stores, or a per-group TMA descriptor of shape
+  ``[group end, N]`` that clips the rows of the next group. Rows at and past ``offs[-1]`` are never written.
+- ``GATHER``: A row r is ``x[idx[r] // TOPK]`` (token rows read through the routing permutation, no permuted copy).
+  ``SCATTER``: output row r is written to row ``idx[r]`` (slot order, no un-permute copy).
+- bf16 ``tl.dot`` is wrong in the Triton interpreter: operands are upcast to fp32 there (``UPCAST``); loops over
+  device values are ``while`` loops there (the interpreter cannot ``range`` over a tensor).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels.triton._grouped_mm_config import (
+    INTERPRETER_PROGRAMS,
+    MEASURED,
+    GroupedMMConfig,
+    choose_config,
+    measure_key,
+    shape_class,
+    tune_candidates,
+)
+from fly_lightning.kernels.triton._support import interpreting
+
+
+@triton.jit
+def _band_swizzle(local, num_m, num_n, GROUP_M: tl.constexpr):
+    """Tile ``local`` of a group's ``num_m x num_n`` grid, ordered in bands of GROUP_M row tiles."""
+    width = GROUP_M * num_n
+    first_m = (local // width) * GROUP_M
+    band_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (local % width) % band_m
+    pid_n = (local % width) // band_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _mma_step(
+    acc,
+    kk,
+    a_ptrs,
+    w_ptrs,
+    a_desc,
+    w_desc,
+    row_ok,
+    col_ok,
+    row0,
+    n0,
+    g,
+    K,
+    stride_wk,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    W_K_MAJOR: tl.constexpr,
+    TMA_A: tl.constexpr,
+    TMA_W: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """acc += A[:, k-tile kk] @ W[g][k-tile kk, :]."""
+    k0 = kk * BLOCK_K
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if TMA_A:
+        a = a_desc.load([row0, k0])  # rows past the group end belong to the next group: never stored
+    else:
+        a = tl.load(a_ptrs + ks[None, :], mask=row_ok[:, None] & (ks[None, :] < K), other=0.0)
+    if TMA_W:
+        if W_K_MAJOR:
+            b = w_desc.load([g, n0, k0]).reshape(BLOCK_N, BLOCK_K).T
+        else:
+            b = w_desc.load([g, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+    else:
+        b = tl.load(w_ptrs + ks[:, None] * stride_wk, mask=(ks[:, None] < K) & col_ok[None, :], other=0.0)
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _advance(tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M: tl.constexpr):
+    """Move the group cursor until ``tile`` lies in group g; the same clamped arithmetic as the tile count."""
+    while (tile >= g_first + g_tiles) & (g < E - 1):
+        g_first += g_tiles
+        g += 1
+        g_start = g_end
+        g_end = tl.minimum(tl.maximum(tl.load(OFFS + g), 0), M)
+        g_size = tl.maximum(g_end - g_start, 0)
+        g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    return g, g_first, g_start, g_end, g_size, g_tiles
+
+
+@triton.jit
+def _group_rows(OFFS, g, M):
+    """Rows [start, start + size) of group g, clamped to [0, M] (the host never validates device offsets)."""
+    start = tl.minimum(tl.maximum(tl.load(OFFS + g - 1, mask=g > 0, other=0), 0), M)
+    end = tl.minimum(tl.maximum(tl.load(OFFS + g), 0), M)
+    return start, tl.maximum(end - start, 0)
+
+
+@triton.jit
+def _tile_schedule_kernel(OFFS, TILE_END, M, N, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          E_POW2: tl.constexpr):  # fmt: skip
+    """TILE_END[e] = number of output tiles in groups 0..e (inclusive prefix sum), for the table schedule."""
+    e_ids = tl.arange(0, E_POW2)
+    ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
+    tiles = tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    tl.store(TILE_END + e_ids, tl.cumsum(tiles, axis=0), mask=e_ids < E)
+
+
+@triton.jit
+def _find_group(TILE_END, tile, E, LOG2_E: tl.constexpr):
+    """The group of ``tile``: how many groups end at or before it (branch-free binary search, no loop op)."""
+    lo = tile * 0
+    for step in tl.static_range(LOG2_E - 1, -1, -1):
+        probe = lo + (1 << step)
+        inside = probe <= E
+        ends_at = tl.load(TILE_END + probe - 1, mask=inside, other=2147483647)
+        lo = tl.where(inside & (ends_at <= tile), probe, lo)
+    return tl.minimum(lo, E - 1)
+
+
+# fmt: off
+@triton.jit
+def _tile(
+    tile, g, g_first, g_start, g_size, X, W, OUT, IDX, a_desc, w_desc, N, K,
+    stride_xm, stride_we, stride_wk, stride_wn, stride_om, num_n, k_tiles,
+    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_K_MAJOR: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, UPCAST: tl.constexpr, WS_K: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Compute and store output tile ``tile`` (of group g, whose rows are [g_start, g_start + g_size))."""
+    pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
+    row0 = g_start + pid_m * BLOCK_M
+    row_end = g_start + g_size
+    n0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < row_end
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    if GATHER:
+        src = tl.load(IDX + rows, mask=row_ok, other=0) // TOPK
+    else:
+        src = tl.where(row_ok, rows, 0)
+    a_ptrs = X + src.to(tl.int64)[:, None] * stride_xm
+    w_ptrs = W + g.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:  # the interpreter cannot range over a device value
+        kk = 0
+        while kk < k_tiles:
+            acc = _mma_step(acc, kk, a_ptrs, w_ptrs, a_desc, w_desc, row_ok, col_ok, row0, n0, g, K, stride_wk,
+                            BLOCK_K, BLOCK_M, BLOCK_N, W_K_MAJOR, TMA_A, TMA_W, UPCAST)
+            kk += 1
+    else:
+        for kk in tl.range(0, k_tiles, warp_specialize=WS_K):
+            acc = _mma_step(acc, kk, a_ptrs, w_ptrs, a_desc, w_desc, row_ok, col_ok, row0, n0, g, K, stride_wk,
+                            BLOCK_K, BLOCK_M, BLOCK_N, W_K_MAJOR, TMA_A, TMA_W, UPCAST)
+
+    c = acc.to(OUT.dtype.element_ty)
+    if TMA_STORE:
+        # shape [group end, N]: the descriptor clips the rows that belong to the next group
+        o_desc = tl.make_tensor_descriptor(OUT, shape=[row_end, N], strides=[stride_om, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+        o_desc.store([row0, n0], c)
+    else:
+        if SCATTER:
+            dst = tl.load(IDX + rows, mask=row_ok, other=0)
+        else:
+            dst = rows
+        o_ptrs = OUT + dst.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(o_ptrs, c, mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _grouped_mm_kernel(
+    X, W, OUT, OFFS, IDX, TILE_END, M, N, K, E, X_ROWS,
+    stride_xm, stride_we, stride_wk, stride_wn, stride_om, NUM_PROGS,
+    E_POW2: tl.constexpr, TABLE: tl.constexpr, LOG2_E: tl.constexpr, TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_K_MAJOR: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr,
+    GATHER: tl.constexpr, SCATTER: tl.constexpr, UPCAST: tl.constexpr,
+    WS_K: tl.constexpr, WS_TILES: tl.constexpr, FLATTEN: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+
+    if TABLE:  # tile counts from _tile_schedule_kernel: no reduction here (Hopper warp specialisation refuses them)
+        total = tl.load(TILE_END + E - 1)
+    else:  # every group's tile count from the offsets, clamped like _group_rows
+        e_ids = tl.arange(0, E_POW2)
+        ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
+        starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
+        total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
+
+    a_desc = X  # placeholders when not TMA (never used then)
+    w_desc = W
+    if TMA_A:
+        a_desc = tl.make_tensor_descriptor(X, shape=[X_ROWS, K], strides=[stride_xm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+    if TMA_W:
+        if W_K_MAJOR:
+            w_desc = tl.make_tensor_descriptor(W, shape=[E, N, K], strides=[stride_we, stride_wn, 1],
+                                               block_shape=[1, BLOCK_N, BLOCK_K])
+        else:
+            w_desc = tl.make_tensor_descriptor(W, shape=[E, K, N], strides=[stride_we, stride_wk, 1],
+                                               block_shape=[1, BLOCK_K, BLOCK_N])
+
+    if not TABLE:  # scan schedule: a scalar group cursor carried across this program's tiles (increasing order)
+        g = pid * 0
+        g_first = pid * 0  # global index of group g's first tile
+        g_start = pid * 0
+        g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
+        g_size = tl.maximum(g_end - g_start, 0)
+        g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    if INTERPRET:  # the interpreter cannot range over a device value
+        tile = pid
+        while tile < total:
+            if TABLE:
+                g = _find_group(TILE_END, tile, E, LOG2_E)
+                g_first = tl.load(TILE_END + g - 1, mask=g > 0, other=0)
+                g_start, g_size = _group_rows(OFFS, g, M)
+            else:
+                g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+                    tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+            _tile(tile, g, g_first, g_start, g_size, X, W, OUT, IDX, a_desc, w_desc, N, K,
+                  stride_xm, stride_we, stride_wk, stride_wn, stride_om, num_n, k_tiles,
+                  TOPK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_K_MAJOR, TMA_A, TMA_W, TMA_STORE,
+                  GATHER, SCATTER, UPCAST, WS_K, INTERPRET)
+            tile += NUM_PROGS
+    else:
+        for tile in tl.range(pid, total, NUM_PROGS, flatten=FLATTEN, warp_specialize=WS_TILES):
+            if TABLE:
+                g = _find_group(TILE_END, tile, E, LOG2_E)
+                g_first = tl.load(TILE_END + g - 1, mask=g > 0, other=0)
+                g_start, g_size = _group_rows(OFFS, g, M)
+            else:
+                g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+                    tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+            _tile(tile, g, g_first, g_start, g_size, X, W, OUT, IDX, a_desc, w_desc, N, K,
+                  stride_xm, stride_we, stride_wk, stride_wn, stride_om, num_n, k_tiles,
+                  TOPK, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, W_K_MAJOR, TMA_A, TMA_W, TMA_STORE,
+                  GATHER, SCATTER, UPCAST, WS_K, INTERPRET)
+# fmt: on
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _aligned(t: torch.Tensor, *strides: int) -> bool:
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in strides)
+
+
+def _tma_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def tma_available(t: torch.Tensor) -> bool:
+    """Device-side tensor descriptors: Hopper or newer, or the interpreter."""
+    if t.device.type == "cpu":
+        return interpreting()
+    return hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(t.device) >= (9, 0)
+
+
+def launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    idx: torch.Tensor | None = None,
+    topk: int = 1,
+    gather: bool = False,
+    scatter: bool = False,
+    config: GroupedMMConfig | None = None,
+) -> torch.Tensor:
+    """Run the kernel into ``out``: ``[M, N]``, M rows in group order (slot order with ``scatter``).
+
+    ``x`` is ``[M, K]`` (``[T, K]`` with ``gather``: row r reads ``x[idx[r] // topk]``); ``w`` ``[E, K, N]`` with
+    N or K contiguous; ``idx`` int32 ``[M]`` (gather/scatter only).
+    """
+    e, k, n = w.shape
+    m = idx.shape[0] if (gather or scatter) else x.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x.device):  # Triton launches on the current device
+            return launch(x, w, offs, out, idx=idx, topk=topk, gather=gather, scatter=scatter, config=config)
+    if k == 0:
+        return out.zero_()
+    cfg = config or choose_config(x, w, m, gather, scatter)
+    w_k_major = w.stride(2) != 1
+    w_inner = w.stride(2) if w_k_major else w.stride(1)
+    tma = cfg.tma and tma_available(x)
+    tma_a = tma and not gather and _aligned(x, x.stride(0))
+    tma_w = tma and _aligned(w, w.stride(0), w_inner)
+    tma_store = tma and cfg.tma_store and not scatter and _aligned(out, out.stride(0))
+    interp = x.device.type == "cpu"
+    if cfg.tma and not tma_w and not interp and cfg.block_m * cfg.block_n > 128 * 128:
+        cfg = replace(cfg, block_n=128)  # the pointer path spills registers with larger tiles
+    if cfg.warp_specialize and not (tma_a and tma_w) and not interp:
+        # Triton's Hopper warp specialisation takes TMA loads only: pointer loads (gather, unaligned) run unspecialised
+        cfg = replace(cfg, warp_specialize="", num_warps=8)
+    if (tma_a or tma_w or tma_store) and x.is_cuda:
+        triton.set_allocator(_tma_allocator)
+    bm, bn = cfg.block_m, cfg.block_n
+    upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
+    if interp:
+        progs = min(INTERPRETER_PROGRAMS, upper)
+    elif cfg.programs_per_sm:
+        progs = min(cfg.programs_per_sm * _num_sms(x.device.index or 0), upper)
+    else:
+        progs = upper
+    index = idx if idx is not None else offs  # placeholder pointer, never read without GATHER/SCATTER
+    table = cfg.schedule == "table"
+    tile_end = offs
+    if table:  # per-group tile counts first, by a one-program kernel (still no host sync)
+        tile_end = torch.empty_like(offs)
+        _tile_schedule_kernel[(1,)](offs, tile_end, m, n, e, BLOCK_M=bm, BLOCK_N=bn,
+                                    E_POW2=max(16, triton.next_power_of_2(e)), num_warps=4)  # fmt: skip
+    _grouped_mm_kernel[(progs,)](
+        x,
+        w,
+        out,
+        offs,
+        index,
+        tile_end,
+        m,
+        n,
+        k,
+        e,
+        x.shape[0],
+        x.stride(0),
+        w.stride(0),
+        w.stride(1),
+        w.stride(2),
+        out.stride(0),
+        progs,
+        E_POW2=max(1024, triton.next_power_of_2(e)),  # one compilation for every E up to 1024
+        TABLE=table,
+        LOG2_E=8 if e <= 256 else 12,
+        TOPK=topk,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m,
+        W_K_MAJOR=w_k_major,
+        TMA_A=tma_a,
+        TMA_W=tma_w,
+        TMA_STORE=tma_store,
+        GATHER=gather,
+        SCATTER=scatter,
+        UPCAST=interp and x.dtype == torch.bfloat16,
+        WS_K=cfg.warp_specialize == "k",
+        WS_TILES=cfg.warp_specialize == "tiles",
+        FLATTEN=cfg.flatten,
+        INTERPRET=interp,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def tune(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    idx: torch.Tensor | None = None,
+    topk: int = 1,
+    gather: bool = False,
+    scatter: bool = False,
+    candidates: list[GroupedMMConfig] | None = None,
+    reps: int = 10,
+) -> GroupedMMConfig:
+    """Time ``candidates`` (default: ``tune_candidates`` of the shape class) on these inputs and remember the fastest
+    for their shape class (``MEASURED``, consulted by ``choose_config``)."""
+    m = idx.shape[0] if (gather or scatter) else x.shape[0]
+    out = torch.empty(m, w.shape[2], dtype=x.dtype, device=x.device)
+    if candidates is None:
+        candidates = tune_candidates(shape_class(m, w.shape[2], w.shape[1], w.shape[0])[0])
+    best, best_ms = None, float("inf")
+    for cfg in candidates:
+        try:
+            run = lambda: launch(x, w, offs, out, idx=idx, topk=topk, gather=gather, scatter=scatter, config=cfg)  # noqa: B023, E731
+            ms = _elapsed_ms(run, reps, x.is_cuda)
+        except Exception:  # a configuration that does not compile or fit is skipped
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError("no grouped_mm configuration ran")
+    MEASURED[measure_key(x, w, m, gather, scatter)] = best
+    return best
+
+
+def _elapsed_ms(fn, reps: int, cuda: bool) -> float:
+    fn()  # compiles
+    if not cuda:
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / reps
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def auto_tune_enabled() -> bool:
+    return os.environ.get("FLY_LIGHTNING_GROUPED_MM_TUNE") == "1"

@@ -1,0 +1,59 @@
+"""Triton grouped GEMM forward, registered as the ``triton`` backend of ``grouped_mm`` (kernel: ``_grouped_mm_kernel``).
+
+Unaligned strides (K or N not a multiple of 16 bytes, unaligned data) take the kernel's plain-pointer path instead
+of TMA; they are supported, not rejected.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+from fly_lightning.kernels.triton._support import device_reason
+from fly_lightning.ops.grouped_mm import GROUPED_MM
+
+_DTYPES = (torch.bfloat16, torch.float16)
+MAX_GROUPS = 4096  # the kernel loads all offsets as one vector
+
+
+def layout_reason(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> str | None:
+    """Device, dtype and layout checks shared by the grouped GEMM kernels, or None."""
+    if (reason := device_reason(x, w, offs)) is not None:
+        return reason
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} (kernel takes bfloat16/float16)"
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 0):
+        return "GPU older than sm80"
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        return "x rows not contiguous (x.stride(1) != 1)"
+    if w.stride(2) != 1 and w.stride(1) != 1 and w.shape[1] > 1 and w.shape[2] > 1:
+        return "w has neither N nor K contiguous"
+    if w.shape[0] > MAX_GROUPS:
+        return f"{w.shape[0]} groups (kernel takes at most {MAX_GROUPS})"
+    return None
+
+
+def _supports(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out_dtype: torch.dtype | None) -> bool | str:
+    return layout_reason(x, w, offs) or True
+
+
+def maybe_tune(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, m: int, **index: object) -> None:
+    """With ``FLY_LIGHTNING_GROUPED_MM_TUNE=1``, measure the candidates once per shape class (never while capturing)."""
+    if not (gk.auto_tune_enabled() and x.is_cuda) or torch.cuda.is_current_stream_capturing():
+        return
+    if gk.measure_key(x, w, m, bool(index.get("gather")), bool(index.get("scatter"))) not in gk.MEASURED:
+        gk.tune(x, w, offs, **index)
+
+
+@GROUPED_MM.implement("triton", supports=_supports)
+def grouped_mm_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype | None,
+    config: gk.GroupedMMConfig | None = None,
+) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype, device=x.device)
+    if config is None:
+        maybe_tune(x, w, offs, x.shape[0])
+    return gk.launch(x, w, offs, out, config=config)

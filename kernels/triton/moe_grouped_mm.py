@@ -1,0 +1,46 @@
+"""Triton backend of ``moe_grouped_mm``: the grouped GEMM kernel with its gather (A rows read through the routing
+permutation) and scatter (output rows written to their slots) modes."""
+
+from __future__ import annotations
+
+import torch
+
+from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+from fly_lightning.kernels.triton.grouped_mm import layout_reason, maybe_tune
+from fly_lightning.ops.moe_grouped_mm import MOE_GROUPED_MM
+
+
+def _supports(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    perm: torch.Tensor,
+    topk: int,
+    gather: bool,
+    scatter: bool,
+    out_dtype: torch.dtype | None,
+) -> bool | str:
+    if (reason := layout_reason(x, w, offs)) is not None:
+        return reason
+    if perm.stride(0) != 1 and perm.numel() > 1:
+        return "perm not contiguous"
+    return True
+
+
+@MOE_GROUPED_MM.implement("triton", supports=_supports)
+def moe_grouped_mm_triton(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    perm: torch.Tensor,
+    topk: int,
+    gather: bool,
+    scatter: bool,
+    out_dtype: torch.dtype | None,
+    config: gk.GroupedMMConfig | None = None,
+) -> torch.Tensor:
+    out = torch.empty(perm.shape[0], w.shape[2], dtype=out_dtype or x.dtype, device=x.device)
+    index = dict(idx=perm, topk=topk, gather=gather, scatter=scatter)
+    if config is None:
+        maybe_tune(x, w, offs, perm.shape[0], **index)
+    return gk.launch(x, w, offs, out, config=config, **index)

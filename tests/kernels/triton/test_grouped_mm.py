@@ -1,0 +1,145 @@
+"""The Triton grouped GEMM kernel directly: every launch variant on uneven groups, memory safety of invalid offsets,
+configuration choice and support reasons (interpreter: tiny shapes)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fly_lightning.backends import reset_availability
+from fly_lightning.kernels.triton import _grouped_mm_config as gc
+from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+from fly_lightning.kernels.triton.grouped_mm import layout_reason
+from fly_lightning.ops.grouped_mm import grouped_mm_reference
+
+BASE = gc.INTERPRETER_CONFIG
+VARIANTS = {
+    "pointer": BASE,
+    "tma": replace(BASE, tma=True),
+    "tma_store": replace(BASE, tma=True, tma_store=True),
+    "not_persistent": replace(BASE, programs_per_sm=0),
+    "block_m16_group1": replace(BASE, block_m=16, group_m=1),
+    "block_n64_k16": replace(BASE, block_n=64, block_k=16, group_m=4),
+    "table": replace(BASE, schedule="table"),
+    "table_tma_ws": replace(BASE, schedule="table", tma=True, tma_store=True, warp_specialize="tiles"),
+    "flatten": replace(BASE, flatten=True, programs_per_sm=2),
+}
+
+
+def _problem(counts, k, n, dtype=torch.float16, k_major=False, tail=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    m = int(offs[-1]) + tail
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    if k_major:
+        w = torch.randn(len(counts), n, k, generator=gen).to(dtype).transpose(1, 2)
+    else:
+        w = torch.randn(len(counts), k, n, generator=gen).to(dtype)
+    return x, w, offs
+
+
+def _check(out, x, w, offs, tol=2e-3):
+    end = int(offs[-1])
+    ref = grouped_mm_reference(x.double(), w.double(), offs)[:end]
+    err = ((out[:end].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("k_major", [False, True])
+def test_launch_variants_on_uneven_groups(variant, k_major):
+    # empty groups, a group smaller than a tile, one spanning several, sizes off multiples of 16, rows past the end
+    x, w, offs = _problem([0, 3, 70, 0, 17, 1], k=40, n=48, k_major=k_major, tail=5)
+    out = torch.full((x.shape[0], 48), float("nan"), dtype=x.dtype)
+    gk.launch(x, w, offs, out, config=VARIANTS[variant])
+    _check(out, x, w, offs)
+    assert out[int(offs[-1]) :].isnan().all()  # rows past the last offset are never written
+
+
+@pytest.mark.parametrize("k_major", [False, True])
+def test_bf16_is_upcast_in_the_interpreter(k_major):
+    x, w, offs = _problem([9, 30, 0, 21], k=32, n=32, dtype=torch.bfloat16, k_major=k_major)
+    out = torch.empty(x.shape[0], 32, dtype=torch.bfloat16)
+    gk.launch(x, w, offs, out, config=replace(BASE, tma=True))
+    _check(out, x, w, offs, tol=1e-2)  # the interpreter truncates fp32 -> bf16 instead of rounding
+
+
+def test_unaligned_strides_take_the_pointer_path_even_when_tma_is_asked():
+    x, w, offs = _problem([5, 12, 8], k=13, n=7)  # K, N not multiples of 16 bytes: no descriptor possible
+    out = torch.empty(x.shape[0], 7, dtype=x.dtype)
+    gk.launch(x, w, offs, out, config=replace(BASE, tma=True, tma_store=True))
+    _check(out, x, w, offs)
+
+
+def test_float32_output():
+    x, w, offs = _problem([10, 0, 22], k=32, n=16)
+    out = torch.empty(x.shape[0], 16, dtype=torch.float32)
+    gk.launch(x, w, offs, out)
+    ref = grouped_mm_reference(x.double(), w.double(), offs)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+
+
+def test_zero_k_gives_zeros_and_empty_problems_return():
+    x, w, offs = _problem([3, 4], k=0, n=8)
+    out = torch.full((7, 8), 5.0, dtype=x.dtype)
+    assert (gk.launch(x, w, offs, out) == 0).all()
+    x, w, offs = _problem([0, 0], k=8, n=8)
+    assert gk.launch(x, w, offs, torch.empty(0, 8, dtype=x.dtype)).shape == (0, 8)
+
+
+@pytest.mark.parametrize("schedule", ["scan", "table"])
+@pytest.mark.parametrize("offsets", [[4, 2, 9], [3, 50, 60], [-5, 4, 9], [9, 9, 100]])
+def test_invalid_offsets_never_touch_memory_outside_the_tensors(offsets, schedule):
+    m, k, n = 9, 16, 16
+    x, w, _ = _problem([3, 3, 3], k=k, n=n)
+    offs = torch.tensor(offsets, dtype=torch.int32)
+    guard = torch.full((m + 4, n), 7.0, dtype=x.dtype)
+    out = guard[2 : 2 + m]  # rows of the buffer outside `out` must stay untouched
+    gk.launch(x, w, offs, out, config=replace(BASE, schedule=schedule))
+    assert (guard[:2] == 7).all() and (guard[2 + m :] == 7).all()
+
+
+@pytest.mark.parametrize("gather,scatter", [(True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "table"])
+def test_gather_and_scatter_modes(gather, scatter, variant):
+    t, topk, e, k, n = 23, 2, 5, 32, 40
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.rand(t, e, generator=gen).topk(topk, dim=-1).indices.reshape(-1)
+    offs = torch.cumsum(torch.bincount(ids, minlength=e), 0).to(torch.int32)
+    perm = torch.argsort(ids, stable=True).to(torch.int32)
+    x_tok = torch.randn(t, k, generator=gen).half()
+    x = x_tok if gather else x_tok[perm.long() // topk]
+    w = torch.randn(e, n, k, generator=gen).half().transpose(1, 2)
+    out = torch.empty(t * topk, n, dtype=x.dtype)
+    gk.launch(x, w, offs, out, idx=perm, topk=topk, gather=gather, scatter=scatter, config=VARIANTS[variant])
+    ref = grouped_mm_reference(x_tok.double()[perm.long() // topk], w.double(), offs)
+    if scatter:
+        ref = ref[torch.argsort(perm.long())]
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_configuration_choice():
+    assert gc.shape_class(8 * 4096, 14336, 4096, 8) == ("large", "wide", "long")
+    assert gc.shape_class(128 * 64, 768, 2048, 128) == ("small", "narrow", "long")
+    assert gc.shape_class(256 * 64, 2048, 768, 64) == ("mid", "wide", "short")
+    assert len(gc.CONFIG_TABLE) == 12
+    x, w, _ = _problem([4, 4], k=16, n=16)
+    assert gc.choose_config(x, w, 8) == gc.INTERPRETER_CONFIG  # CPU tensors under the interpreter
+    assert len(set(gc.candidate_configs())) == len(gc.candidate_configs())
+    labels = {c.label() for c in gc.candidate_configs()}
+    assert len(labels) == len(gc.candidate_configs())
+
+
+def test_support_reasons(monkeypatch):
+    x, w, offs = _problem([4, 4], k=16, n=16)
+    assert layout_reason(x, w, offs) is None
+    assert "dtype torch.float32" in layout_reason(x.float(), w.float(), offs)
+    assert "x rows not contiguous" in layout_reason(torch.randn(16, 8).half().t(), w, offs)
+    assert "neither N nor K contiguous" in layout_reason(x, torch.randn(2, 32, 32).half()[:, ::2, ::2], offs)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reset_availability()
+    try:
+        assert "tensor on CPU" in layout_reason(x, w, offs)
+    finally:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        reset_availability()

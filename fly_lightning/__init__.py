@@ -6,7 +6,7 @@
 from fly_lightning.backends import BACKENDS, load_kernels
 from fly_lightning.dispatch_log import DISPATCH_LOG
 from fly_lightning.modules import FlyRMSNorm
-from fly_lightning.ops import rms_norm
+from fly_lightning.ops import moe_route, rms_norm, topk
 from fly_lightning.policy import DispatchConfig, dispatch_config, get_dispatch_config, set_dispatch_config
 from fly_lightning.registry import OPS, get_op
 
@@ -23,6 +23,8 @@ __all__ = [
     "dispatch_config",
     "get_dispatch_config",
     "get_op",
+    "moe_route",
     "rms_norm",
     "set_dispatch_config",
+    "topk",
 ]

@@ -281,11 +281,11 @@ def moe_route_backward(
     grad_weights_TK: Tensor, logits_TE: Tensor, ids_TK: Tensor, score: str, renormalize: bool, route_scale: float
 ) -> Tensor:
     """Gate weights -> logits through existing ATen ops; the chosen ids are constants (bias gets no gradient)."""
-    x = logits_TE.float()
+    x = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
     s = _scores(x, score)
     idx = ids_TK.long()
     p = s.gather(1, idx)
-    g = grad_weights_TK.float() * route_scale
+    g = grad_weights_TK.to(x.dtype) * route_scale
     if renormalize:  # w = p / (sum(p) + eps): dw_j/dp_i = [i == j] / d - p_j / d^2
         d = p.sum(-1, keepdim=True) + RENORM_EPS
         g = g / d - (g * p).sum(-1, keepdim=True) / (d * d)
@@ -329,6 +329,8 @@ def moe_route(
     module docstring for ties, NaN and the exact ranking rule. No host synchronisation: usable under CUDA graphs and
     ``torch.compile(fullgraph=True)``.
     """
+    if isinstance(k, bool) or not isinstance(k, int):  # the custom op's schema would reject it less clearly
+        raise ValueError(f"moe_route: k must be an int, got {type(k).__name__}")
     out = moe_route_op(
         logits_TE,
         k,

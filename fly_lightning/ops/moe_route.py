@@ -203,7 +203,7 @@ def _signature(
         k,
         score,
         renormalize,
-        None if bias_E is None else bias_E.dtype,
+        None if bias_E is None else (bias_E.dtype, bias_E.shape, bias_E.stride(), bias_E.device),
         n_groups,
         topk_groups,
         return_permutation,
@@ -300,6 +300,11 @@ def moe_route_backward(
 moe_route_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _plain(t: Tensor) -> bool:
+    """A plain tensor that needs no autograd graph (not a subclass such as FakeTensor or DTensor)."""
+    return type(t) is Tensor and not t.requires_grad
+
+
 def moe_route(
     logits_TE: Tensor,
     k: int,
@@ -331,7 +336,7 @@ def moe_route(
     """
     if isinstance(k, bool) or not isinstance(k, int):  # the custom op's schema would reject it less clearly
         raise ValueError(f"moe_route: k must be an int, got {type(k).__name__}")
-    out = moe_route_op(
+    args = (
         logits_TE,
         k,
         score,
@@ -342,6 +347,10 @@ def moe_route(
         topk_groups,
         bool(return_permutation),
     )
+    if _plain(logits_TE) and (bias_E is None or _plain(bias_E)) and not torch.compiler.is_compiling():
+        out = MOE_ROUTE(*args)  # nothing to differentiate or trace: skip the custom op's wrapper (host time)
+    else:
+        out = moe_route_op(*args)
     if return_permutation:
         return MoERouting(*out)
     return MoERouting(*out[:4])

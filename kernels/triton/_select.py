@@ -156,4 +156,9 @@ def exact_step(key, col, j: tl.constexpr, CB: tl.constexpr):
 
 
 def block_of(n: int) -> int:
-    return triton.next_power_of_2(max(1, n))
+    """Next power of two (plain arithmetic: ``triton.next_power_of_2`` is a JIT function, slow on the host path)."""
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,20 +1,24 @@
 """Triton MoE routing, registered as the ``triton`` backend of ``moe_route``.
 
 One fused forward kernel, ``_moe_route_fwd``: a persistent grid where each program walks a contiguous range of
-``ROWS``-token tiles and, per tile, loads the logits once, computes the scores in fp32, ranks the experts (see
-``_select.py``), writes the gate weights and ids, and counts its selections per expert in registers. At the end each
-program adds its counts to a zeroed accumulator with integer atomics, and the last program to finish (a ticket
-counter) writes ``counts_E`` and ``offsets_E`` and zeroes the accumulator and the ticket for the next launch. No host
-synchronisation anywhere, so the op can be captured in a CUDA graph.
+``ROWS``-token tiles. Per tile it loads the logits once (as a ``[G, LG, ROWS, C, VEC]`` tile, see ``_select.py``),
+computes the ranked values in fp32 (the logits themselves, or ``score + bias`` with node-limited groups applied),
+selects the top k by descent over unique packed keys, and stores each step's winning key. A compact ``[ROWS, KP]``
+epilogue then decodes ids, computes the gate weights from the unbiased scores (softmax row max and sum, or sigmoid;
+renormalised, scaled), and histograms the ids into the program's per-expert tally. At the end each program adds its
+tally to a zeroed accumulator with integer atomics, and the last program to finish (a ticket counter) writes
+``counts_E`` and the inclusive ``offsets_E`` and re-zeroes the accumulator and the ticket for the next launch. No
+host synchronisation anywhere: the op can be captured in a CUDA graph.
 
-With ``return_permutation`` the forward kernel also writes, for each slot, its rank among the program's slots of the
-same expert (token order) and the program's per-expert counts; two small kernels then turn those into the stable
-permutation: ``_perm_base`` scans the per-program counts (exclusive, per expert, plus the expert's start offset) and
-``_perm_scatter`` adds that base to each slot's rank and scatters the slot into the sorted order.
+With ``return_permutation`` the selection marks the chosen keys with their rank instead, and the tile also writes
+each slot's rank among the program's slots of the same expert (token order) and the program's per-expert counts; two
+small kernels turn those into the stable permutation: ``_perm_base`` scans the per-program counts (exclusive, per
+expert, plus the expert's start offset) and ``_perm_scatter`` adds that base to each slot's rank and scatters the
+slot into the sorted order.
 
 Determinism: the counts are sums of integer atomics, which are exact and commutative, so their result does not depend
-on the order the atomics land in (also under ``torch.use_deterministic_algorithms(True)``, where nothing changes).
-The permutation uses no atomics: ranks follow token order inside a program and program order across programs.
+on the order the atomics land in; ``torch.use_deterministic_algorithms(True)`` changes nothing here. The permutation
+uses no atomics: ranks follow token order inside a program and program order across programs.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fly_lightning.kernels.triton._select import (
     MAX_K,
     PAD,
     block_of,
+    cdiv,
     descent_step,
     exact_step,
     float_key,
@@ -444,8 +449,8 @@ def _grid(device: torch.device, cfg: LaunchConfig, n_tiles: int) -> tuple[int, i
         progs = _sm_count(device.index) * cfg.programs_per_sm
     else:  # the interpreter runs programs one after another: a few are enough to exercise the multi-program logic
         progs = 4
-    per = triton.cdiv(n_tiles, max(1, min(progs, n_tiles)))
-    return triton.cdiv(n_tiles, per), per
+    per = cdiv(n_tiles, max(1, min(progs, n_tiles)))
+    return cdiv(n_tiles, per), per
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
@@ -497,6 +502,69 @@ def _supports(
     return True
 
 
+@dataclass(frozen=True)
+class _Plan:
+    programs: int
+    tiles: int
+    tiles_per_program: int
+    rows: int
+    constexprs: dict
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(
+    n_tokens: int,
+    n_experts: int,
+    k: int,
+    dtype: torch.dtype,
+    row_stride: int,
+    score: str,
+    renormalize: bool,
+    has_bias: bool,
+    n_groups: int | None,
+    topk_groups: int | None,
+    perm: bool,
+    device: torch.device,
+    config: LaunchConfig | None,
+    interpret: bool,
+) -> _Plan:
+    """Everything about a launch that depends only on the call's signature (cached: the eager path is host-bound)."""
+    itemsize = torch.finfo(dtype).bits // 8
+    cfg = config or launch_config(n_experts, k, itemsize, n_groups is not None)
+    shape = tile_shape(n_experts, n_groups, row_stride, itemsize, cfg)
+    tiles = cdiv(n_tokens, shape.ROWS)
+    programs, per_program = _grid(device, cfg, tiles)
+    sel_logits = not has_bias and n_groups is None
+    constexprs = dict(
+        E=n_experts,
+        K=k,
+        KP=block_of(k),
+        BLOCK_E=block_of(n_experts),
+        G=shape.G,
+        LG=shape.LG,
+        ROWS=shape.ROWS,
+        C=shape.C,
+        VEC=shape.VEC,
+        SG=shape.SG,
+        NG=shape.NG,
+        CB=shape.CB,
+        ALIGN=shape.VEC,
+        SIGMOID=score == "sigmoid",
+        RENORM=renormalize,
+        HAS_BIAS=has_bias,
+        SEL_LOGITS=sel_logits,
+        HALF_KEYS=sel_logits and dtype in (torch.bfloat16, torch.float16),
+        INF16=FP16_INF if dtype == torch.float16 else BF16_INF,
+        TOPK_G=topk_groups or 0,
+        PERM=perm,
+        NUM_STAGES=cfg.num_stages,
+        INTERPRET=interpret,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return _Plan(programs, tiles, per_program, shape.ROWS, constexprs)
+
+
 @MOE_ROUTE.implement("triton", supports=_supports)
 def moe_route_triton(
     logits_TE: torch.Tensor,
@@ -525,13 +593,24 @@ def moe_route_triton(
         counts.zero_()
         offsets.zero_()
         return weights, ids, counts, offsets, sorted_slots, slot_pos
-    cfg = config or launch_config(n_experts, k, logits_TE.element_size(), n_groups is not None)
-    shape = tile_shape(n_experts, n_groups, logits_TE.stride(0), logits_TE.element_size(), cfg)
-    n_tiles = triton.cdiv(n_tokens, shape.ROWS)
-    progs, per_prog = _grid(dev, cfg, n_tiles)
-    sel_logits = bias_E is None and n_groups is None
-    hist = torch.empty((progs * n_experts,), **i32) if return_permutation else counts
-    _moe_route_fwd[(progs,)](
+    plan = _plan(
+        n_tokens,
+        n_experts,
+        k,
+        logits_TE.dtype,
+        logits_TE.stride(0),
+        score,
+        renormalize,
+        bias_E is not None,
+        n_groups,
+        topk_groups,
+        return_permutation,
+        dev,
+        config,
+        interpreting(),
+    )
+    hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
+    _moe_route_fwd[(plan.programs,)](
         logits_TE,
         logits_TE.stride(0),
         bias_E if bias_E is not None else logits_TE,
@@ -543,39 +622,24 @@ def moe_route_triton(
         offsets,
         _workspace(dev),
         n_tokens,
-        n_tiles,
-        per_prog,
+        plan.tiles,
+        plan.tiles_per_program,
         route_scale,
-        E=n_experts,
-        K=k,
-        KP=block_of(k),
-        BLOCK_E=block_of(n_experts),
-        G=shape.G,
-        LG=shape.LG,
-        ROWS=shape.ROWS,
-        C=shape.C,
-        VEC=shape.VEC,
-        SG=shape.SG,
-        NG=shape.NG,
-        CB=shape.CB,
-        ALIGN=shape.VEC,
-        SIGMOID=score == "sigmoid",
-        RENORM=renormalize,
-        HAS_BIAS=bias_E is not None,
-        SEL_LOGITS=sel_logits,
-        HALF_KEYS=sel_logits and logits_TE.dtype in (torch.bfloat16, torch.float16),
-        INF16=FP16_INF if logits_TE.dtype == torch.float16 else BF16_INF,
-        TOPK_G=topk_groups or 0,
-        PERM=return_permutation,
-        NUM_STAGES=cfg.num_stages,
-        INTERPRET=interpreting(),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        **plan.constexprs,
     )
     if return_permutation:
-        _perm_base[(triton.cdiv(n_experts, 32),)](hist, counts, offsets, progs, n_experts, EB=32, PB=64)
+        _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64)
         n_slots = n_tokens * k
-        _perm_scatter[(triton.cdiv(n_slots, 1024),)](
-            ids, slot_pos, hist, sorted_slots, n_slots, n_experts, per_prog * shape.ROWS, K=k, BLOCK=1024, num_warps=4
+        _perm_scatter[(cdiv(n_slots, 1024),)](
+            ids,
+            slot_pos,
+            hist,
+            sorted_slots,
+            n_slots,
+            n_experts,
+            plan.tiles_per_program * plan.rows,
+            K=k,
+            BLOCK=1024,
+            num_warps=4,
         )
     return weights, ids, counts, offsets, sorted_slots, slot_pos

@@ -9,6 +9,7 @@ included). One tile per program: the grid is the number of tiles.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from fly_lightning.kernels.triton._select import (
     MAX_K,
     PAD,
     block_of,
+    cdiv,
     descent_step,
     exact_step,
     float_key,
@@ -125,27 +127,18 @@ def _supports(x: torch.Tensor, k: int) -> bool | str:
     return True
 
 
-@TOPK.implement("triton", supports=_supports)
-def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    n = x.shape[-1]
-    values = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
-    indices = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
-    if values.numel() == 0:
-        return values, indices
-    x2 = x.view(-1, n)
-    cfg = config or launch_config(n, x.element_size())
-    vec = 16 // x.element_size()
-    while vec > 1 and (n % vec or (x2.shape[0] > 1 and x2.stride(0) % vec)):
+@functools.lru_cache(maxsize=512)
+def _plan(n: int, k: int, dtype: torch.dtype, row_stride: int, rows_total: int, cfg: LaunchConfig | None):
+    """(grid, constexprs) for one signature (cached: the eager path is host-bound)."""
+    itemsize = torch.finfo(dtype).bits // 8
+    cfg = cfg or launch_config(n, itemsize)
+    vec = 16 // itemsize
+    while vec > 1 and (n % vec or (rows_total > 1 and row_stride % vec)):
         vec //= 2
     np2 = max(block_of(n), vec)
     lg = max(1, min(np2 // max(cfg.elems_per_thread, vec), 32))
     rows = (32 // lg) * cfg.num_warps * cfg.rows_per_thread
-    _topk_fwd[(triton.cdiv(x2.shape[0], rows),)](
-        x2,
-        x2.stride(0),
-        values,
-        indices,
-        x2.shape[0],
+    constexprs = dict(
         N=n,
         K=k,
         KP=block_of(k),
@@ -155,8 +148,21 @@ def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> 
         VEC=vec,
         CB=np2,
         ALIGN=vec,
-        HALF_KEYS=x.dtype != torch.float32,
-        INF16=FP16_INF if x.dtype == torch.float16 else BF16_INF,
+        HALF_KEYS=dtype != torch.float32,
+        INF16=FP16_INF if dtype == torch.float16 else BF16_INF,
         num_warps=cfg.num_warps,
     )
+    return cdiv(rows_total, rows), constexprs
+
+
+@TOPK.implement("triton", supports=_supports)
+def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    values = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
+    indices = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
+    if values.numel() == 0:
+        return values, indices
+    x2 = x.view(-1, n)
+    grid, constexprs = _plan(n, k, x.dtype, x2.stride(0), x2.shape[0], config)
+    _topk_fwd[(grid,)](x2, x2.stride(0), values, indices, x2.shape[0], **constexprs)
     return values, indices

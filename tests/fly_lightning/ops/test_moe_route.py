@@ -372,6 +372,21 @@ def test_invalid_arguments_raise_before_dispatch(kwargs, match):
     assert DISPATCH_LOG.records() == []
 
 
+def test_each_new_bias_shape_is_validated():
+    x = torch.randn(4, 8)
+    moe_route(x, 2, bias_E=torch.zeros(8))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        moe_route(x, 2, bias_E=torch.zeros(7))
+
+
+def test_eager_fast_path_matches_the_custom_op():
+    x = torch.randn(30, 24)
+    fast = moe_route(x, 3, return_permutation=True)  # plain tensors, no grad: dispatched without the op wrapper
+    op = moe_route_op(x, 3, "softmax", True, None, 1.0, None, None, True)
+    assert all(torch.equal(a, b) for a, b in zip(fast, op, strict=True))
+    assert _last()["backend"] == "triton" and _last()["calls"] == 2
+
+
 def test_invalid_logits_raise():
     with pytest.raises(ValueError, match="must be 2-D"):
         moe_route(torch.randn(2, 3, 8), 2)

@@ -345,7 +345,7 @@ def sweep_configs(case: Case):
 
 def run_sweep() -> None:
     from fly_lightning.kernels.triton.moe_route import moe_route_triton, tile_shape
-    from fly_lightning.ops.moe_route import moe_route_reference
+    from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
 
     start = time.perf_counter()
     dev = torch.device("cuda")
@@ -373,6 +373,8 @@ def run_sweep() -> None:
             try:
                 out = moe_route_triton(inputs[0][0], *args, config=cfg)
                 row["ids_match"] = bool(torch.equal(out[1], ref_ids))
+                expected = routing_counts(out[1], case.experts, False)
+                row["counts_ok"] = bool(torch.equal(out[2], expected[0]) and torch.equal(out[3], expected[1]))
                 row["graph_ms"] = time_graph_ms(
                     _bind(moe_route_triton, *args, config=cfg), inputs, calls_per_graph=20, replays=10
                 )["median_ms"]

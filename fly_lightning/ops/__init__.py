@@ -2,6 +2,8 @@
 
 from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
+from fly_lightning.ops.moe_route import moe_route
 from fly_lightning.ops.rms_norm import rms_norm
+from fly_lightning.ops.topk import topk
 
-__all__ = ["grouped_mm", "moe_grouped_mm", "rms_norm"]
+__all__ = ["grouped_mm", "moe_grouped_mm", "moe_route", "rms_norm", "topk"]

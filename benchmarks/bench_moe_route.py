@@ -1,0 +1,409 @@
+"""MoE routing on the GPU: ``fly_lightning.moe_route`` against the ATen routing sequence and ``torch.compile`` of it,
+with deterministic algorithms off and on; then ``fly_lightning.topk`` against ``torch.topk``.
+
+    python -m benchmarks.bench_moe_route             # the suite, about 2-3 minutes on an H200
+    python -m benchmarks.bench_moe_route --sweep     # launch-configuration sweep, about 2 minutes
+    python -m benchmarks.bench_moe_route --no-compile  # skip the torch.compile baseline (saves most of the time)
+
+The suite first checks every case on the GPU against the reference (ids, weights, counts, offsets, permutation; also
+after CUDA-graph capture and with deterministic algorithms) and skips the timing of a case that fails. Timings:
+``*_ms`` are per call with CUDA events around each eager call (host overhead included when it dominates),
+``*_graph_ms`` from CUDA-graph replays (device time only). The ATen sequence is scores, topk, gate renormalisation,
+per-expert counts with ``scatter_add_`` (capturable, deterministic for 1-D input) and ``cumsum`` offsets; the plain
+``bincount`` variant synchronises with the host, so it is timed eagerly only. Bytes moved: logits read + outputs
+written; the copy-bandwidth share is reported for cases with at least 16 MiB of logits. Writes ``moe_route`` and
+``topk`` results (or ``moe_route_sweep``) through ``Results.save()``: ``$OUT`` when set, else ``benchmarks/results``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, rotation_count, time_graph_ms, time_ms
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    tokens: int
+    experts: int
+    k: int
+    dtype: torch.dtype = torch.bfloat16
+    score: str = "softmax"
+    renormalize: bool = True
+    bias: bool = False
+    n_groups: int | None = None
+    topk_groups: int | None = None
+    route_scale: float = 1.0
+    permutation: bool = False  # also time the variant that returns the token permutation
+
+    @property
+    def logits_bytes(self) -> int:
+        return self.tokens * self.experts * torch.finfo(self.dtype).bits // 8
+
+
+CASES = [
+    Case("mixtral", 16384, 8, 2, permutation=True),
+    Case("qwen2-moe", 4096, 60, 4, renormalize=False),
+    Case("olmoe", 16384, 64, 8, renormalize=False),
+    Case("qwen3-moe", 16384, 128, 8),
+    Case("qwen3-moe-64k", 65536, 128, 8, permutation=True),
+    Case("deepseek-v3-fp32", 16384, 256, 8, torch.float32, "sigmoid", True, True, 8, 4, 2.5, permutation=True),
+    Case("deepseek-v3-64k", 65536, 256, 8, torch.bfloat16, "sigmoid", True, True, 8, 4, 2.5),
+    Case("glm-4.5", 32768, 160, 8, torch.bfloat16, "sigmoid", True, True, route_scale=2.5),
+    Case("llama4", 65536, 16, 1, score="sigmoid", renormalize=False),
+    Case("deepseek-v2-lite-fp32", 65536, 64, 6, torch.float32, renormalize=False),
+]
+TOPK_CASES = [
+    (16384, 8, 2, torch.bfloat16),
+    (4096, 60, 4, torch.bfloat16),
+    (16384, 128, 8, torch.bfloat16),
+    (65536, 128, 8, torch.bfloat16),
+    (16384, 256, 8, torch.float32),
+    (8192, 1000, 5, torch.float32),
+]
+
+
+# --- the ATen routing sequence (what a model does today), graph-capturable -------------------------------------------
+
+
+def aten_route(logits, k, score, renorm, bias, route_scale, n_groups, topk_groups, counts="scatter"):
+    s = torch.softmax(logits.float(), dim=-1) if score == "softmax" else torch.sigmoid(logits.float())
+    if bias is None and n_groups is None:
+        w, ids = torch.topk(s, k, dim=-1)
+    else:
+        sel = s if bias is None else s + bias
+        if n_groups is not None:
+            t, e = sel.shape
+            group_scores = sel.view(t, n_groups, -1).topk(2, dim=-1).values.sum(-1)
+            chosen = group_scores.topk(topk_groups, dim=-1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+            sel = sel.masked_fill(~keep.repeat_interleave(e // n_groups, dim=1), float("-inf"))
+        ids = torch.topk(sel, k, dim=-1).indices
+        w = s.gather(1, ids)
+    if renorm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    w = w * route_scale
+    flat = ids.flatten()
+    if counts == "scatter":
+        n = torch.zeros(logits.shape[1], dtype=torch.int32, device=logits.device)
+        n = n.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    else:
+        n = torch.bincount(flat, minlength=logits.shape[1]).to(torch.int32)
+    return w, ids.to(torch.int32), n, torch.cumsum(n, 0, dtype=torch.int32)
+
+
+def aten_route_permutation(logits, *args):
+    w, ids, n, offsets = aten_route(logits, *args)
+    perm = torch.argsort(ids.flatten(), stable=True)
+    pos = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+    return w, ids, n, offsets, perm.to(torch.int32), pos.to(torch.int32)
+
+
+# --- helpers ---------------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def deterministic(on: bool):
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(on)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _args(case: Case, bias):
+    return (case.k, case.score, case.renormalize, bias, case.route_scale, case.n_groups, case.topk_groups)
+
+
+def _inputs(case: Case, device) -> tuple[list[tuple], torch.Tensor | None]:
+    g = torch.Generator(device=device).manual_seed(0)
+    sets = rotation_count(case.logits_bytes)
+    xs = [(torch.randn(case.tokens, case.experts, device=device, generator=g) * 2).to(case.dtype) for _ in range(sets)]
+    bias = (torch.randn(case.experts, device=device, generator=g) * 0.05) if case.bias else None
+    return [(x,) for x in xs], bias
+
+
+def _bytes(case: Case, permutation: bool = False) -> int:
+    out = case.tokens * case.k * 8 + case.experts * 8  # weights fp32 + ids int32; counts + offsets
+    return case.logits_bytes + out + (case.tokens * case.k * 8 if permutation else 0)
+
+
+def check(case: Case, x: torch.Tensor, bias) -> tuple[str | None, dict]:
+    """None when our output matches the reference (see the module docstring), else what differs."""
+    from fly_lightning import DISPATCH_LOG
+    from fly_lightning.ops.moe_route import moe_route_op, moe_route_reference, routing_counts
+
+    args = (x, *_args(case, bias), True)
+    out = moe_route_op(*args)
+    backend = DISPATCH_LOG.records("moe_route")[-1]
+    if backend["backend"] != "triton":
+        return f"ran on {backend['backend']}: {backend['reason']}", {}
+    ref = moe_route_reference(*args)
+    w, ids, counts, offsets, slots, pos = out
+    info = {}
+    differ = (ids != ref[1]).any(1)
+    info["rows_differ"] = int(differ.sum())
+    if info["rows_differ"]:
+        if bias is None and case.n_groups is None:
+            return f"{info['rows_differ']} rows choose other experts", info
+        # biased / grouped fp32 scores: the kernel's exp differs from torch's by ulps; near ties may swap
+        s = torch.softmax(x.double(), -1) if case.score == "softmax" else torch.sigmoid(x.double())
+        v = (s if bias is None else s + bias.double())[differ]
+        got, want = v.gather(1, ids[differ].long()).sum(1), v.gather(1, ref[1][differ].long()).sum(1)
+        if info["rows_differ"] > max(2, case.tokens // 1000) or not torch.allclose(got, want, rtol=1e-5, atol=1e-6):
+            return f"{info['rows_differ']} rows choose other experts (not near ties)", info
+    same = ~differ
+    if not torch.allclose(w[same], ref[0][same], rtol=1e-5, atol=1e-6, equal_nan=True):
+        return f"weights differ by up to {(w[same] - ref[0][same]).abs().max().item():.3g}", info
+    for name, got, want in zip(
+        ("counts", "offsets", "sorted_slots", "slot_pos"),
+        (counts, offsets, slots, pos),
+        routing_counts(ids, case.experts, True),
+        strict=True,
+    ):
+        if not torch.equal(got, want):
+            return f"{name} inconsistent with the ids", info
+    with deterministic(True):
+        det = moe_route_op(*args)
+    if not all(torch.equal(a, b) for a, b in zip(out, det, strict=True)):
+        return "deterministic algorithms change the result", info
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    moe_route_op(static, *args[1:])  # warm the signature before capture
+    with torch.cuda.graph(graph):
+        captured = moe_route_op(static, *args[1:])
+    graph.replay()
+    graph.replay()  # the captured workspace must be re-zeroed on every replay
+    torch.cuda.synchronize()
+    if not all(torch.equal(a, b) for a, b in zip(out, captured, strict=True)):
+        return "CUDA-graph replay differs from eager", info
+    return None, info
+
+
+def _time(fn, inputs, graph: bool = True) -> tuple[float | None, float | None, str | None]:
+    try:
+        eager = time_ms(fn, inputs, warmup=10, reps=100)["median_ms"]
+    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+        return None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    if not graph:
+        return eager, None, None
+    try:
+        return eager, time_graph_ms(fn, inputs, calls_per_graph=20, replays=20)["median_ms"], None
+    except Exception as exc:  # noqa: BLE001
+        return eager, None, f"graph: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+
+
+def _bind(fn, *args, **kwargs):
+    """``x -> fn(x, *args, **kwargs)``, with the arguments bound now (not at call time)."""
+    return lambda x: fn(x, *args, **kwargs)
+
+
+def _ratio(a, b):
+    return a / b if a and b else None
+
+
+# --- the suite -------------------------------------------------------------------------------------------------------
+
+
+def run_suite(compile_baseline: bool) -> None:
+    import fly_lightning
+    from fly_lightning import moe_route, topk
+
+    start = time.perf_counter()
+    dev = torch.device("cuda")
+    torch._dynamo.config.cache_size_limit = 256
+    if hasattr(torch._dynamo.config, "recompile_limit"):
+        torch._dynamo.config.recompile_limit = 256
+    copy_gbps = copy_bandwidth_gbps(dev)
+    res = Results("moe_route")
+    res.notes.append(
+        f"copy bandwidth {copy_gbps:.0f} GB/s (read + write); SMs "
+        f"{torch.cuda.get_device_properties(dev).multi_processor_count}"
+    )
+    compiled = torch.compile(aten_route, dynamic=False) if compile_baseline else None
+    speed = {key: [] for key in ("eager_off", "graph_off", "eager_on", "graph_on", "vs_compiled_graph_off")}
+    big_pct = []
+    for case in CASES:
+        inputs, bias = _inputs(case, dev)
+        args = _args(case, bias)
+        err, info = check(case, inputs[0][0], bias)
+        base = dict(
+            case=case.name,
+            T=case.tokens,
+            E=case.experts,
+            k=case.k,
+            dtype=str(case.dtype)[6:],
+            score=case.score
+            + ("+bias" if case.bias else "")
+            + (f"+groups{case.n_groups}/{case.topk_groups}" if case.n_groups else ""),
+            logits_MiB=round(case.logits_bytes / MIB, 2),
+            **info,
+        )
+        if err is not None:
+            res.add(**base, error=err)
+            continue
+        ours = _bind(moe_route, *args)  # the public API, dispatcher included
+        aten = _bind(aten_route, *args)
+        aten_bc = _bind(aten_route, *args, counts="bincount")
+        comp = _bind(compiled, *args) if compiled else None
+        for det in (False, True):
+            tag = "on" if det else "off"
+            with deterministic(det):
+                row = dict(base, deterministic=det)
+                row["ours_ms"], row["ours_graph_ms"], e1 = _time(ours, inputs)
+                row["aten_ms"], row["aten_graph_ms"], e2 = _time(aten, inputs)
+                row["aten_bincount_ms"], _, e3 = _time(aten_bc, inputs, graph=False)
+                errors = [e for e in (e1, e2, e3) if e]
+                if comp is not None:
+                    row["compiled_ms"], row["compiled_graph_ms"], e4 = _time(comp, inputs)
+                    errors += [e4] if e4 else []
+                row["speedup_vs_aten"] = _ratio(row["aten_ms"], row["ours_ms"])
+                row["speedup_vs_aten_graph"] = _ratio(row["aten_graph_ms"], row["ours_graph_ms"])
+                row["speedup_vs_compiled_graph"] = _ratio(row.get("compiled_graph_ms"), row["ours_graph_ms"])
+                if row["ours_graph_ms"]:
+                    gbps = _bytes(case) / row["ours_graph_ms"] / 1e6
+                    row["GBps"] = round(gbps, 1)
+                    row["pct_copy_bw"] = round(100 * gbps / copy_gbps, 1)
+                    if case.logits_bytes >= 16 * MIB and not det:
+                        big_pct.append((case.name, row["pct_copy_bw"]))
+                if case.permutation and not det:
+                    perm_ours = _bind(moe_route, *args, return_permutation=True)
+                    perm_aten = _bind(aten_route_permutation, *args)
+                    _, row["ours_perm_graph_ms"], e5 = _time(perm_ours, inputs)
+                    _, row["aten_perm_graph_ms"], e6 = _time(perm_aten, inputs)
+                    row["speedup_perm_vs_aten_graph"] = _ratio(row["aten_perm_graph_ms"], row["ours_perm_graph_ms"])
+                    errors += [e for e in (e5, e6) if e]
+                if errors:
+                    row["errors"] = "; ".join(errors)
+                speed[f"eager_{tag}"].append(row["speedup_vs_aten"])
+                speed[f"graph_{tag}"].append(row["speedup_vs_aten_graph"])
+                if not det:
+                    speed["vs_compiled_graph_off"].append(row["speedup_vs_compiled_graph"])
+                res.add(**row)
+    for key, values in speed.items():
+        res.summary[f"geomean_speedup_{key}"] = round(geomean(values), 2)
+    res.summary["pct_copy_bw_16MiB_cases"] = ", ".join(f"{n} {p}%" for n, p in big_pct)
+    res.summary["goal_geomean_40x_vs_aten_graph_off"] = res.summary["geomean_speedup_graph_off"] >= 40
+    res.summary["goal_50pct_copy_bw"] = bool(big_pct) and all(p >= 50 for _, p in big_pct)
+    res.summary["dispatch"] = str(fly_lightning.DISPATCH_LOG.summary().get("moe_route", {}).get("by_backend"))
+    res.summary["suite_seconds"] = round(time.perf_counter() - start, 1)
+    res.notes.append("speedup_vs_aten*: ATen sequence time / ours (same timing method); geomeans over the 10 cases")
+    print(res.save())
+
+    tres = Results("topk")
+    speed_t = {"eager": [], "graph": []}
+    for t, e, k, dt in TOPK_CASES:
+        x = [(torch.randn(t, e, device=dev).to(dt),) for _ in range(rotation_count(t * e * dt.itemsize))]
+        v, i = topk(x[0][0], k)
+        tv, ti = torch.topk(x[0][0], k)
+        row = dict(T=t, E=e, k=k, dtype=str(dt)[6:])
+        if not (torch.equal(v, tv) and torch.equal(x[0][0].gather(1, i), tv)):
+            tres.add(**row, error="values differ from torch.topk")
+            continue
+        row["ours_ms"], row["ours_graph_ms"], e1 = _time(_bind(topk, k), x)
+        row["torch_ms"], row["torch_graph_ms"], e2 = _time(_bind(torch.topk, k), x)
+        row["speedup"] = _ratio(row["torch_ms"], row["ours_ms"])
+        row["speedup_graph"] = _ratio(row["torch_graph_ms"], row["ours_graph_ms"])
+        if e1 or e2:
+            row["errors"] = "; ".join(e for e in (e1, e2) if e)
+        speed_t["eager"].append(row["speedup"])
+        speed_t["graph"].append(row["speedup_graph"])
+        tres.add(**row)
+    tres.summary = {f"geomean_speedup_{k}": round(geomean(v), 2) for k, v in speed_t.items()}
+    print(tres.save())
+    print(f"total {time.perf_counter() - start:.0f} s")
+
+
+# --- the launch-configuration sweep ----------------------------------------------------------------------------------
+
+
+def sweep_configs(case: Case):
+    from fly_lightning.kernels.triton.moe_route import launch_config
+
+    base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None)
+    variants = [base]
+    for ept in (base.elems_per_thread // 2, base.elems_per_thread * 2):
+        variants.append(replace(base, elems_per_thread=ept))
+    for rpt in {max(1, base.rows_per_thread // 2), base.rows_per_thread * 2} - {base.rows_per_thread}:
+        variants.append(replace(base, rows_per_thread=rpt))
+    for warps in (2, 8):
+        variants.append(replace(base, num_warps=warps))
+    for pps in (2, 8):
+        variants.append(replace(base, programs_per_sm=pps))
+    variants.append(replace(base, num_stages=2))
+    return list(dict.fromkeys(variants))
+
+
+def run_sweep() -> None:
+    from fly_lightning.kernels.triton.moe_route import moe_route_triton, tile_shape
+    from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
+
+    start = time.perf_counter()
+    dev = torch.device("cuda")
+    copy_gbps = copy_bandwidth_gbps(dev)
+    res = Results("moe_route_sweep")
+    for case in CASES:
+        inputs, bias = _inputs(case, dev)
+        args = (*_args(case, bias), False)
+        ref_ids = moe_route_reference(inputs[0][0], *args)[1]
+        timings = []
+        for cfg in sweep_configs(case):
+            shape = tile_shape(case.experts, case.n_groups, case.experts, torch.finfo(case.dtype).bits // 8, cfg)
+            row = dict(
+                case=case.name,
+                T=case.tokens,
+                E=case.experts,
+                k=case.k,
+                ept=cfg.elems_per_thread,
+                rpt=cfg.rows_per_thread,
+                warps=cfg.num_warps,
+                pps=cfg.programs_per_sm,
+                stages=cfg.num_stages,
+                tile=f"{shape.G}x{shape.LG}x{shape.ROWS}x{shape.C}x{shape.VEC}",
+            )
+            try:
+                out = moe_route_triton(inputs[0][0], *args, config=cfg)
+                row["ids_match"] = bool(torch.equal(out[1], ref_ids))
+                expected = routing_counts(out[1], case.experts, False)
+                row["counts_ok"] = bool(torch.equal(out[2], expected[0]) and torch.equal(out[3], expected[1]))
+                row["graph_ms"] = time_graph_ms(
+                    _bind(moe_route_triton, *args, config=cfg), inputs, calls_per_graph=20, replays=10
+                )["median_ms"]
+                row["pct_copy_bw"] = round(100 * _bytes(case) / row["graph_ms"] / 1e6 / copy_gbps, 1)
+                timings.append((row["graph_ms"], row))
+            except Exception as exc:  # noqa: BLE001 - a configuration that fails to compile is reported
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            res.add(**row)
+        if timings:
+            best_ms, best = min(timings, key=lambda t: t[0])
+            default_ms = timings[0][0]
+            res.summary[case.name] = (
+                f"best {best_ms * 1e3:.1f} us (ept={best['ept']} rpt={best['rpt']} "
+                f"warps={best['warps']} pps={best['pps']} stages={best['stages']}), "
+                f"default {default_ms * 1e3:.1f} us"
+            )
+    res.summary["sweep_seconds"] = round(time.perf_counter() - start, 1)
+    print(res.save())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="time launch configurations per case instead")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    a = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    run_sweep() if a.sweep else run_suite(compile_baseline=not a.no_compile)
+
+
+if __name__ == "__main__":
+    main()

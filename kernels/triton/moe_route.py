@@ -1,0 +1,645 @@
+"""Triton MoE routing, registered as the ``triton`` backend of ``moe_route``.
+
+One fused forward kernel, ``_moe_route_fwd``: a persistent grid where each program walks a contiguous range of
+``ROWS``-token tiles. Per tile it loads the logits once (as a ``[G, LG, ROWS, C, VEC]`` tile, see ``_select.py``),
+computes the ranked values in fp32 (the logits themselves, or ``score + bias`` with node-limited groups applied),
+selects the top k by descent over unique packed keys, and stores each step's winning key. A compact ``[ROWS, KP]``
+epilogue then decodes ids, computes the gate weights from the unbiased scores (softmax row max and sum, or sigmoid;
+renormalised, scaled), and histograms the ids into the program's per-expert tally. At the end each program adds its
+tally to a zeroed accumulator with integer atomics, and the last program to finish (a ticket counter) writes
+``counts_E`` and the inclusive ``offsets_E`` and re-zeroes the accumulator and the ticket for the next launch. No
+host synchronisation anywhere: the op can be captured in a CUDA graph.
+
+With ``return_permutation`` the selection marks the chosen keys with their rank instead, and the tile also writes
+each slot's rank among the program's slots of the same expert (token order) and the program's per-expert counts; two
+small kernels turn those into the stable permutation: ``_perm_base`` scans the per-program counts (exclusive, per
+expert, plus the expert's start offset) and ``_perm_scatter`` adds that base to each slot's rank and scatters the
+slot into the sorted order.
+
+Determinism: the counts are sums of integer atomics, which are exact and commutative, so their result does not depend
+on the order the atomics land in; ``torch.use_deterministic_algorithms(True)`` changes nothing here. The permutation
+uses no atomics: ranks follow token order inside a program and program order across programs.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels.triton._select import (
+    BF16_INF,
+    FP16_INF,
+    INT_MIN,
+    MAX_K,
+    PAD,
+    block_of,
+    cdiv,
+    descent_step,
+    exact_step,
+    float_key,
+    key_float,
+    marked_step,
+    packed_col,
+    packed_decode,
+    packed_keys,
+    relative_keys,
+    row_max,
+    row_sum,
+    rows5,
+    tile_cols,
+)
+from fly_lightning.kernels.triton._support import device_reason, interpreting
+from fly_lightning.ops.moe_route import MOE_ROUTE, RENORM_EPS
+
+MAX_E = 1024
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EPS = tl.constexpr(RENORM_EPS)
+
+
+@triton.jit
+def _group_mask(key, G: tl.constexpr, NG: tl.constexpr, TOPK_G: tl.constexpr):
+    """Node-limited routing on exact keys: keep each row's TOPK_G best groups (a group scores the sum of its top 2)."""
+    m1 = tl.max(tl.max(tl.max(key, axis=4), axis=3), axis=1)  # [G, ROWS]
+    is_top = key == m1[:, None, :, None, None]
+    n_top = tl.sum(tl.sum(tl.sum(is_top.to(tl.int32), axis=4), axis=3), axis=1)
+    m2 = tl.max(tl.max(tl.max(tl.where(is_top, INT_MIN, key), axis=4), axis=3), axis=1)
+    m2 = tl.where(n_top > 1, m1, m2)  # the best value twice: top-2 counts it twice, as torch.topk does
+    g = tl.arange(0, G)[:, None]
+    gkey = tl.where(g < NG, float_key(key_float(m1) + key_float(m2)), INT_MIN)
+    chosen = tl.zeros_like(gkey)
+    for _ in tl.static_range(TOPK_G):
+        gm = tl.max(gkey, axis=0)
+        gi = tl.min(tl.where(gkey == gm[None, :], g, G), axis=0)  # ties: lower group first
+        hit = g == gi[None, :]
+        chosen = tl.where(hit, 1, chosen)
+        gkey = tl.where(hit, INT_MIN, gkey)
+    return tl.where(chosen[:, None, :, None, None] != 0, key, PAD)
+
+
+@triton.jit
+def _exact_values(
+    x,
+    bias,
+    valid,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SEL_LOGITS: tl.constexpr,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    TOPK_G: tl.constexpr,
+):
+    """Exact keys of the values ranked (``score + bias``, or the logits), groups applied; softmax row max and sum."""
+    xf = x.to(tl.float32)
+    mx = tl.zeros([x.shape[2]], tl.float32)
+    z = tl.zeros([x.shape[2]], tl.float32)
+    if SEL_LOGITS:  # increasing score functions: ranking the logits ranks the scores
+        v = xf
+    else:
+        if SIGMOID:
+            v = 1.0 / (1.0 + tl.exp(-xf))
+        else:
+            mx = row_max(tl.where(valid, xf, float("-inf")))
+            ex = tl.exp(xf - rows5(mx))
+            z = row_sum(tl.where(valid, ex, 0.0))
+            v = ex * rows5(1.0 / z)
+        if HAS_BIAS:
+            v = v + bias
+    key = tl.where(valid, float_key(v), PAD)
+    if TOPK_G > 0:
+        key = _group_mask(key, G, NG, TOPK_G)
+    return key, mx, z
+
+
+@triton.jit
+def _route_tile(
+    tile,
+    X,
+    stride_x,
+    bias,
+    W_OUT,
+    ID_OUT,
+    POS_OUT,
+    sel_count,
+    carry,
+    T,
+    route_scale,
+    col,
+    valid,
+    kk,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    CB: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SEL_LOGITS: tl.constexpr,
+    HALF_KEYS: tl.constexpr,
+    INF16: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    PERM: tl.constexpr,
+):
+    """One tile of ROWS tokens; returns the updated per-expert tallies.
+
+    The selection runs on the wide tile and stores only each step's winning key; the weights and ids are then computed
+    in a compact ``[ROWS, KP]`` layout from those keys, so per-row work is not replicated across a row's lanes.
+    Selection: descent without permutation, marking with it (the marks give each chosen element its rank in place).
+    """
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    x_row = X + rows64 * stride_x
+    x = tl.load(rows5(x_row) + col, mask=rows5(row_ok) & valid, other=0.0)
+    if HALF_KEYS:  # 16-bit logits ranked directly: exact packed keys
+        key = packed_keys(x, col, valid, INF16, CB)
+    else:
+        key32, mx, z = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
+        if SEL_LOGITS and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
+            mx = key_float(row_max(key32))
+            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
+        key = relative_keys(key32, col, CB)
+    m = tl.zeros([ROWS], tl.int32)
+    out_j = W_OUT + rows64 * K
+    for j in tl.static_range(K):
+        if PERM:
+            key, m = marked_step(key, j)
+        else:
+            m = descent_step(key, m, j)
+        # the winner's key, for the epilogue: stored by the thread holding column 0 (no layout conversion)
+        tl.store(
+            rows5(out_j + j) + col * 0, rows5(m.to(tl.float32, bitcast=True)) + col * 0, mask=rows5(row_ok) & (col == 0)
+        )
+        if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
+            _, mx = packed_decode(m, INF16, X.dtype.element_ty, CB)
+            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
+    chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
+    if not HALF_KEYS:
+        if tl.max((row_ok & (m < CB)).to(tl.int32)) > 0:  # a chosen key was clamped: redo this tile exactly
+            key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
+            for j in tl.static_range(K):
+                key, idx, _ = exact_step(key, col, j, CB)
+                # stored in packed form with the column in the low bits (the epilogue only reads the column)
+                tl.store(
+                    rows5(out_j + j) + col * 0,
+                    rows5(((CB - 1) - idx).to(tl.float32, bitcast=True)) + col * 0,
+                    mask=rows5(row_ok) & (col == 0),
+                )
+            chosen = key < INT_MIN + K
+    chosen = chosen & rows5(row_ok)
+    if PERM:
+        c = chosen.to(tl.int32)
+        rank = tl.cumsum(c, axis=2) - c + carry[:, :, None, :, :]  # earlier slots of the same expert here
+        carry += tl.sum(c, axis=2)
+        tl.store(POS_OUT + rows5(rows64) * K + (key - INT_MIN), rank, mask=chosen)
+
+    # epilogue, compact layout: the program's own stores above are visible after the barrier
+    tl.debug_barrier()
+    out = rows64[:, None] * K + kk[None, :]
+    out_ok = row_ok[:, None] & (kk < K)[None, :]
+    mk = tl.load(W_OUT + out, mask=out_ok, other=0.0).to(tl.int32, bitcast=True)
+    idx = packed_col(mk, CB)
+    tl.store(ID_OUT + out, idx, mask=out_ok)
+    if not PERM:
+        flat = tl.reshape(idx, [ROWS * kk.shape[0]])
+        sel_count += tl.histogram(flat, sel_count.shape[0], mask=tl.reshape(out_ok, [ROWS * kk.shape[0]]))
+    if HALF_KEYS:
+        _, val = packed_decode(mk, INF16, X.dtype.element_ty, CB)
+    else:  # the chosen logit (exact; in cache)
+        val = tl.load(x_row[:, None] + idx, mask=out_ok, other=0.0).to(tl.float32)
+    if SIGMOID:
+        w = 1.0 / (1.0 + tl.exp(-val))
+    elif SEL_LOGITS and RENORM:  # softmax renormalised over the chosen: exp(x_j - x_top) / their sum
+        top = tl.sum(tl.where(kk[None, :] == 0, val, 0.0), axis=1)
+        w = tl.exp(val - top[:, None])
+    else:
+        w = tl.exp(val - mx[:, None]) / z[:, None]
+    w = tl.where(out_ok, w, 0.0)
+    if RENORM:
+        w = w / (tl.sum(w, axis=1) + _EPS)[:, None]
+    tl.store(W_OUT + out, w * route_scale, mask=out_ok)
+    return sel_count, carry
+
+
+@triton.jit
+def _moe_route_fwd(
+    X,
+    stride_x,
+    BIAS,
+    W_OUT,
+    ID_OUT,
+    POS_OUT,
+    HIST,
+    COUNTS,
+    OFFSETS,
+    WS,
+    T,
+    n_tiles,
+    tiles_per_prog,
+    route_scale,
+    E: tl.constexpr,
+    K: tl.constexpr,
+    KP: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    G: tl.constexpr,
+    LG: tl.constexpr,
+    ROWS: tl.constexpr,
+    C: tl.constexpr,
+    VEC: tl.constexpr,
+    SG: tl.constexpr,
+    NG: tl.constexpr,
+    CB: tl.constexpr,
+    ALIGN: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SEL_LOGITS: tl.constexpr,
+    HALF_KEYS: tl.constexpr,
+    INF16: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    PERM: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    stride_x = (stride_x // ALIGN) * ALIGN  # no-op that tells the compiler the rows' alignment (vector loads)
+    col, valid = tile_cols(G, LG, C, VEC, SG, NG)
+    kk = tl.arange(0, KP)
+    bias = tl.zeros([G, LG, 1, C, VEC], tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + col, mask=valid, other=0.0).to(tl.float32)
+    sel_count = tl.zeros([BLOCK_E], tl.int32)  # slots per expert, over this program's tiles
+    carry = tl.zeros([G, LG, C, VEC], tl.int32)  # PERM: this program's slots per expert so far
+    tile = pid * tiles_per_prog
+    last = tl.minimum(tile + tiles_per_prog, n_tiles)
+    if INTERPRET:  # the interpreter cannot take runtime scalars as range() bounds
+        while tile < last:
+            sel_count, carry = _route_tile(
+                tile,
+                X,
+                stride_x,
+                bias,
+                W_OUT,
+                ID_OUT,
+                POS_OUT,
+                sel_count,
+                carry,
+                T,
+                route_scale,
+                col,
+                valid,
+                kk,
+                K,
+                ROWS,
+                G,
+                NG,
+                CB,
+                SIGMOID,
+                RENORM,
+                HAS_BIAS,
+                SEL_LOGITS,
+                HALF_KEYS,
+                INF16,
+                TOPK_G,
+                PERM,
+            )
+            tile += 1
+    else:
+        for t in tl.range(tile, last, num_stages=NUM_STAGES):
+            sel_count, carry = _route_tile(
+                t,
+                X,
+                stride_x,
+                bias,
+                W_OUT,
+                ID_OUT,
+                POS_OUT,
+                sel_count,
+                carry,
+                T,
+                route_scale,
+                col,
+                valid,
+                kk,
+                K,
+                ROWS,
+                G,
+                NG,
+                CB,
+                SIGMOID,
+                RENORM,
+                HAS_BIAS,
+                SEL_LOGITS,
+                HALF_KEYS,
+                INF16,
+                TOPK_G,
+                PERM,
+            )
+    # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
+    # program reads the totals (release by every thread, barrier, acq_rel ticket).
+    if PERM:
+        col4 = tl.max(col, axis=2)
+        valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
+        tl.store(HIST + pid * E + col4, carry, mask=valid4)
+        tl.atomic_add(WS + 1 + col4, carry, mask=valid4 & (carry != 0), sem="release")
+    else:
+        e = tl.arange(0, BLOCK_E)
+        tl.atomic_add(WS + 1 + e, sel_count, mask=(e < E) & (sel_count != 0), sem="release")
+    tl.debug_barrier()
+    ticket = tl.atomic_add(WS, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        tl.debug_barrier()
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e_ok)  # read the totals and re-zero for the next launch
+        tl.store(COUNTS + e, counts, mask=e_ok)
+        tl.store(OFFSETS + e, tl.cumsum(tl.where(e_ok, counts, 0), axis=0), mask=e_ok)
+        tl.atomic_xchg(WS, 0)
+
+
+@triton.jit
+def _perm_base(HIST, COUNTS, OFFSETS, n_progs, E, EB: tl.constexpr, PB: tl.constexpr):
+    """In place: per-program counts ``HIST[p, e]`` -> the position of program p's first slot of expert e."""
+    e = tl.program_id(0) * EB + tl.arange(0, EB)
+    e_ok = e < E
+    carry = tl.load(OFFSETS + e, mask=e_ok, other=0) - tl.load(COUNTS + e, mask=e_ok, other=0)
+    p0 = 0
+    while p0 < n_progs:  # (a while loop: the interpreter cannot take runtime range() bounds)
+        p = p0 + tl.arange(0, PB)
+        m = (p < n_progs)[:, None] & e_ok[None, :]
+        ptr = HIST + p[:, None] * E + e[None, :]
+        h = tl.load(ptr, mask=m, other=0)
+        tl.store(ptr, tl.cumsum(h, axis=0) - h + carry[None, :], mask=m)
+        carry += tl.sum(h, axis=0)
+        p0 += PB
+
+
+@triton.jit
+def _perm_scatter(ID, POS, BASE, SORTED, n_slots, E, rows_per_prog, K: tl.constexpr, BLOCK: tl.constexpr):
+    """Slot s = t * K + j: final position = base of (its program, its expert) + its rank; scatter s there."""
+    s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = s < n_slots
+    e = tl.load(ID + s, mask=ok, other=0)
+    prog = (s // K) // rows_per_prog
+    pos = tl.load(BASE + prog * E + e, mask=ok, other=0) + tl.load(POS + s, mask=ok, other=0)
+    tl.store(POS + s, pos, mask=ok)
+    tl.store(SORTED + pos, s, mask=ok)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    elems_per_thread: int = 32  # row elements per thread; sets the lanes per row (fewer lanes: fewer shuffles)
+    rows_per_thread: int = 1
+    num_warps: int = 4
+    programs_per_sm: int = 4  # persistent grid: SMs * programs_per_sm programs (fewer when there are fewer tiles)
+    num_stages: int = 1  # software pipelining of the tile loop
+    programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
+
+
+@dataclass(frozen=True)
+class TileShape:
+    """The ``[G, LG, ROWS, C, VEC]`` tile (see ``_select.py``) and the packed-key column base ``CB``."""
+
+    G: int
+    LG: int
+    ROWS: int
+    C: int
+    VEC: int
+    SG: int  # columns per group (all columns when ungrouped)
+    NG: int
+    CB: int
+
+
+def tile_shape(n_experts: int, n_groups: int | None, row_stride: int, itemsize: int, cfg: LaunchConfig) -> TileShape:
+    groups = n_groups or 1
+    sg = n_experts // groups
+    vec = 16 // itemsize  # one 16-byte load per chunk, as long as rows and groups stay aligned to it
+    while vec > 1 and (sg % vec or row_stride % vec):
+        vec //= 2
+    g = block_of(groups)
+    sgp = max(block_of(sg), vec)
+    lg = max(1, min(sgp // max(cfg.elems_per_thread, vec), 32 // g))
+    rows = (32 // (g * lg)) * cfg.num_warps * cfg.rows_per_thread
+    return TileShape(
+        G=g, LG=lg, ROWS=rows, C=sgp // (lg * vec), VEC=vec, SG=sg, NG=groups, CB=block_of((g - 1) * sg + sgp)
+    )
+
+
+def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool) -> LaunchConfig:
+    """Heuristic (``benchmarks/bench_moe_route.py --sweep`` measures the alternatives): 32 row elements per thread,
+    several rows per thread when rows are short, so a tile holds about 4096 elements."""
+    per_row = min(32, block_of(n_experts))
+    return LaunchConfig(elems_per_thread=32, rows_per_thread=max(1, 32 // per_row), num_warps=4)
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _grid(device: torch.device, cfg: LaunchConfig, n_tiles: int) -> tuple[int, int]:
+    """(programs, tiles per program); every program gets at least one tile."""
+    if cfg.programs is not None:
+        progs = cfg.programs
+    elif device.type == "cuda":
+        progs = _sm_count(device.index) * cfg.programs_per_sm
+    else:  # the interpreter runs programs one after another: a few are enough to exercise the multi-program logic
+        progs = 4
+    per = cdiv(n_tiles, max(1, min(progs, n_tiles)))
+    return cdiv(n_tiles, per), per
+
+
+_WORKSPACES: dict[tuple, torch.Tensor] = {}
+
+
+def _workspace(device: torch.device) -> torch.Tensor:
+    """``[ticket, count accumulator[MAX_E]]`` int32, zero between launches (the last program re-zeroes it).
+
+    One per (device, stream), so launches on different streams never share it. Under CUDA graph capture each
+    captured launch gets its own zeroed buffer (the zeroing is captured too): a graph may be replayed anywhere.
+    """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(1 + MAX_E, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    ws = _WORKSPACES.get((device, stream))
+    if ws is None:
+        ws = _WORKSPACES[(device, stream)] = torch.zeros(1 + MAX_E, dtype=torch.int32, device=device)
+    return ws
+
+
+def _supports(
+    logits_TE: torch.Tensor,
+    k: int,
+    score: str,
+    renormalize: bool,
+    bias_E: torch.Tensor | None,
+    route_scale: float,
+    n_groups: int | None,
+    topk_groups: int | None,
+    return_permutation: bool,
+) -> bool | str:
+    if (reason := device_reason(logits_TE, bias_E)) is not None:
+        return reason
+    if logits_TE.dtype not in _DTYPES:
+        return f"dtype {logits_TE.dtype}"
+    if bias_E is not None and bias_E.dtype not in _DTYPES:
+        return f"bias dtype {bias_E.dtype}"
+    n_experts = logits_TE.shape[1]
+    if n_experts > MAX_E:
+        return f"{n_experts} experts > {MAX_E}"
+    if k > MAX_K:
+        return f"k={k} > {MAX_K}"
+    if n_experts > 1 and logits_TE.stride(1) != 1:
+        return "last dim not contiguous"
+    if bias_E is not None and n_experts > 1 and bias_E.stride(0) != 1:
+        return "bias not contiguous"
+    if n_groups is not None and n_groups > 32:
+        return f"{n_groups} groups > 32"
+    return True
+
+
+@dataclass(frozen=True)
+class _Plan:
+    programs: int
+    tiles: int
+    tiles_per_program: int
+    rows: int
+    constexprs: dict
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(
+    n_tokens: int,
+    n_experts: int,
+    k: int,
+    dtype: torch.dtype,
+    row_stride: int,
+    score: str,
+    renormalize: bool,
+    has_bias: bool,
+    n_groups: int | None,
+    topk_groups: int | None,
+    perm: bool,
+    device: torch.device,
+    config: LaunchConfig | None,
+    interpret: bool,
+) -> _Plan:
+    """Everything about a launch that depends only on the call's signature (cached: the eager path is host-bound)."""
+    itemsize = torch.finfo(dtype).bits // 8
+    cfg = config or launch_config(n_experts, k, itemsize, n_groups is not None)
+    shape = tile_shape(n_experts, n_groups, row_stride, itemsize, cfg)
+    tiles = cdiv(n_tokens, shape.ROWS)
+    programs, per_program = _grid(device, cfg, tiles)
+    sel_logits = not has_bias and n_groups is None
+    constexprs = dict(
+        E=n_experts,
+        K=k,
+        KP=block_of(k),
+        BLOCK_E=block_of(n_experts),
+        G=shape.G,
+        LG=shape.LG,
+        ROWS=shape.ROWS,
+        C=shape.C,
+        VEC=shape.VEC,
+        SG=shape.SG,
+        NG=shape.NG,
+        CB=shape.CB,
+        ALIGN=shape.VEC,
+        SIGMOID=score == "sigmoid",
+        RENORM=renormalize,
+        HAS_BIAS=has_bias,
+        SEL_LOGITS=sel_logits,
+        HALF_KEYS=sel_logits and dtype in (torch.bfloat16, torch.float16),
+        INF16=FP16_INF if dtype == torch.float16 else BF16_INF,
+        TOPK_G=topk_groups or 0,
+        PERM=perm,
+        NUM_STAGES=cfg.num_stages,
+        INTERPRET=interpret,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return _Plan(programs, tiles, per_program, shape.ROWS, constexprs)
+
+
+@MOE_ROUTE.implement("triton", supports=_supports)
+def moe_route_triton(
+    logits_TE: torch.Tensor,
+    k: int,
+    score: str,
+    renormalize: bool,
+    bias_E: torch.Tensor | None,
+    route_scale: float,
+    n_groups: int | None,
+    topk_groups: int | None,
+    return_permutation: bool,
+    config: LaunchConfig | None = None,
+) -> tuple[torch.Tensor, ...]:
+    n_tokens, n_experts = logits_TE.shape
+    dev = logits_TE.device
+    i32 = dict(dtype=torch.int32, device=dev)
+    weights = torch.empty((n_tokens, k), dtype=torch.float32, device=dev)
+    ids = torch.empty((n_tokens, k), **i32)
+    counts = torch.empty((n_experts,), **i32)
+    offsets = torch.empty((n_experts,), **i32)
+    if return_permutation:
+        sorted_slots, slot_pos = torch.empty((n_tokens * k,), **i32), torch.empty((n_tokens, k), **i32)
+    else:
+        sorted_slots, slot_pos = torch.empty((0,), **i32), torch.empty((0,), **i32)
+    if n_tokens == 0:
+        counts.zero_()
+        offsets.zero_()
+        return weights, ids, counts, offsets, sorted_slots, slot_pos
+    plan = _plan(
+        n_tokens,
+        n_experts,
+        k,
+        logits_TE.dtype,
+        logits_TE.stride(0),
+        score,
+        renormalize,
+        bias_E is not None,
+        n_groups,
+        topk_groups,
+        return_permutation,
+        dev,
+        config,
+        interpreting(),
+    )
+    hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
+    _moe_route_fwd[(plan.programs,)](
+        logits_TE,
+        logits_TE.stride(0),
+        bias_E if bias_E is not None else logits_TE,
+        weights,
+        ids,
+        slot_pos if return_permutation else ids,
+        hist,
+        counts,
+        offsets,
+        _workspace(dev),
+        n_tokens,
+        plan.tiles,
+        plan.tiles_per_program,
+        route_scale,
+        **plan.constexprs,
+    )
+    if return_permutation:
+        _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64)
+        n_slots = n_tokens * k
+        _perm_scatter[(cdiv(n_slots, 1024),)](
+            ids,
+            slot_pos,
+            hist,
+            sorted_slots,
+            n_slots,
+            n_experts,
+            plan.tiles_per_program * plan.rows,
+            K=k,
+            BLOCK=1024,
+            num_warps=4,
+        )
+    return weights, ids, counts, offsets, sorted_slots, slot_pos

@@ -1,0 +1,162 @@
+"""Triton routing kernel: tile shapes, launch configurations, the exact fallback, the permutation kernels and the
+self-cleaning workspace, against the reference; outputs fully written (deterministic mode poisons torch.empty)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fly_lightning.kernels.triton.moe_route import (
+    MAX_E,
+    LaunchConfig,
+    _supports,
+    _workspace,
+    launch_config,
+    moe_route_triton,
+    tile_shape,
+)
+from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
+
+
+def _run(logits, k, cfg, score="softmax", renorm=True, bias=None, scale=1.0, groups=(None, None), perm=True):
+    args = (logits, k, score, renorm, bias, scale, *groups, perm)
+    torch.use_deterministic_algorithms(True)  # torch.empty is NaN / INT_MAX filled: unwritten elements would show
+    try:
+        out = moe_route_triton(*args, config=cfg)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return out, moe_route_reference(*args)
+
+
+def _check(out, ref, n_experts, perm=True):
+    w, ids, counts, offsets, slots, pos = out
+    assert torch.equal(ids, ref[1])
+    torch.testing.assert_close(w, ref[0], rtol=2e-5, atol=1e-6, equal_nan=True)
+    for got, want in zip((counts, offsets, slots, pos), routing_counts(ids, n_experts, perm), strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    "e, dtype, cfg",
+    [
+        (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=3)),  # 64-row tiles, 3 programs
+        (60, torch.bfloat16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=2)),  # padded row, 8 lanes
+        (128, torch.float16, LaunchConfig(elems_per_thread=16, num_warps=1)),
+        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5)),
+        (13, torch.float32, LaunchConfig(num_warps=1, programs=2)),  # odd width: 4-byte loads
+        (1024, torch.bfloat16, LaunchConfig(num_warps=1, programs=2)),  # widest supported row
+    ],
+)
+@pytest.mark.parametrize("perm", [False, True])
+def test_launch_configurations(e, dtype, cfg, perm):
+    k = min(e, 6)
+    logits = torch.randn(75, e).to(dtype)
+    out, ref = _run(logits, k, cfg, renorm=False, perm=perm)
+    _check(out, ref, e, perm)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("perm", [False, True])
+def test_bias_and_groups(score, perm):
+    e, n_groups = 96, 6  # group size 16; 6 groups pad to 8 in the tile
+    logits = torch.randn(45, e)
+    bias = torch.randn(e) * 0.1
+    cfg = LaunchConfig(elems_per_thread=8, num_warps=1, programs=2)
+    out, ref = _run(logits, 8, cfg, score=score, bias=bias, scale=2.5, groups=(n_groups, 3), perm=perm)
+    _check(out, ref, e, perm)
+
+
+def test_non_power_of_two_groups():
+    e, n_groups = 60, 6  # group size 10: 2-element vectors
+    logits = torch.randn(30, e, dtype=torch.bfloat16)
+    out, ref = _run(logits, 4, LaunchConfig(num_warps=1), score="sigmoid", groups=(n_groups, 2))
+    _check(out, ref, e)
+
+
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_exact_fallback_for_wide_dynamic_range(perm, bias):
+    """fp32 values are ranked relative to the row max; a chosen value far below it (here 1e30 vs ~1) makes the tile
+    redo the selection with exact keys."""
+    logits = torch.randn(40, 32)
+    logits[3, 7] = 1e30
+    logits[20, :4] = torch.tensor([1e25, -1e25, 1e-30, 0.0])
+    b = torch.zeros(32) if bias else None
+    score = "sigmoid" if bias else "softmax"
+    out, ref = _run(logits, 5, LaunchConfig(num_warps=1, programs=2), score=score, bias=b, perm=perm)
+    _check(out, ref, 32, perm)
+
+
+def test_ties_inside_a_relative_key_tile():
+    logits = torch.randint(-3, 3, (50, 40)).float()  # fp32 ties: the relative keys break them by index
+    out, ref = _run(logits, 7, LaunchConfig(num_warps=1, programs=3), score="sigmoid", renorm=True)
+    _check(out, ref, 40)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    t=st.integers(1, 70),
+    e=st.sampled_from([4, 8, 24, 64, 100]),
+    k=st.integers(1, 4),
+    ept=st.sampled_from([8, 16, 32, 64]),
+    rpt=st.sampled_from([1, 2]),
+    warps=st.sampled_from([1, 2]),
+    programs=st.sampled_from([None, 1, 3]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    perm=st.booleans(),
+)
+def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm):
+    cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs)
+    logits = torch.randn(t, e).to(dtype)
+    out, ref = _run(logits, k, cfg, perm=perm)
+    _check(out, ref, e, perm)
+
+
+def test_non_contiguous_rows():
+    base = torch.randn(33, 80, dtype=torch.bfloat16)
+    logits = base[:, 8:72]  # row stride 80, 64 columns
+    out, ref = _run(logits, 4, LaunchConfig(num_warps=1, programs=2))
+    _check(out, ref, 64)
+
+
+def test_workspace_is_zero_after_each_launch_and_counts_repeat():
+    logits = torch.randn(50, 16)
+    first = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False, config=LaunchConfig(programs=3))
+    assert not _workspace(logits.device).any()
+    second = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False)
+    assert torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
+    assert not _workspace(logits.device).any()
+
+
+def test_empty_and_single_token():
+    for t in (0, 1):
+        logits = torch.randn(t, 12)
+        out, ref = _run(logits, 3, None)
+        _check(out, ref, 12)
+    assert torch.equal(
+        moe_route_triton(torch.randn(0, 5), 2, "softmax", True, None, 1.0, None, None, False)[3],
+        torch.zeros(5, dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("e, groups", [(8, None), (60, None), (64, 8), (160, None), (256, 8), (1024, None), (13, None)])
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_tile_shapes_cover_the_row_within_a_warp(e, groups, itemsize):
+    cfg = launch_config(e, 4, itemsize, groups is not None)
+    s = tile_shape(e, groups, e, itemsize, cfg)
+    lanes = s.G * s.LG
+    assert lanes <= 32 and 32 % lanes == 0  # a row never spans warps: row reductions are shuffles only
+    assert s.G >= s.NG and s.LG * s.C * s.VEC >= s.SG and s.SG * s.NG == e
+    assert s.VEC * itemsize <= 16 and s.SG % s.VEC == 0 and e % s.VEC == 0
+    assert s.CB >= (s.G - 1) * s.SG + s.LG * s.C * s.VEC and s.CB & (s.CB - 1) == 0
+    assert s.ROWS * lanes == 32 * cfg.num_warps * cfg.rows_per_thread
+
+
+def test_support_reasons():
+    x = torch.randn(4, 8)
+    assert _supports(x, 2, "softmax", True, None, 1.0, None, None, False) is True
+    assert "dtype torch.float64" in _supports(x.double(), 2, "softmax", True, None, 1.0, None, None, False)
+    assert f"> {MAX_E}" in _supports(torch.randn(2, MAX_E + 1), 2, "softmax", True, None, 1.0, None, None, False)
+    assert "k=17" in _supports(torch.randn(2, 32), 17, "softmax", True, None, 1.0, None, None, False)
+    assert "not contiguous" in _supports(torch.randn(8, 4).t(), 2, "softmax", True, None, 1.0, None, None, False)
+    assert "bias not contiguous" in _supports(x, 2, "sigmoid", True, torch.randn(16)[::2], 1.0, None, None, False)

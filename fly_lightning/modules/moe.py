@@ -27,56 +27,25 @@ from torch import Tensor, nn
 from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts, make_experts
 from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_grouped_mm import inverse_permutation, moe_grouped_mm
+from fly_lightning.ops.moe_route import moe_route
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "plain"
 """What ``path="auto"`` runs; set from ``python -m benchmarks.bench_grouped_mm --moe`` (the faster on the GPU)."""
 
 
-def route_topk_placeholder(
-    logits_TE: Tensor,
-    top_k: int,
-    *,
-    score_func: str = "softmax",
-    norm_topk_prob: bool = True,
-    route_scale: float = 1.0,
-    expert_bias: Tensor | None = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Plain-torch top-k routing: a placeholder for ``fly_lightning.ops.moe_route`` (called from one place only).
-
-    Returns fp32 weights ``[T, k]``, int32 expert ids ``[T, k]``, int32 counts ``[E]``, int32 group end offsets
-    ``[E]`` and the int32 stable permutation ``[T * k]`` (``perm[r]`` = slot ``t * k + j`` of the r-th row in
-    expert order). ``expert_bias`` shifts the selection only (torchtitan's auxiliary-loss-free balancing).
-    """
-    num_experts = logits_TE.shape[-1]
-    scores = torch.sigmoid(logits_TE.float()) if score_func == "sigmoid" else F.softmax(logits_TE.float(), dim=-1)
-    if expert_bias is not None:
-        ids = torch.topk(scores + expert_bias, top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-    else:
-        weights, ids = torch.topk(scores, top_k, dim=-1)
-    if norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    if route_scale != 1.0:
-        weights = weights * route_scale
-    flat = ids.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # integer adds: exact in any order
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    perm = torch.argsort(flat, stable=True).to(torch.int32)
-    return weights, ids.to(torch.int32), counts, offs, perm
-
-
 def _route(moe: FlyMoE, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The single routing call site (swap for ``moe_route`` here)."""
-    return route_topk_placeholder(
+    """The single routing call site: the dispatched ``moe_route`` op."""
+    r = moe_route(
         logits,
         moe.top_k,
-        score_func=moe.score_func,
-        norm_topk_prob=moe.norm_topk_prob,
+        score=moe.score_func,
+        renormalize=moe.norm_topk_prob,
+        bias_E=getattr(moe, "expert_bias", None),
         route_scale=moe.route_scale,
-        expert_bias=getattr(moe, "expert_bias", None),
+        return_permutation=True,
     )
+    return r.weights_TK, r.ids_TK, r.counts_E, r.offsets_E, r.sorted_slots_S
 
 
 class _GatherTokens(torch.autograd.Function):

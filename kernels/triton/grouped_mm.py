@@ -45,7 +45,12 @@ def maybe_tune(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, m: int, **i
         gk.tune(x, w, offs, **index)
 
 
-@GROUPED_MM.implement("triton", supports=_supports)
+@GROUPED_MM.implement(
+    "triton",
+    supports=_supports,
+    constraints="x [M, K] bf16/fp16 (K contiguous) x w [E, K, N] (N- or K-contiguous), int32 end offsets, E <= "
+    "4096, sm80+; TMA loads when strides are 16-byte aligned, masked pointer loads otherwise",
+)
 def grouped_mm_triton(
     x: torch.Tensor,
     w: torch.Tensor,

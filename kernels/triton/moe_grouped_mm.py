@@ -27,7 +27,12 @@ def _supports(
     return True
 
 
-@MOE_GROUPED_MM.implement("triton", supports=_supports)
+@MOE_GROUPED_MM.implement(
+    "triton",
+    supports=_supports,
+    constraints="as grouped_mm, plus a contiguous int32 permutation; rows gathered by token and/or scattered to "
+    "slot order inside the GEMM",
+)
 def moe_grouped_mm_triton(
     x: torch.Tensor,
     w: torch.Tensor,

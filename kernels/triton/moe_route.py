@@ -565,7 +565,12 @@ def _plan(
     return _Plan(programs, tiles, per_program, shape.ROWS, constexprs)
 
 
-@MOE_ROUTE.implement("triton", supports=_supports)
+@MOE_ROUTE.implement(
+    "triton",
+    supports=_supports,
+    constraints="logits [T, E] fp32/bf16/fp16, E <= 1024, k <= 16, softmax/sigmoid, selection bias, up to 32 "
+    "expert groups; counts, offsets and stable permutation fused; no host sync",
+)
 def moe_route_triton(
     logits_TE: torch.Tensor,
     k: int,

@@ -155,7 +155,9 @@ def _plan(n: int, k: int, dtype: torch.dtype, row_stride: int, rows_total: int, 
     return cdiv(rows_total, rows), constexprs
 
 
-@TOPK.implement("triton", supports=_supports)
+@TOPK.implement(
+    "triton", supports=_supports, constraints="last dim, fp32/bf16/fp16, small k (see _supports); ties -> lower index"
+)
 def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]
     values = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)

@@ -41,8 +41,10 @@ def _route(moe: FlyMoE, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor,
         moe.top_k,
         score=moe.score_func,
         renormalize=moe.norm_topk_prob,
-        bias_E=getattr(moe, "expert_bias", None),
+        bias_E=moe.selection_bias(),
         route_scale=moe.route_scale,
+        n_groups=moe.n_groups,
+        topk_groups=moe.topk_groups,
         return_permutation=True,
     )
     return r.weights_TK, r.ids_TK, r.counts_E, r.offsets_E, r.sorted_slots_S
@@ -136,6 +138,8 @@ class FlyMoE(nn.Module):
             output; the combine is then a plain sum.
         load_balance_bias: keep torchtitan's ``expert_bias`` buffer (selection only) and ``tokens_per_expert``.
         shared_experts: a dense module added to the routed output (torchtitan ``shared_experts``), kept as is.
+        n_groups / topk_groups: node-limited routing (DeepSeek-V3): pick experts only from the best ``topk_groups``
+            of ``n_groups`` equal groups.
         path: ``"plain"``, ``"fused"`` (gather/scatter inside the GEMMs) or ``"auto"`` (``AUTO_PATH``).
     """
 
@@ -153,6 +157,8 @@ class FlyMoE(nn.Module):
         score_before_experts: bool = False,
         load_balance_bias: bool = False,
         shared_experts: nn.Module | None = None,
+        n_groups: int | None = None,
+        topk_groups: int | None = None,
         path: Path = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -170,6 +176,7 @@ class FlyMoE(nn.Module):
         self.num_experts, self.top_k, self.layout = num_experts, top_k, layout
         self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, float(route_scale)
         self.score_before_experts, self.path = score_before_experts, path
+        self.n_groups, self.topk_groups = n_groups, topk_groups
         router = RouterWeight(num_experts, hidden_size, device=device, dtype=dtype)
         if layout.startswith("torchtitan"):
             self.router = nn.Module()
@@ -184,6 +191,15 @@ class FlyMoE(nn.Module):
             )
         self.shared_experts = shared_experts
         self.reset_parameters()
+
+    def selection_bias(self) -> Tensor | None:
+        """The selection-only bias: torchtitan's ``expert_bias`` or DeepSeek-V3's ``gate.e_score_correction_bias``."""
+        bias = getattr(self, "expert_bias", None)
+        return bias if bias is not None else getattr(self.router_module, "e_score_correction_bias", None)
+
+    @property
+    def router_module(self) -> nn.Module:
+        return self.router.gate if self.layout.startswith("torchtitan") else self.gate
 
     @property
     def router_weight(self) -> Tensor:
@@ -232,6 +248,8 @@ class FlyMoE(nn.Module):
         )
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
+        if getattr(self, "shared_expert", None) is not None:  # Qwen2-MoE: a gated shared expert
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:

@@ -38,14 +38,14 @@ def _reject(module: nn.Module, why: str) -> None:
 
 
 def _check_block(module: nn.Module) -> None:
-    for name in ("shared_expert", "shared_expert_gate"):
-        if getattr(module, name, None) is not None:
-            _reject(module, f"has a gated shared expert ({name}); not supported")
+    if (getattr(module, "shared_expert", None) is None) != (getattr(module, "shared_expert_gate", None) is None):
+        _reject(module, "has a shared expert without its gate (or a gate without the expert)")
     if getattr(module, "jitter_noise", 0) or getattr(module, "router_jitter_noise", 0):
         _reject(module, "router jitter noise is not supported")
 
 
 def _check_router(module: nn.Module, router: nn.Module) -> None:
+    """Plain top-k routers only; DeepSeek-V3-style routers go through ``_hf_router_options``."""
     for name in ("e_score_correction_bias", "n_group", "topk_group"):
         if getattr(router, name, None) is not None:
             _reject(module, f"router has {name} (group-limited or corrected routing); not supported")
@@ -70,7 +70,6 @@ def _new(
 def _hf_v5(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     experts, router = module.experts, module.gate
     _check_block(module)
-    _check_router(module, router)
     if getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None:
         _reject(module, "experts have biases")
     if getattr(experts, "is_transposed", False) or not getattr(experts, "has_gate", True):
@@ -80,11 +79,43 @@ def _hf_v5(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     e, two_i, h = experts.gate_up_proj.shape
     k = int(getattr(router, "top_k", getattr(module, "top_k", 0)))
     norm = bool(getattr(router, "norm_topk_prob", getattr(module, "norm_topk_prob", True)))  # Mixtral: always
-    kw = dict(layout="hf", norm_topk_prob=norm) | options
+    kw = dict(layout="hf", norm_topk_prob=norm) | _deepseek_router_options(module, router) | options
     moe = _new(cls, router.weight, h, two_i // 2, e, k, False, **kw)
     moe.gate.weight = router.weight
+    if kw.get("score_func") == "sigmoid":
+        moe.gate.register_buffer("e_score_correction_bias", router.e_score_correction_bias)  # same key, shared
     moe.experts.gate_up_proj, moe.experts.down_proj = experts.gate_up_proj, experts.down_proj
+    _attach_shared(moe, module)
     return moe
+
+
+def _deepseek_router_options(module: nn.Module, router: nn.Module) -> dict:
+    """DeepSeek-V3-style routers (transformers ``*TopkRouter`` with ``e_score_correction_bias``): sigmoid scores,
+    selection-only bias, node-limited groups, routed scaling factor. Empty for plain top-k routers."""
+    if getattr(router, "e_score_correction_bias", None) is None:
+        _check_router(module, router)
+        return {}
+    n_group, topk_group = getattr(router, "num_group", None), getattr(router, "topk_group", None)
+    if n_group is None or topk_group is None or not hasattr(router, "routed_scaling_factor"):
+        _reject(module, "router has a score-correction bias but not DeepSeek-V3's group fields")
+    if getattr(router, "bias", None) is not None:
+        _reject(module, "router has a bias")
+    grouped = int(n_group) > 1
+    return dict(
+        score_func="sigmoid",
+        route_scale=float(router.routed_scaling_factor),
+        n_groups=int(n_group) if grouped else None,
+        topk_groups=int(topk_group) if grouped else None,
+    )
+
+
+def _attach_shared(moe: FlyMoE, module: nn.Module) -> None:
+    """Shared experts keep their modules and names: ungated (``shared_experts``, DeepSeek-V3) or gated by
+    ``sigmoid(shared_expert_gate(x))`` (``shared_expert``, Qwen2-MoE)."""
+    if getattr(module, "shared_experts", None) is not None:
+        moe.shared_experts = module.shared_experts
+    if getattr(module, "shared_expert", None) is not None:
+        moe.shared_expert, moe.shared_expert_gate = module.shared_expert, module.shared_expert_gate
 
 
 _LIST_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
@@ -117,6 +148,7 @@ def _expert_list(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
             moe.experts.gate_up_proj[j, :i].copy_(getattr(ex, gate_n).weight)
             moe.experts.gate_up_proj[j, i:].copy_(getattr(ex, up_n).weight)
             moe.experts.down_proj[j].copy_(getattr(ex, down_n).weight)
+    _attach_shared(moe, module)
     return moe
 
 

@@ -13,19 +13,22 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from fly_lightning.dtensor import is_dtensor
+
 
 @dataclass(frozen=True)
 class Matcher:
     """Recognises one kind of module.
 
-    ``match(module)`` returns None (not this kind), or a variant name (recognised). ``build(module, variant)`` returns
-    the replacement, or raises ``Unsupported(reason)`` to leave the module with that reason.
+    ``match(module)`` returns None (not this kind), or a variant name (recognised). ``build(module, variant, root)``
+    returns the replacement, or raises ``Unsupported(reason)`` to leave the module with that reason; ``root`` is the
+    model being transformed (for model-wide settings such as a Hugging Face config).
     """
 
     name: str
     family: str  # what a user enables or disables, e.g. "rms_norm", "moe"
     match: Callable[[nn.Module], str | None]
-    build: Callable[[nn.Module, str], nn.Module]
+    build: Callable[[nn.Module, str, nn.Module], nn.Module]
 
 
 class Unsupported(Exception):
@@ -96,18 +99,18 @@ def transform(model: nn.Module, *, ops: Iterable[str] | None = None, verbose: bo
     if unknown:
         raise ValueError(f"unknown op families {sorted(unknown)}; known: {families()}")
     summary = TransformSummary()
-    _walk(model, "", wanted, summary)
+    _walk(model, "", wanted, summary, model)
     if verbose:
         summary.print()
     return summary
 
 
-def _walk(parent: nn.Module, prefix: str, wanted: set[str], summary: TransformSummary) -> None:
+def _walk(parent: nn.Module, prefix: str, wanted: set[str], summary: TransformSummary, root: nn.Module) -> None:
     for name, child in list(parent.named_children()):
         path = f"{prefix}{name}"
         if getattr(child, "_fly_swapped", False):
             continue  # already ours (the transform is idempotent)
-        outcome = _try_swap(child, wanted)
+        outcome = _try_swap(child, wanted, root)
         if isinstance(outcome, nn.Module):
             outcome._fly_swapped = True
             setattr(parent, name, outcome)
@@ -119,10 +122,10 @@ def _walk(parent: nn.Module, prefix: str, wanted: set[str], summary: TransformSu
         cls = type(child).__name__
         if cls.lower().endswith(_INTERESTING):
             summary.unrecognised[cls] += 1
-        _walk(child, f"{path}.", wanted, summary)
+        _walk(child, f"{path}.", wanted, summary, root)
 
 
-def _try_swap(module: nn.Module, wanted: set[str]) -> nn.Module | str | None:
+def _try_swap(module: nn.Module, wanted: set[str], root: nn.Module) -> nn.Module | str | None:
     """The replacement, a reason it was left, or None when no matcher recognises it."""
     for m in MATCHERS:
         variant = m.match(module)
@@ -130,8 +133,11 @@ def _try_swap(module: nn.Module, wanted: set[str]) -> nn.Module | str | None:
             continue
         if m.family not in wanted:
             return f"family {m.family!r} not selected"
+        if any(is_dtensor(p) for p in module.parameters()):
+            # FSDP2 / TP keep references to this module (parameter swaps, hooks): swapping it now would break them
+            return "parameters already sharded (DTensor): transform before fully_shard / parallelize_module"
         try:
-            new = m.build(module, variant)
+            new = m.build(module, variant, root)
         except Unsupported as exc:
             return str(exc)
         new._fly_matcher = f"{m.name}:{variant}"

@@ -56,7 +56,7 @@ def _match(module: nn.Module) -> str | None:
 _OPTIONS = {"torch": {}, "gemma": {"offset": 1.0}, "llama": {"cast_before_scale": True}}
 
 
-def _build(module: nn.Module, variant: str) -> nn.Module:
+def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
     if variant == "torch":
         if len(module.normalized_shape) != 1:
             raise Unsupported(f"normalized_shape {tuple(module.normalized_shape)} spans more than the last dim")

@@ -142,9 +142,11 @@ def test_runs_under_deterministic_algorithms_without_reading_unwritten_memory(pa
 
 
 def _hf_blocks():
-    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     return {
@@ -161,15 +163,38 @@ def _hf_blocks():
                 hidden_size=H, intermediate_size=INTER, num_experts=E, num_experts_per_tok=3, norm_topk_prob=False
             )
         ),
+        "qwen2_shared": lambda: Qwen2MoeSparseMoeBlock(
+            Qwen2MoeConfig(
+                hidden_size=H,
+                moe_intermediate_size=INTER,
+                num_experts=E,
+                num_experts_per_tok=2,
+                shared_expert_intermediate_size=INTER,
+            )
+        ),
+        "deepseek_v3": lambda: DeepseekV3MoE(
+            DeepseekV3Config(
+                hidden_size=H,
+                moe_intermediate_size=INTER,
+                n_routed_experts=E,
+                num_experts_per_tok=2,
+                n_group=2,
+                topk_group=1,
+                routed_scaling_factor=2.5,
+                norm_topk_prob=True,
+            )
+        ),
     }
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen3", "olmoe"])
+@pytest.mark.parametrize("model", ["mixtral", "qwen3", "olmoe", "qwen2_shared", "deepseek_v3"])
 def test_wraps_transformers_v5_blocks_sharing_their_parameters(model):
     torch.manual_seed(0)
     block = _hf_blocks()[model]()
     for p in block.parameters():
         nn.init.normal_(p, std=0.3)
+    if model == "deepseek_v3":  # a bias that changes the selection, and groups that matter
+        block.gate.e_score_correction_bias.copy_(torch.randn(E) * 0.5)
     moe = FlyMoE.from_module(block)
     assert moe.experts.gate_up_proj is block.experts.gate_up_proj and moe.gate.weight is block.gate.weight
     x = torch.randn(2, 5, H)
@@ -357,16 +382,10 @@ def test_from_module_rejects_what_it_does_not_compute():
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
     ds = DeepseekV3MoE(
-        DeepseekV3Config(
-            hidden_size=H,
-            moe_intermediate_size=INTER,
-            n_routed_experts=8,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-        )
+        DeepseekV3Config(hidden_size=H, moe_intermediate_size=INTER, n_routed_experts=8, num_experts_per_tok=2)
     )
-    with pytest.raises(ValueError, match="group-limited or corrected routing"):
+    del ds.gate.routed_scaling_factor  # a corrected router without DeepSeek-V3's fields
+    with pytest.raises(ValueError, match="score-correction bias"):
         FlyMoE.from_module(ds)
     qwen2 = Qwen2MoeSparseMoeBlock(
         Qwen2MoeConfig(
@@ -377,7 +396,8 @@ def test_from_module_rejects_what_it_does_not_compute():
             shared_expert_intermediate_size=INTER,
         )
     )
-    with pytest.raises(ValueError, match="gated shared expert"):
+    qwen2.shared_expert_gate = None
+    with pytest.raises(ValueError, match="shared expert without its gate"):
         FlyMoE.from_module(qwen2)
     gelu = MixtralSparseMoeBlock(
         MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E, hidden_act="gelu")

@@ -14,8 +14,10 @@ export FLY_GIT_REV=${FLY_GIT_REV:-unknown}
 log="$OUT/session-$(echo "$*" | tr ' ' '_').log"
 {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
-    || { echo "install failed"; exit 1; }
+    || { echo "wheel install failed"; exit 1; }
+  # the package as an install lays it out (pyproject's package-dir mapping), without needing a build backend there
+  rm -rf /tmp/site/fly_lightning && cp -r fly_lightning /tmp/site/fly_lightning
+  for d in kernels quant callbacks recipes; do cp -r "$d" "/tmp/site/fly_lightning/$d"; done
 } >"$log" 2>&1
 export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
 status=0
@@ -34,13 +36,17 @@ for phase in "$@"; do
   case $phase in
     checks) run checks 300 python3 -m benchmarks.gpu_checks ;;
     rms) run rms 300 python3 -m benchmarks.bench_rms_norm --sweep ;;
+    grouped_check) run grouped_check 360 python3 -m benchmarks.bench_grouped_mm --check --moe ;;
     overhead) run overhead 120 python3 -m benchmarks.bench_dispatch_overhead ;;
     route) run route 300 python3 -m benchmarks.bench_moe_route ;;
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
-    moe) run moe 300 python3 -m benchmarks.bench_moe_layer ;;
     callbacks) run callbacks 240 python3 -m benchmarks.gpu_check_callbacks ;;
     recipe) run recipe 300 python3 -m fly_lightning.recipes.moe_finetune fit --trainer.max_steps 60 \
-              --trainer.default_root_dir "$FLY_RESULTS_DIR/recipe" ;;
+              --trainer.default_root_dir "$FLY_RESULTS_DIR/recipe" --model.hidden_size 1024 --model.num_layers 4 \
+              --model.num_heads 16 --model.num_kv_heads 4 --model.num_experts 16 --model.experts_per_token 4 \
+              --model.expert_intermediate_size 768 --model.max_seq_len 2048 --data.seq_len 1025 --data.n_train 1024 \
+              --data.batch_size 8 --trainer.val_check_interval 30 ;;
+    dist) run dist 420 python3 -m benchmarks.distributed_check ;;
     *) echo "unknown phase $phase" | tee -a "$log"; status=1 ;;
   esac
 done

@@ -18,8 +18,11 @@ log="$OUT/session-$(echo "$*" | tr ' ' '_').log"
   # the package as an install lays it out (pyproject's package-dir mapping), without needing a build backend there
   rm -rf /tmp/site/fly_lightning && cp -r fly_lightning /tmp/site/fly_lightning
   for d in kernels quant callbacks recipes; do cp -r "$d" "/tmp/site/fly_lightning/$d"; done
+  rm -rf /tmp/site/benchmarks && cp -r benchmarks /tmp/site/benchmarks
 } >"$log" 2>&1
-export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+# run outside the checkout: its fly_lightning/ on sys.path[0] would shadow the laid-out package
+export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
+mkdir -p /tmp/run && cd /tmp/run
 status=0
 run() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2

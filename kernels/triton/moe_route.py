@@ -164,16 +164,17 @@ def _route_tile(
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
         key = relative_keys(key32, col, CB)
     m = tl.zeros([ROWS], tl.int32)
-    out_j = W_OUT + rows64 * K
+    # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
+    # read as NaN (relative keys near the row max) or flush those that read as denormals
+    W_BITS = W_OUT.to(tl.pointer_type(tl.int32))
+    out_j = W_BITS + rows64 * K
     for j in tl.static_range(K):
         if PERM:
             key, m = marked_step(key, j)
         else:
             m = descent_step(key, m, j)
         # the winner's key, for the epilogue: stored by the thread holding column 0 (no layout conversion)
-        tl.store(
-            rows5(out_j + j) + col * 0, rows5(m.to(tl.float32, bitcast=True)) + col * 0, mask=rows5(row_ok) & (col == 0)
-        )
+        tl.store(rows5(out_j + j) + col * 0, rows5(m) + col * 0, mask=rows5(row_ok) & (col == 0))
         if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
             _, mx = packed_decode(m, INF16, X.dtype.element_ty, CB)
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
@@ -186,7 +187,7 @@ def _route_tile(
                 # stored in packed form with the column in the low bits (the epilogue only reads the column)
                 tl.store(
                     rows5(out_j + j) + col * 0,
-                    rows5(((CB - 1) - idx).to(tl.float32, bitcast=True)) + col * 0,
+                    rows5((CB - 1) - idx) + col * 0,
                     mask=rows5(row_ok) & (col == 0),
                 )
             chosen = key < INT_MIN + K
@@ -201,7 +202,7 @@ def _route_tile(
     tl.debug_barrier()
     out = rows64[:, None] * K + kk[None, :]
     out_ok = row_ok[:, None] & (kk < K)[None, :]
-    mk = tl.load(W_OUT + out, mask=out_ok, other=0.0).to(tl.int32, bitcast=True)
+    mk = tl.load(W_BITS + out, mask=out_ok, other=0)
     idx = packed_col(mk, CB)
     tl.store(ID_OUT + out, idx, mask=out_ok)
     if not PERM:

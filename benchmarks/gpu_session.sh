@@ -11,7 +11,8 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export FLY_RESULTS_DIR=/tmp/fly_results; mkdir -p "$FLY_RESULTS_DIR"
 export FLY_GIT_REV=${FLY_GIT_REV:-unknown}
-log="$OUT/session-$(echo "$*" | tr ' ' '_').log"
+tag=$(echo "$*" | tr ' ' '_')
+log="$OUT/session-$tag.log"
 {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
@@ -31,6 +32,8 @@ run() {  # name, timeout seconds, command...
   timeout "$limit" "$@" >>"$log" 2>&1; local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
   [ $rc -eq 0 ] || status=1
+  # archive after every phase: a run cut short by the device limit still returns what finished
+  tar czf "$OUT/results-$tag.tgz" -C "$FLY_RESULTS_DIR" . 2>>"$log"
 }
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv;
   python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"; } \
@@ -53,6 +56,5 @@ for phase in "$@"; do
     *) echo "unknown phase $phase" | tee -a "$log"; status=1 ;;
   esac
 done
-tar czf "$OUT/results-$(echo "$*" | tr ' ' '_').tgz" -C "$FLY_RESULTS_DIR" . 2>>"$log"
 tail -40 "$log"
 exit $status

@@ -238,6 +238,19 @@ def _backward(ctx, grad: Tensor):
 grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def autocast_operands(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    """Cast floating operands to the autocast dtype where autocast is on, as autocast does for ``mm``.
+
+    Custom ops are invisible to autocast, so without this a ``bf16-mixed`` run would hand fp32 weights to the op and
+    every call would fall back. The cast is differentiable: gradients reach the fp32 parameters as with ``F.linear``.
+    """
+    if not isinstance(x, Tensor) or not isinstance(w, Tensor) or not torch.is_autocast_enabled(x.device.type):
+        return x, w
+    dtype = torch.get_autocast_dtype(x.device.type)
+    cast = lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t  # noqa: E731
+    return cast(x), cast(w)
+
+
 def grouped_mm(x_MK: Tensor, w: Tensor, offs_E: Tensor, *, out_dtype: torch.dtype | None = None) -> Tensor:
     """Grouped GEMM with the semantics of ``torch._grouped_mm(x, w, offs=offs)`` (2D x 3D).
 
@@ -251,8 +264,10 @@ def grouped_mm(x_MK: Tensor, w: Tensor, offs_E: Tensor, *, out_dtype: torch.dtyp
         ``[M, N]``; rows at and past ``offs[-1]`` are unspecified, as in torch.
 
     Offset values are checked only on the CPU; on a GPU they are never read by the host (no sync), and the Triton
-    kernel clamps them so that invalid offsets cannot touch memory outside the tensors.
+    kernel clamps them so that invalid offsets cannot touch memory outside the tensors. Under autocast, floating
+    operands are cast to the autocast dtype first.
     """
+    x_MK, w = autocast_operands(x_MK, w)
     if not (isinstance(x_MK, Tensor) and isinstance(w, Tensor) and isinstance(offs_E, Tensor)):
         _validate(x_MK, w, offs_E, out_dtype)  # raises the ValueError naming the argument
     if x_MK.dim() == 2:

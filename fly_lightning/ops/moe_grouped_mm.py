@@ -26,6 +26,7 @@ from fly_lightning.ops.grouped_mm import (
     _check_offsets,
     _fake,
     _grouped_mm_aten,
+    autocast_operands,
     grouped_mm_reference,
     weight_grad,
     weight_grad_like,
@@ -287,8 +288,10 @@ def moe_grouped_mm(
         scatter: write row r to output row ``perm[r]`` (slot order).
 
     Returns:
-        ``[M, N]``, in slot order when ``scatter``, else in expert order.
+        ``[M, N]``, in slot order when ``scatter``, else in expert order. Under autocast, floating operands are cast
+        to the autocast dtype first, as in ``grouped_mm``.
     """
+    x, w = autocast_operands(x, w)
     if isinstance(perm_M, Tensor) and isinstance(x, Tensor) and x.dim() == 2 and isinstance(offs_E, Tensor):
         _check_perm(offs_E, perm_M, perm_M.shape[0])
     return moe_grouped_mm_op(x, w, offs_E, perm_M, topk, gather, scatter, out_dtype)

@@ -114,6 +114,21 @@ def test_fp16_kernels_plain_and_fused_agree_exactly_and_match_the_loop():
     assert _rel(results["fused"][0], ref) < 5e-3
 
 
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_autocast_runs_the_experts_in_the_autocast_dtype(path):
+    # bf16-mixed: fp32 parameters, bf16 expert GEMMs on the kernel (not an fp32 fallback), fp32 gradients
+    moe = _fresh(path=path)
+    x = torch.randn(3, 7, H, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    op = "moe_grouped_mm" if path == "fused" else "grouped_mm"
+    recs = DISPATCH_LOG.records(op)
+    assert recs and {(r["dtype"], r["backend"]) for r in recs} == {("bfloat16", "triton")}
+    assert _rel(y, moe(x)) < 2e-2  # close to the fp32 forward
+    y.float().sum().backward()
+    assert moe.experts.down_proj.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
 def test_deterministic_and_empty_batch():
     moe = _fresh(torch.float16, path="fused")
     x = torch.randn(16, H).half().requires_grad_()

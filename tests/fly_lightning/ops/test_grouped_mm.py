@@ -96,6 +96,25 @@ def test_float32_output_and_float32_inputs():
     torch.testing.assert_close(yf, torch._grouped_mm(xf, wf, offs=offs))
 
 
+def test_autocast_casts_fp32_operands_like_mm():
+    # bf16-mixed training keeps fp32 parameters: without the cast every call would fall back on dtype
+    torch.manual_seed(2)
+    offs = _offs([9, 0, 15])
+    x = torch.randn(24, 32, requires_grad=True)
+    w = _weights(3, 32, 16, torch.float32, True).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = grouped_mm(x, w, offs)
+    rec = _last()
+    assert y.dtype == torch.bfloat16 and rec["dtype"] == "bfloat16" and rec["backend"] == "triton", rec
+    want = grouped_mm_reference(x.detach().bfloat16().double(), w.detach().bfloat16().double(), offs)
+    assert _rel_err(y, want) < TOL[torch.bfloat16]
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32  # reaches the fp32 leaves
+    assert (w.grad[1] == 0).all() and w.grad.abs().sum() > 0
+    y32 = grouped_mm(x.detach(), w.detach(), offs)  # autocast off again: fp32 in, fp32 out
+    assert y32.dtype == torch.float32
+
+
 @pytest.mark.parametrize("k_major", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_gradients_equal_atens(k_major, dtype):

@@ -117,11 +117,11 @@ class MoECausalLM(L.LightningModule):
         warmup_steps: int = 5,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters()
         if pretrained:
             from transformers import AutoModelForCausalLM
 
             self.model = AutoModelForCausalLM.from_pretrained(pretrained, torch_dtype=torch.bfloat16)
+            self.model.train()  # from_pretrained returns eval mode, which Lightning keeps for training
         else:
             self.model = build_hf_model(
                 arch,
@@ -134,6 +134,19 @@ class MoECausalLM(L.LightningModule):
                 experts_per_token,
                 expert_intermediate_size,
                 max_seq_len,
+            )
+        # with a checkpoint, its config decides the vocabulary: the unused argument must not clash with the data's
+        # vocab_size when Lightning merges the hparams (``setup`` checks the real one)
+        self.save_hyperparameters(ignore=["vocab_size"] if pretrained else None)
+
+    def setup(self, stage: str) -> None:
+        datamodule = self.trainer.datamodule
+        data_vocab = getattr(getattr(datamodule, "hparams", None), "vocab_size", None)
+        model_vocab = self.model.config.vocab_size
+        if data_vocab is not None and data_vocab != model_vocab:
+            raise ValueError(
+                f"data.vocab_size={data_vocab} does not match the model's vocabulary ({model_vocab}): "
+                f"pass --data.vocab_size {model_vocab}"
             )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -195,12 +208,14 @@ def main(args: list[str] | None = None) -> None:
         )
     import fly_lightning  # noqa: F401  (registers the strategies)
 
+    cli_args = args or ["fit"]
     LightningCLI(
         MoECausalLM,
         MarkovLMData,
         trainer_defaults=trainer_defaults(),
         seed_everything_default=0,
-        args=args or ["fit"],
+        # None: LightningCLI reads sys.argv itself (given both, it warns on every command-line run)
+        args=None if cli_args == sys.argv[1:] else cli_args,
         save_config_kwargs={"overwrite": True},
     )
 

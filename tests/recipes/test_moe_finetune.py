@@ -1,0 +1,357 @@
+"""The MoE fine-tuning recipe: every model family swaps and dispatches, fits through the CLI entry, fails clearly.
+
+``main()`` re-executes itself with ``TRITON_INTERPRET=1`` on a machine without a GPU when the variable is unset;
+tests/conftest.py sets it, so in-process calls run LightningCLI directly (``os.execv`` is patched to fail, so a
+regression could never replace the pytest process). The re-exec itself is checked in a subprocess with a timeout.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import inspect
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+import fly_lightning
+from fly_lightning import DISPATCH_LOG, FlyMoE, FlyRMSNorm
+from fly_lightning.callbacks import DispatchCoverage, OperatorTime, load_manifest
+from fly_lightning.recipes import moe_finetune
+from fly_lightning.recipes.data import MarkovLMData
+from fly_lightning.recipes.moe_finetune import ARCHS, MoECausalLM, build_hf_model, main, trainer_defaults
+
+VOCAB = 32
+TINY = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    num_experts=4,
+    experts_per_token=2,
+    expert_intermediate_size=16,
+    max_seq_len=32,
+)
+FIT_STEPS = 8
+
+
+def _hf_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and not isinstance(m, FlyRMSNorm)]
+
+
+def _hf_moe_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
+
+
+@pytest.fixture
+def no_reexec(monkeypatch):
+    """In-process ``main()``: the interpreter is on, and a re-exec would fail the test instead of replacing pytest."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"main() tried to re-exec itself: {args}")
+
+    monkeypatch.setattr(os, "execv", refuse)
+    monkeypatch.setattr(sys, "argv", ["fly-finetune"])  # not pytest's arguments: main() gets its own
+
+
+@pytest.fixture
+def record_cli(monkeypatch) -> list[LightningCLI]:
+    """The LightningCLI objects ``main()`` creates (``main`` returns nothing: it is a console entry point)."""
+    made: list[LightningCLI] = []
+
+    class Recording(LightningCLI):
+        def __init__(self, *args, **kwargs):
+            made.append(self)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(moe_finetune, "LightningCLI", Recording)
+    return made
+
+
+# --- the model -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_swap_and_dispatch(arch):
+    torch.manual_seed(0)
+    module = MoECausalLM(arch=arch, **TINY)
+    tokens = torch.randint(0, VOCAB, (2, 12))
+    n_norms, n_moe = len(_hf_norms(module)), len(_hf_moe_blocks(module))
+    assert n_moe == TINY["num_layers"] and n_norms >= 2 * TINY["num_layers"] + 1
+    state_before = {k: v.data_ptr() for k, v in module.state_dict().items()}
+
+    with torch.no_grad():
+        loss_hf = module(tokens)
+    assert loss_hf.ndim == 0 and torch.isfinite(loss_hf)
+    assert abs(loss_hf.item() - math.log(VOCAB)) < 1.0  # a fresh model is near uniform
+
+    summary = fly_lightning.transform(module)
+    swapped = sorted({m.split(":")[0] for _, _, m in summary.swapped})
+    assert swapped == ["moe", "rms_norm"]
+    assert summary.left == []
+    assert sum(m.startswith("rms_norm:") for _, _, m in summary.swapped) == n_norms
+    assert sum(m.startswith("moe:") for _, _, m in summary.swapped) == n_moe
+    # module types: nothing of the originals left, ours in their place, the same parameters under the same names
+    assert _hf_norms(module) == [] and _hf_moe_blocks(module) == []
+    assert sum(isinstance(m, FlyRMSNorm) for m in module.modules()) == n_norms
+    assert sum(isinstance(m, FlyMoE) for m in module.modules()) == n_moe
+    assert {k: v.data_ptr() for k, v in module.state_dict().items()} == state_before
+
+    DISPATCH_LOG.reset()
+    loss_fly = module(tokens)
+    assert torch.isfinite(loss_fly)
+    torch.testing.assert_close(loss_fly.detach(), loss_hf, rtol=1e-5, atol=1e-5)
+    loss_fly.backward()
+    grads = [p.grad for p in module.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+    # the dispatch log: every swapped module called once, on the Triton kernels (interpreter) where they apply
+    summary_log = DISPATCH_LOG.summary()
+    assert summary_log["rms_norm"]["calls"] == n_norms
+    assert summary_log["rms_norm"]["by_backend"] == {"triton": n_norms}
+    assert summary_log["moe_route"]["calls"] == n_moe
+    assert summary_log["moe_route"]["by_backend"] == {"triton": n_moe}
+    gemm_calls = sum(summary_log.get(op, {}).get("calls", 0) for op in ("grouped_mm", "moe_grouped_mm"))
+    assert gemm_calls >= n_moe  # the experts run as grouped GEMMs (fp32 here: on ATen, with the reason recorded)
+    for record in DISPATCH_LOG.records():
+        assert record["op"] in fly_lightning.OPS
+        assert record["calls"] >= 1
+        if record["backend"] == "aten":
+            assert record["fallback"] and record["reason"]
+
+
+def test_unknown_arch_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"arch must be one of .*qwen3_moe.*mixtral.*olmoe.*got 'llama'"):
+        MoECausalLM(arch="llama", **TINY)
+    with pytest.raises(ValueError, match="arch must be one of"):
+        build_hf_model("deepseek_v3", 32, 32, 1, 2, 1, 4, 2, 16, 32)
+
+
+def test_defaults_agree_and_run_observed():
+    """The embedded default run: model and data vocabularies match, strategy flydsl, both callbacks on."""
+    model_defaults = inspect.signature(MoECausalLM).parameters
+    data_defaults = inspect.signature(MarkovLMData).parameters
+    assert model_defaults["vocab_size"].default == data_defaults["vocab_size"].default
+    assert model_defaults["arch"].default in ARCHS
+    assert data_defaults["seq_len"].default <= model_defaults["max_seq_len"].default
+    d = trainer_defaults()
+    assert d["strategy"] == "flydsl" and d["devices"] == 1
+    assert d["accelerator"] == ("gpu" if torch.cuda.is_available() else "cpu")
+    assert sorted(type(c).__name__ for c in d["callbacks"]) == ["DispatchCoverage", "OperatorTime"]
+    op_time = next(c for c in d["callbacks"] if isinstance(c, OperatorTime))
+    assert op_time.first_step < d["max_steps"]  # the default run does profile a step
+
+
+# --- fitting through the CLI entry ---------------------------------------------------------------------------------
+
+
+def _fit_args(root: Path, *extra: str, steps: int = FIT_STEPS, layers: int = 1) -> list[str]:
+    model = {**TINY, "num_layers": layers}
+    return [
+        "fit",
+        *[a for k, v in model.items() for a in (f"--model.{k}", str(v))],
+        "--model.lr=1e-2",
+        "--model.warmup_steps=1",
+        f"--data.vocab_size={VOCAB}",
+        "--data.seq_len=17",
+        "--data.batch_size=8",
+        "--data.n_train=96",
+        "--data.n_val=16",
+        f"--trainer.max_steps={steps}",
+        "--trainer.val_check_interval=4",
+        "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.save_dir={root}",
+        *extra,
+    ]
+
+
+def _metric(log_dir: Path, name: str) -> list[float]:
+    with (log_dir / "metrics.csv").open() as f:
+        return [float(row[name]) for row in csv.DictReader(f) if row.get(name)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cli_fit_swaps_learns_and_writes_outputs(arch, tmp_path, no_reexec, record_cli, capsys):
+    main(_fit_args(tmp_path, f"--model.arch={arch}"))
+    (cli,) = record_cli
+    trainer, module = cli.trainer, cli.model
+    assert trainer.global_step == FIT_STEPS
+    assert type(trainer.strategy).__name__ == "FlySingleDeviceStrategy"
+    assert module.hparams.arch == arch
+
+    # swapped by the strategy: the summary, and the module types in the trained model
+    summary = trainer.strategy.transform_summary
+    assert {m.split(":")[0] for _, _, m in summary.swapped} == {"rms_norm", "moe"}
+    assert summary.left == []
+    assert _hf_norms(module) == [] and _hf_moe_blocks(module) == []
+    assert sum(isinstance(m, FlyMoE) for m in module.modules()) == 1
+    n_norms = sum(isinstance(m, FlyRMSNorm) for m in module.modules())
+    assert n_norms == sum(m.startswith("rms_norm:") for _, _, m in summary.swapped)
+
+    # it learns: training and validation loss fall from about log(vocab)
+    log_dir = Path(trainer.log_dir)
+    train_loss, val_loss = _metric(log_dir, "train_loss"), _metric(log_dir, "val_loss")
+    assert len(train_loss) == FIT_STEPS and len(val_loss) == 2
+    assert all(math.isfinite(v) for v in train_loss + val_loss)
+    assert abs(train_loss[0] - math.log(VOCAB)) < 0.5
+    assert train_loss[-1] < train_loss[0] - 0.3
+    assert val_loss[-1] < val_loss[0]
+
+    # the default callbacks ran and wrote their outputs into the run's log dir
+    cov = next(c for c in trainer.callbacks if isinstance(c, DispatchCoverage))
+    op_time = next(c for c in trainer.callbacks if isinstance(c, OperatorTime))
+    assert cov.manifest_path == log_dir / "dispatch_manifest.json"
+    manifest = load_manifest(cov.manifest_path)  # validates the structure
+    assert set(fly_lightning.OPS) <= set(manifest["ops"])
+    assert manifest["run"]["global_step"] == FIT_STEPS
+    ops = manifest["ops"]
+    assert ops["rms_norm"]["by_backend"] == {"triton": ops["rms_norm"]["calls"]}
+    assert ops["rms_norm"]["calls"] >= FIT_STEPS * n_norms
+    assert ops["moe_route"]["by_backend"] == {"triton": ops["moe_route"]["calls"]}
+    assert ops["moe_route"]["calls"] >= FIT_STEPS
+    assert ops["grouped_mm"]["calls"] + ops["moe_grouped_mm"]["calls"] >= FIT_STEPS
+
+    assert op_time.json_path == log_dir / "op_time.json"
+    breakdown = json.loads(op_time.json_path.read_text())
+    assert len(breakdown["steps"]) == 1  # one profiled step (first_step=5) in an 8-step run
+    parts = breakdown["mean"]["parts_ms"]
+    assert parts["rms_norm/triton"] > 0 and parts["moe_route/triton"] > 0
+    assert 0 < breakdown["mean"]["coverage"] <= 1
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert op_time.png_path == log_dir / "op_time.png" and op_time.png_path.stat().st_size > 0
+    assert f"arch: {arch}" in (log_dir / "config.yaml").read_text()
+
+    # and said so on the console
+    out = capsys.readouterr().out
+    assert "fly-finetune: no GPU" in out
+    for title in ("fly-lightning transform", "fly-lightning dispatch", "time by operator"):
+        assert title in out, title
+
+
+def test_cli_fine_tunes_a_pretrained_checkpoint(tmp_path, no_reexec, record_cli):
+    """``--model.pretrained`` with only ``--data.vocab_size`` (as the module docstring shows) must run."""
+    ckpt = tmp_path / "ckpt"
+    build_hf_model("mixtral", VOCAB, 32, 1, 2, 1, 4, 2, 16, 32).save_pretrained(ckpt)
+    main(
+        [
+            "fit",
+            f"--model.pretrained={ckpt}",
+            f"--data.vocab_size={VOCAB}",
+            "--data.seq_len=9",
+            "--data.n_train=16",
+            "--data.n_val=8",
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path}",
+        ]
+    )
+    (cli,) = record_cli
+    assert cli.trainer.global_step == 2
+    assert type(cli.model.model).__name__ == "MixtralForCausalLM"
+    assert cli.model.model.config.vocab_size == VOCAB
+    assert "vocab_size" not in cli.model.hparams  # the checkpoint decides it, not the unused argument
+    # from_pretrained returns a model in eval mode: fine-tuning must train it in train mode (dropout, router jitter)
+    assert all(m.training for m in cli.model.modules())
+    assert {m.split(":")[0] for _, _, m in cli.trainer.strategy.transform_summary.swapped} == {"rms_norm", "moe"}
+    val_loss = _metric(Path(cli.trainer.log_dir), "val_loss")
+    assert val_loss and all(math.isfinite(v) for v in val_loss)
+
+
+# --- invalid configurations ----------------------------------------------------------------------------------------
+
+
+def test_cli_unknown_arch_is_a_clear_error(tmp_path, no_reexec):
+    with pytest.raises(ValueError, match=r"arch must be one of .*got 'llama'"):
+        main(_fit_args(tmp_path, "--model.arch=llama"))
+
+
+@pytest.mark.parametrize("source", ["config", "pretrained"])
+def test_cli_vocab_mismatch_is_a_clear_error(source, tmp_path, no_reexec, record_cli):
+    # data and model vocabularies differ: named as such, before any step (not an index or hparams-merge error)
+    model_args = ["--model.arch=mixtral"]
+    if source == "pretrained":
+        build_hf_model("mixtral", VOCAB, 32, 1, 2, 1, 4, 2, 16, 32).save_pretrained(tmp_path / "ckpt")
+        model_args = [f"--model.pretrained={tmp_path / 'ckpt'}"]
+    args = _fit_args(tmp_path, *model_args)
+    args[args.index(f"--data.vocab_size={VOCAB}")] = f"--data.vocab_size={2 * VOCAB}"
+    message = rf"data.vocab_size={2 * VOCAB} does not match the model's vocabulary \({VOCAB}\)"
+    with pytest.raises(ValueError, match=message):
+        main(args)
+    assert record_cli[0].trainer.global_step == 0
+
+
+def test_cli_unknown_option_exits_nonzero_naming_it(tmp_path, no_reexec, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(_fit_args(tmp_path, "--model.num_expertz=4"))
+    assert exc.value.code not in (0, None)
+    assert "num_expertz" in capsys.readouterr().err
+
+
+# --- the console entry ----------------------------------------------------------------------------------------------
+
+
+def _env(**overrides: str | None) -> dict[str, str]:
+    env = {**os.environ, "COLUMNS": "200"}
+    for k, v in overrides.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def test_module_fit_help_lists_the_options(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "fly_lightning.recipes.moe_finetune", "fit", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=_env(TRITON_INTERPRET="1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for option in [f"--model.{k}" for k in ("arch", "pretrained", *TINY, "lr", "warmup_steps")] + [
+        "--data.vocab_size",
+        "--data.seq_len",
+        "--data.batch_size",
+        "--trainer.max_steps",
+        "--trainer.strategy",
+    ]:
+        assert option in proc.stdout, option
+    assert "LightningCLI's args parameter" not in proc.stderr  # main() must not pass sys.argv twice
+
+
+def test_console_script_help_reexecs_once_without_gpu(tmp_path):
+    """``fly-finetune --help`` with TRITON_INTERPRET unset: exit 0 after at most one re-exec (no fork loop)."""
+    script = shutil.which("fly-finetune", path=str(Path(sys.executable).parent))
+    assert script is not None, "console script fly-finetune not installed next to this python"
+    proc = subprocess.run(
+        [script, "--help"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=_env(TRITON_INTERPRET=None),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fit" in proc.stdout and "--config" in proc.stdout
+    banners = proc.stdout.count("fly-finetune: no GPU, Triton kernels run through the interpreter")
+    assert banners == (0 if torch.cuda.is_available() else 1)

@@ -156,7 +156,10 @@ def _plan(n: int, k: int, dtype: torch.dtype, row_stride: int, rows_total: int, 
 
 
 @TOPK.implement(
-    "triton", supports=_supports, constraints="last dim, fp32/bf16/fp16, small k (see _supports); ties -> lower index"
+    "triton",
+    supports=_supports,
+    constraints=f"x fp32/bf16/fp16 on GPU; top-k along the last dim, its length <= {MAX_N}, k <= {MAX_K}; last dim "
+    "contiguous, leading dims collapsible to rows; ties -> lower index, NaN ranked highest as in torch.topk",
 )
 def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]

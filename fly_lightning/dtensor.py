@@ -33,7 +33,7 @@ def run_on_local_shards(
     and every other tensor argument is replicated (or a plain tensor). The output keeps ``x``'s placements.
     """
     from torch._prims_common import make_contiguous_strides_for
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     reason = None
     if not isinstance(x, DTensor):
@@ -52,8 +52,19 @@ def run_on_local_shards(
 
         placements = tuple(str(p) for p in getattr(x, "placements", ()))
         record_fallback(op, (placements, tuple(x.shape), x.dtype, reason), (x, *others), reason)
-        return reference_fn(x, *others)
-    local_others = [o.to_local() if isinstance(o, DTensor) else o for o in others]
+        # DTensor ops refuse plain tensor operands: treat them as replicated (as torch's implicit_replication does)
+        mesh = next(t.device_mesh for t in (x, *others) if isinstance(t, DTensor))
+
+        def as_dtensor(t: Any) -> Any:
+            if isinstance(t, Tensor) and not isinstance(t, DTensor):
+                return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+            return t
+
+        return reference_fn(as_dtensor(x), *map(as_dtensor, others))
+    # a replicated argument's gradient from this rank's shard is only this shard's part: a partial sum over each mesh
+    # dim along which x is sharded (reduced later, as for native DTensor ops), not a replicated value
+    grad_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in x.placements]
+    local_others = [o.to_local(grad_placements=grad_placements) if isinstance(o, DTensor) else o for o in others]
     out = local_fn(x.to_local(), *local_others)
     stride = make_contiguous_strides_for(x.shape)  # our local outputs are contiguous
     return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=stride)

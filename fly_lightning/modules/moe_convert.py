@@ -184,17 +184,27 @@ def _torchtitan(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     return moe
 
 
+def _keep_child_order(moe: FlyMoE, module: nn.Module) -> FlyMoE:
+    """Children in the wrapped block's order (e.g. ``experts`` before ``gate``), so the state_dict key order and the
+    parameter order (by which an optimizer's state_dict refers to parameters) are the original model's."""
+    rank = {name: i for i, name in enumerate(module._modules)}
+    children = sorted(moe._modules.items(), key=lambda item: rank.get(item[0], len(rank)))
+    moe._modules.clear()
+    moe._modules.update(children)
+    return moe
+
+
 def from_module(cls: type[FlyMoE], module: nn.Module, **options: Any) -> FlyMoE:
     experts = getattr(module, "experts", None)
     if experts is None:
         _reject(module, "no `experts` attribute")
     if hasattr(module, "router") and hasattr(module.router, "gate") and hasattr(experts, "w1"):
-        return _torchtitan(cls, module, options)
+        return _keep_child_order(_torchtitan(cls, module, options), module)
     if not hasattr(module, "gate"):
         _reject(module, "no `gate` router")
     if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
-        return _hf_v5(cls, module, options)
+        return _keep_child_order(_hf_v5(cls, module, options), module)
     if isinstance(experts, nn.ModuleList) and len(experts) > 0:
-        return _expert_list(cls, module, options)
+        return _keep_child_order(_expert_list(cls, module, options), module)
     _reject(module, f"unrecognised experts container {type(experts).__name__}")
     raise AssertionError  # unreachable

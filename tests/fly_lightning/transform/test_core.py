@@ -1,0 +1,310 @@
+"""The transform engine on plain torch modules: nn.RMSNorm swaps, look-alikes left by the probe, the unrecognised list,
+torch.compile, activation checkpointing, and use without Lightning."""
+
+import copy
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fly_lightning
+from fly_lightning import DISPATCH_LOG, FlyRMSNorm
+
+H = 32
+
+
+def _randomise(model):
+    # norm weights away from their init, so a wrong scale (w vs 1 + w) shows
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+def _grads(model):
+    return {n.removeprefix("_orig_mod."): p.grad.clone() for n, p in model.named_parameters()}  # compiled: a wrapper
+
+
+def _assert_same_step(model, ref, x):
+    """Same output and same gradients (parameters and input) for a loss on the output."""
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_ref = model(xa), ref(xb)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    target = torch.randn_like(y_ref)
+    ((y - target) ** 2).sum().backward()
+    ((y_ref - target) ** 2).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-5)
+    g, g_ref = _grads(model), _grads(ref)
+    assert list(g) == list(g_ref)
+    for name in g_ref:
+        torch.testing.assert_close(g[name], g_ref[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- nn.RMSNorm -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("eps", [None, 1e-6, 1e-2])
+def test_nn_rmsnorm_is_swapped_and_matches(affine, eps):
+    ref = _randomise(nn.Sequential(nn.Linear(H, H), nn.RMSNorm(H, eps=eps, elementwise_affine=affine), nn.Linear(H, 8)))
+    model = copy.deepcopy(ref)
+    summary = fly_lightning.transform(model)
+    assert summary.swapped == [("1", "RMSNorm", "rms_norm:torch")]
+    assert summary.left == [] and not summary.unrecognised
+    norm = model[1]
+    assert isinstance(norm, FlyRMSNorm) and norm.eps == eps and norm.elementwise_affine == affine
+    assert norm.offset == 0.0 and not norm.cast_before_scale
+    assert list(model.state_dict()) == list(ref.state_dict())
+    # eps=1e-2 is large enough to change the output: a dropped or default eps would show
+    _assert_same_step(model, ref, torch.randn(3, 5, H))
+    rec = DISPATCH_LOG.records("rms_norm")
+    assert len(rec) == 1 and rec[0]["backend"] == "triton" and rec[0]["calls"] == 1
+
+
+def test_swapped_nn_rmsnorm_shares_the_parameter():
+    norm = nn.RMSNorm(H)
+    model = nn.Sequential(norm)
+    fly_lightning.transform(model)
+    assert model[0].weight is norm.weight  # optimizers built before the transform keep working
+
+
+def test_nn_rmsnorm_over_several_dims_is_left_with_reason():
+    model = nn.Sequential(nn.RMSNorm([4, 8]))
+    summary = fly_lightning.transform(model)
+    assert summary.swapped == []
+    assert summary.left == [("0", "RMSNorm", "normalized_shape (4, 8) spans more than the last dim")]
+    assert type(model[0]) is nn.RMSNorm
+
+
+# --- look-alikes: recognised by structure, confirmed (or not) by the probe --------------------------------------------
+
+
+class LlamaStyleRMSNorm(nn.Module):
+    """A user's RMSNorm with the Hugging Face Llama attributes and math (unknown class name)."""
+
+    def __init__(self, h, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(x.dtype)
+
+
+class CenteredRMSNorm(LlamaStyleRMSNorm):
+    """Named and built like an RMSNorm, but subtracts the mean (a LayerNorm without bias)."""
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return super().forward(x)
+
+
+class ScaledRMSNorm(nn.Module):
+    """Gemma-looking attributes (``eps``, no ``variance_epsilon``) but scales by ``w``, not ``1 + w``."""
+
+    def __init__(self, h, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class TensorEpsRMSNorm(LlamaStyleRMSNorm):
+    def __init__(self, h):
+        super().__init__(h)
+        self.variance_epsilon = torch.tensor(1e-6)
+
+
+def test_lookalike_with_the_same_math_is_swapped():
+    ref = _randomise(nn.Sequential(nn.Linear(H, H), LlamaStyleRMSNorm(H, eps=1e-3)))
+    model = copy.deepcopy(ref)
+    summary = fly_lightning.transform(model)
+    assert summary.swapped == [("1", "LlamaStyleRMSNorm", "rms_norm:llama")]
+    assert model[1].eps == 1e-3 and model[1].cast_before_scale
+    _assert_same_step(model, ref, torch.randn(4, H))
+
+
+@pytest.mark.parametrize(
+    "cls, reason",
+    [
+        (CenteredRMSNorm, "probe: output differs from the original"),
+        (ScaledRMSNorm, "probe: output differs from the original"),
+        (TensorEpsRMSNorm, "eps attribute is Tensor, expected float"),
+    ],
+)
+def test_lookalike_with_different_math_is_left_with_reason(cls, reason):
+    original = cls(H)
+    model = nn.Sequential(nn.Linear(H, H), original)
+    summary = fly_lightning.transform(model)
+    assert summary.swapped == []
+    assert len(summary.left) == 1
+    path, name, why = summary.left[0]
+    assert (path, name) == ("1", cls.__name__) and why.startswith(reason), why
+    assert model[1] is original  # untouched
+    assert DISPATCH_LOG.records() == []  # the probe compares with the reference, it dispatches nothing
+
+
+# --- not recognised ---------------------------------------------------------------------------------------------------
+
+
+class FancyNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(H))
+        self.shift = nn.Parameter(torch.zeros(H))
+
+    def forward(self, x):
+        return x * self.scale + self.shift
+
+
+class TopKRouter(nn.Linear):
+    pass
+
+
+class Block(nn.Module):
+    """An unrecognised container: the walk still looks inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = FancyNorm()
+        self.ln = nn.LayerNorm(H)
+        self.router = TopKRouter(H, 4)
+        self.inner_norm = nn.RMSNorm(H)
+        self.proj = nn.Linear(H, H)
+
+
+def test_unknown_modules_are_listed_as_not_recognised():
+    model = nn.ModuleList([Block(), Block()])
+    summary = fly_lightning.transform(model)
+    assert summary.unrecognised == Counter({"FancyNorm": 2, "LayerNorm": 2, "TopKRouter": 2})
+    # the nn.RMSNorm inside each unrecognised block is still found
+    assert [p for p, _, _ in summary.swapped] == ["0.inner_norm", "1.inner_norm"]
+    assert summary.left == []
+    text = str(summary)
+    assert "not recognised: FancyNorm x2, LayerNorm x2, TopKRouter x2" in text
+
+
+def test_verbose_prints_the_table(capsys):
+    fly_lightning.transform(nn.Sequential(nn.RMSNorm(H), FancyNorm()), verbose=True)
+    out = capsys.readouterr().out
+    assert "fly-lightning transform" in out and "RMSNorm" in out and "FancyNorm" in out
+
+
+# --- torch.compile, activation checkpointing --------------------------------------------------------------------------
+
+
+def test_torch_compile_fullgraph():
+    ref = _randomise(nn.Sequential(nn.RMSNorm(H, eps=1e-5), nn.Linear(H, H), nn.RMSNorm(H), nn.Linear(H, 8)))
+    model = copy.deepcopy(ref)
+    assert len(fly_lightning.transform(model).swapped) == 2
+    compiled = torch.compile(model, fullgraph=True)  # a graph break would raise
+    _assert_same_step(compiled, ref, torch.randn(2, 6, H))
+    # the compiled graph calls the custom op, which dispatched at run time
+    rec = DISPATCH_LOG.records("rms_norm")
+    assert rec and sum(r["calls"] for r in rec) == 2 and all(r["backend"] == "triton" for r in rec)
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(H, eps=1e-5)
+        self.fc = nn.Linear(H, H)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+class Checkpointed(nn.Module):
+    def __init__(self, use_checkpoint):
+        super().__init__()
+        self.blocks = nn.ModuleList([Residual(), Residual()])
+        self.use_checkpoint = use_checkpoint
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.use_checkpoint else block(x)
+        return x
+
+
+def test_activation_checkpointing_gives_equal_gradients():
+    ref = _randomise(Checkpointed(use_checkpoint=False))
+    model = copy.deepcopy(ref)
+    model.use_checkpoint = True
+    assert len(fly_lightning.transform(model).swapped) == 2
+    _assert_same_step(model, ref, torch.randn(3, 4, H))
+    # each norm ran in the forward and again in the recomputation during backward
+    assert sum(r["calls"] for r in DISPATCH_LOG.records("rms_norm")) == 4
+
+
+# --- without Lightning ------------------------------------------------------------------------------------------------
+
+
+def test_training_step_without_lightning():
+    # a plain nn.Module and a torch optimizer: no LightningModule, no Trainer
+    torch.manual_seed(1)
+    ref = _randomise(nn.Sequential(nn.Linear(H, H), nn.RMSNorm(H), nn.Linear(H, 4)))
+    model = copy.deepcopy(ref)
+    fly_lightning.transform(model)
+    x, y = torch.randn(8, H), torch.randint(0, 4, (8,))
+    for m in (model, ref):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p, p_ref, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+_NO_LIGHTNING = """
+import importlib.abc, sys, types
+
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("lightning", "pytorch_lightning", "lightning_fabric"):
+            raise ImportError(f"blocked: {name}")
+
+sys.meta_path.insert(0, Block())
+# the Lightning strategies are the only part of the package that needs Lightning: stand them in
+stub = types.ModuleType("fly_lightning.strategies")
+for name in ("FlyDDPStrategy", "FlyFSDP2Strategy", "FlyModelParallelStrategy", "FlySingleDeviceStrategy"):
+    setattr(stub, name, None)
+sys.modules["fly_lightning.strategies"] = stub
+
+import torch
+from torch import nn
+import fly_lightning
+
+model = nn.Sequential(nn.Linear(16, 16), nn.RMSNorm(16))
+summary = fly_lightning.transform(model)
+assert [m for _, _, m in summary.swapped] == ["rms_norm:torch"], summary
+model(torch.randn(2, 16)).sum().backward()
+assert not any(n.split(".")[0] in ("lightning", "pytorch_lightning") for n in sys.modules)
+print("ok", fly_lightning.DISPATCH_LOG.records()[0]["backend"])
+"""
+
+
+def test_transform_imports_nothing_from_lightning():
+    # transform, modules, ops and dispatch must not need Lightning (only the strategies do)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", _NO_LIGHTNING], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ok triton"
+
+
+def test_transform_package_is_installed_by_a_wheel():
+    # pyproject lists packages explicitly: an editable install finds any subfolder, a wheel only the listed ones
+    tomllib = pytest.importorskip("tomllib")
+    root = Path(fly_lightning.__file__).resolve().parents[1]
+    packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    assert "fly_lightning.transform" in packages

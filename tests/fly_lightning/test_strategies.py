@@ -78,6 +78,17 @@ def test_fsdp2_two_processes_gloo(tmp_path):
     torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
 
 
+def test_model_parallel_tensor_parallel_two_processes_gloo(tmp_path):
+    # the transform runs before the user's configure_model; the sequence-parallel norms then see DTensor inputs
+    # sharded on the sequence dim and run on their local shards (no fallback)
+    ours, stock = _run("flydsl_tp", 2, tmp_path), _run("stock_tp", 2, tmp_path)
+    assert ours["strategy"] == "FlyModelParallelStrategy"
+    assert len(ours["swapped"]) == 3 and ours["left"] == []
+    rms = ours["dispatch"]["rms_norm"]
+    assert rms["by_backend"] == {"triton": 3 * 4}, rms
+    torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
+
+
 class _Dense(L.LightningModule):
     def __init__(self):
         super().__init__()

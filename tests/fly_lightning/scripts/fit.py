@@ -1,6 +1,9 @@
 """A short Lightning fit used by the strategy tests, run as a subprocess (multi-process Lightning re-executes argv).
 
-    python fit.py STRATEGY DEVICES OUT.json [--no-fly]
+    python fit.py STRATEGY DEVICES OUT.json
+
+STRATEGY is a registered name, ``stock_fsdp2``, or ``flydsl_tp`` / ``stock_tp`` (tensor parallel over all devices,
+sequence-parallel norms as in torchtitan, the plan applied by the user in ``configure_model``).
 
 Writes the per-step losses, the strategy class, the dispatch summary and the transform summary of rank 0 to OUT.json.
 """
@@ -54,6 +57,33 @@ class TinyLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
+def _tensor_parallel(model: TinyLM, tp_mesh) -> None:
+    """torchtitan's plan: norms sequence-parallel (their inputs are DTensors sharded on the sequence dim)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    for block in model.layers:
+        plan = {
+            "norm": SequenceParallel(),
+            "ff": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "ff.0": ColwiseParallel(),
+            "ff.2": RowwiseParallel(output_layouts=Shard(1)),
+        }
+        parallelize_module(block, tp_mesh, plan)
+    top = {
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+    parallelize_module(model, tp_mesh, top)
+
+
 def main() -> None:
     strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.manual_seed(0)
@@ -67,6 +97,12 @@ def main() -> None:
         from fly_lightning.strategies import _auto_fully_shard
 
         model.configure_model = lambda: _auto_fully_shard(trainer.strategy, model)
+    elif strategy in ("flydsl_tp", "stock_tp"):
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        cls = fly_lightning.FlyModelParallelStrategy if strategy == "flydsl_tp" else ModelParallelStrategy
+        strategy = cls(data_parallel_size=1, tensor_parallel_size=devices)
+        model.configure_model = lambda: _tensor_parallel(model, trainer.strategy.device_mesh["tensor_parallel"])
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",

@@ -42,6 +42,7 @@ for phase in "$@"; do
   case $phase in
     checks) run checks 300 python3 -m benchmarks.gpu_checks ;;
     rms) run rms 300 python3 -m benchmarks.bench_rms_norm --sweep ;;
+    rms_unaligned) run rms_unaligned 300 python3 -m benchmarks.sweep_rms_norm_unaligned ;;
     grouped_check) run grouped_check 360 python3 -m benchmarks.bench_grouped_mm --check --moe ;;
     overhead) run overhead 120 python3 -m benchmarks.bench_dispatch_overhead ;;
     route) run route 300 python3 -m benchmarks.bench_moe_route ;;

@@ -138,6 +138,17 @@ def main() -> None:
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
             print(row, flush=True)
             res.add(**row)
+    # the ceiling at small sizes: a same-size copy (launch ramp and tail included) against the 2 GiB copy bandwidth
+    for t, h in ((4096, 4096), (16384, 4096), (16384, 4097)):
+        nbytes = 2 * t * h * 2
+        pairs = [
+            (torch.randn(t, h, device="cuda").bfloat16(), torch.empty(t, h, device="cuda", dtype=torch.bfloat16))
+            for _ in range(rotation_count(nbytes))
+        ]
+        us = time_graph_ms(lambda a, b: b.copy_(a), pairs)["median_ms"] * 1e3
+        pct = nbytes / (us * 1e-6) / 1e9 / bw * 100
+        res.add(T=t, H=h, kernel="same-size copy", graph_us=round(us, 2), pct_bw=round(pct, 1))
+        print(res.rows[-1], flush=True)
     res.summary["copy_GBps"] = round(bw)
     res.notes.append("bf16, weight ~1 +- 0.1, eps 1e-6; graph replay medians; table build time included")
     print(res.save())

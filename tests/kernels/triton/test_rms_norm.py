@@ -28,7 +28,8 @@ def _check(x, w, cfg, cast=False, offset=0.0):
         (64, LaunchConfig("rows", 64, rows=16)),
         (1000, LaunchConfig("rows", 256, rows=2)),  # chunked: BLOCK < H
         (4097, LaunchConfig("unaligned", 8192, num_warps=8)),
-        (2051, LaunchConfig("unaligned", 4096)),
+        (4097, LaunchConfig("unaligned", 4096)),  # the tile exactly as wide as the aligned interior can be
+        (2051, LaunchConfig("unaligned", 2048, num_warps=2)),
         (40, LaunchConfig("unaligned", 64)),
     ],
 )
@@ -46,6 +47,9 @@ def test_heuristic_picks_unaligned_only_for_contiguous_misaligned_rows():
     assert launch_config(4097, 2, True).kernel == "unaligned"
     assert launch_config(4097, 2, False).kernel == "rows"
     assert launch_config(4096, 2, True).kernel == "rows"
+    # the unaligned tile covers the aligned interior (h // vec * vec), not next_pow2(h): 4097 -> 4096, not 8192
+    assert launch_config(4097, 2, True).block == 4096 and launch_config(4097, 4, True).block == 4096
+    assert launch_config(5121, 2, True).block == 8192
     assert launch_config(4100, 4, True).kernel == "rows"  # 4100 fp32 = 16400 bytes: rows stay 16-byte aligned
     assert launch_config(100000, 2, True).block <= 32768
 

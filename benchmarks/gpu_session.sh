@@ -43,6 +43,7 @@ for phase in "$@"; do
     checks) run checks 300 python3 -m benchmarks.gpu_checks ;;
     rms) run rms 300 python3 -m benchmarks.bench_rms_norm --sweep ;;
     rms_unaligned) run rms_unaligned 300 python3 -m benchmarks.sweep_rms_norm_unaligned ;;
+    rms_rows) run rms_rows 300 python3 -m benchmarks.sweep_rms_norm_rows ;;
     grouped_check) run grouped_check 360 python3 -m benchmarks.bench_grouped_mm --check --moe ;;
     overhead) run overhead 120 python3 -m benchmarks.bench_dispatch_overhead ;;
     route) run route 300 python3 -m benchmarks.bench_moe_route ;;

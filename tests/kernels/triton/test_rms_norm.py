@@ -26,6 +26,8 @@ def _check(x, w, cfg, cast=False, offset=0.0):
     [
         (100, LaunchConfig("rows", 128, rows=4, num_warps=2)),  # multi-row, masked tail row block
         (64, LaunchConfig("rows", 64, rows=16)),
+        (4096, LaunchConfig("rows", 4096, rows=1)),  # one row per program: the 1D path
+        (77, LaunchConfig("rows", 128, rows=1, num_warps=1)),
         (1000, LaunchConfig("rows", 256, rows=2)),  # chunked: BLOCK < H
         (4097, LaunchConfig("unaligned", 8192, num_warps=8)),
         (4097, LaunchConfig("unaligned", 4096)),  # the tile exactly as wide as the aligned interior can be

@@ -93,6 +93,26 @@ def _rms_grads() -> str | None:
     return None
 
 
+@check("rms_norm gradients of the Llama/Gemma variants equal the composite formula on CUDA")
+def _rms_variant_grads() -> str | None:
+    from fly_lightning.ops.rms_norm import rms_norm_reference
+
+    # fp32 x with the Llama cast takes the fused ATen backward (the cast is a no-op there); bf16 keeps the composite
+    for dtype, offset, cast in ((torch.float32, 0.0, True), (torch.float32, 1.0, False), (torch.bfloat16, 0.0, True)):
+        x0 = torch.randn(8, 33, 1024, device="cuda", dtype=dtype)
+        w0 = torch.randn(1024, device="cuda", dtype=torch.float32)
+        g = torch.randn(8, 33, 1024, device="cuda", dtype=torch.promote_types(dtype, torch.float32) if cast else dtype)
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        fly_lightning.rms_norm(x, w, 1e-6, offset=offset, cast_before_scale=cast).backward(g)
+        xd, wd = x0.double().requires_grad_(), w0.double().requires_grad_()
+        ref = rms_norm_reference(xd, wd, 1e-6, offset=offset, cast_before_scale=cast)[0]
+        ref.backward(g.double())
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        if not (_rel(x.grad, xd.grad) < tol and _rel(w.grad, wd.grad) < tol):
+            return f"{dtype} offset={offset} cast={cast}: dx {_rel(x.grad, xd.grad):.2e} dw {_rel(w.grad, wd.grad):.2e}"
+    return None
+
+
 @check("rms_norm under CUDA graph capture")
 def _rms_graph() -> str | None:
     x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16)

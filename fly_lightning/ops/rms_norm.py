@@ -139,7 +139,10 @@ def rms_norm_backward(
     """The existing ATen backward: ``aten._fused_rms_norm_backward`` on CUDA, its composite formula elsewhere."""
     acc = _acc_dtype(x)
     w_eff = None if weight is None else (weight.to(acc) + offset if offset else weight)
-    if x.is_cuda and not cast_before_scale and x.dtype == grad_y.dtype:
+    # Llama's cast of the normalised value is a no-op when x is already in the accumulation dtype (fp32 residual
+    # streams under bf16-mixed): the fused kernel then computes the same gradients as the composite formula
+    cast_is_noop = not cast_before_scale or x.dtype == acc
+    if x.is_cuda and cast_is_noop and x.dtype == grad_y.dtype and (w_eff is None or w_eff.dtype == x.dtype):
         gx, gw = torch.ops.aten._fused_rms_norm_backward(grad_y, x, [x.shape[-1]], rstd, w_eff, [need_x, need_w])
     else:
         xhat = x.to(acc) * rstd

@@ -77,13 +77,18 @@ class DispatchLog:
     def table(self, title: str = "fly-lightning dispatch") -> Table:
         from rich.table import Table
 
-        table = Table(title=title)
+        # a backend passed over for the same reason on every row (not installed, no ROCm, ...) is said once, in the
+        # caption, so that the rows show what depends on the shape
+        everywhere = set.intersection(*(set(d.rejected) for d in self.decisions)) if self.decisions else set()
+        caption = "; ".join(f"{b}: {r}" for b, r in sorted(everywhere))
+        table = Table(title=title, caption=f"passed over on every row: {caption}" if caption else None)
         for col in ("op", "shape", "dtype", "backend", "calls", "first call", "why not a faster backend"):
             table.add_column(col, overflow="fold")
         for d in sorted(self.decisions, key=lambda d: (d.op, -d.calls)):
             style = "yellow" if d.fallback else ("green" if d.backend != "aten" else None)
             first = f"{d.first_call_s * 1e3:.1f} ms" if d.first_call_s is not None else "-"
-            table.add_row(d.op, d.shape, d.dtype, d.backend, str(d.calls), first, d.reason, style=style)
+            reason = "; ".join(f"{b}: {r}" for b, r in d.rejected if (b, r) not in everywhere)
+            table.add_row(d.op, d.shape, d.dtype, d.backend, str(d.calls), first, reason, style=style)
         return table
 
     def print(self, title: str = "fly-lightning dispatch") -> None:

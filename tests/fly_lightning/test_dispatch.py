@@ -140,3 +140,6 @@ def test_table_and_summary():
     console.print(DISPATCH_LOG.table())
     text = console.export_text()
     assert "scratch" in text and "too big" in text
+    # the reason shared by every row is said once, in the caption, not on each row
+    assert text.count("flydsl: no kernel for this op") == 1
+    assert "passed over on every row: flydsl: no kernel for this op" in text

@@ -54,6 +54,7 @@ for phase in "$@"; do
               --model.num_heads 16 --model.num_kv_heads 4 --model.num_experts 16 --model.experts_per_token 4 \
               --model.expert_intermediate_size 768 --model.max_seq_len 2048 --data.seq_len 1025 --data.n_train 1024 \
               --data.batch_size 8 --trainer.val_check_interval 30 ;;
+    recipe_step) run recipe_step 420 python3 -m benchmarks.bench_recipe_step ;;
     dist) run dist 420 python3 -m benchmarks.distributed_check ;;
     *) echo "unknown phase $phase" | tee -a "$log"; status=1 ;;
   esac

@@ -55,6 +55,7 @@ for phase in "$@"; do
               --model.expert_intermediate_size 768 --model.max_seq_len 2048 --data.seq_len 1025 --data.n_train 1024 \
               --data.batch_size 8 --trainer.val_check_interval 30 ;;
     recipe_step) run recipe_step 420 python3 -m benchmarks.bench_recipe_step ;;
+    recipe_step_small) run recipe_step 240 python3 -m benchmarks.bench_recipe_step --only recipe-1024 ;;
     dist) run dist 420 python3 -m benchmarks.distributed_check ;;
     *) echo "unknown phase $phase" | tee -a "$log"; status=1 ;;
   esac

@@ -80,6 +80,36 @@ class _Permute(torch.autograd.Function):
         return grad.index_select(0, inverse.long()), None, None
 
 
+class _Combine(torch.autograd.Function):
+    """``y[t] = sum_j w[t, j] * out[t, j]`` accumulated in the weights' dtype (fp32), in slot order (deterministic).
+
+    The stock blocks weight and sum the expert outputs in fp32; under bf16-mixed a ``bmm`` would be autocast to bf16
+    and round both the router weights and the block's output. Nothing wider than ``out`` is kept for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, w_Tk: Tensor, out_TkH: Tensor) -> Tensor:
+        acc = torch.promote_types(w_Tk.dtype, out_TkH.dtype)
+        y_TH = torch.zeros(out_TkH.shape[0], out_TkH.shape[2], dtype=acc, device=out_TkH.device)
+        for j in range(out_TkH.shape[1]):
+            y_TH.addcmul_(out_TkH[:, j].to(acc), w_Tk[:, j : j + 1].to(acc))
+        ctx.save_for_backward(w_Tk, out_TkH)
+        return y_TH
+
+    @staticmethod
+    def backward(ctx, grad_TH: Tensor):
+        w_Tk, out_TkH = ctx.saved_tensors
+        need_w, need_out = ctx.needs_input_grad
+        grad_w = torch.empty_like(w_Tk) if need_w else None
+        grad_out = torch.empty_like(out_TkH) if need_out else None
+        for j in range(out_TkH.shape[1]):
+            if grad_out is not None:
+                grad_out[:, j] = grad_TH * w_Tk[:, j : j + 1].to(grad_TH.dtype)
+            if grad_w is not None:
+                grad_w[:, j] = (grad_TH * out_TkH[:, j].to(grad_TH.dtype)).sum(-1)
+        return grad_w, grad_out
+
+
 def experts_forward(
     x_TH: Tensor,
     weights_Tk: Tensor,
@@ -121,7 +151,7 @@ def experts_forward(
     out = out_slots.view(t, k, h)
     if score_before_experts:
         return out.sum(1)
-    return torch.bmm(weights_Tk.to(out.dtype).unsqueeze(1), out).squeeze(1)
+    return _Combine.apply(weights_Tk, out).to(x_TH.dtype)
 
 
 class FlyMoE(nn.Module):

@@ -129,6 +129,27 @@ def test_autocast_runs_the_experts_in_the_autocast_dtype(path):
     assert moe.experts.down_proj.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
 
 
+def test_autocast_combine_keeps_fp32_like_the_stock_blocks():
+    # HF blocks weight and sum the bf16 expert outputs in fp32 and return the input's dtype: so must we
+    moe = _fresh()
+    x = torch.randn(3, 7, H, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    assert y.dtype == torch.float32
+    assert (y != y.bfloat16().float()).float().mean() > 0.5  # not bf16 values in an fp32 tensor
+    y.sum().backward()
+    assert moe.router_weight.grad.dtype == torch.float32 and moe.router_weight.grad.abs().sum() > 0
+
+
+def test_combine_gradients():
+    from fly_lightning.modules.moe import _Combine
+
+    w = torch.rand(5, 3, dtype=torch.float64, requires_grad=True)
+    out = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(_Combine.apply, (w, out))
+    torch.testing.assert_close(_Combine.apply(w, out), torch.einsum("tk,tkh->th", w, out))
+
+
 def test_deterministic_and_empty_batch():
     moe = _fresh(torch.float16, path="fused")
     x = torch.randn(16, H).half().requires_grad_()

@@ -81,32 +81,29 @@ class _Permute(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """``y[t] = sum_j w[t, j] * out[t, j]`` accumulated in the weights' dtype (fp32), in slot order (deterministic).
+    """``y[t] = sum_j w[t, j] * out[t, j]`` computed in the weights' dtype (fp32), as the stock blocks do.
 
-    The stock blocks weight and sum the expert outputs in fp32; under bf16-mixed a ``bmm`` would be autocast to bf16
-    and round both the router weights and the block's output. Nothing wider than ``out`` is kept for backward.
+    Under bf16-mixed an autocast ``bmm`` would round the router weights and the block's output to bf16. Here the
+    fp32 copies are transient (a handful of launches: the step is often host-bound); only ``w`` and ``out`` are saved.
     """
 
     @staticmethod
     def forward(ctx, w_Tk: Tensor, out_TkH: Tensor) -> Tensor:
         acc = torch.promote_types(w_Tk.dtype, out_TkH.dtype)
-        y_TH = torch.zeros(out_TkH.shape[0], out_TkH.shape[2], dtype=acc, device=out_TkH.device)
-        for j in range(out_TkH.shape[1]):
-            y_TH.addcmul_(out_TkH[:, j].to(acc), w_Tk[:, j : j + 1].to(acc))
         ctx.save_for_backward(w_Tk, out_TkH)
-        return y_TH
+        with torch.autocast(out_TkH.device.type, enabled=False):
+            return torch.bmm(w_Tk.to(acc).unsqueeze(1), out_TkH.to(acc)).squeeze(1)
 
     @staticmethod
     def backward(ctx, grad_TH: Tensor):
         w_Tk, out_TkH = ctx.saved_tensors
         need_w, need_out = ctx.needs_input_grad
-        grad_w = torch.empty_like(w_Tk) if need_w else None
-        grad_out = torch.empty_like(out_TkH) if need_out else None
-        for j in range(out_TkH.shape[1]):
-            if grad_out is not None:
-                grad_out[:, j] = grad_TH * w_Tk[:, j : j + 1].to(grad_TH.dtype)
-            if grad_w is not None:
-                grad_w[:, j] = (grad_TH * out_TkH[:, j].to(grad_TH.dtype)).sum(-1)
+        grad_w = grad_out = None
+        with torch.autocast(grad_TH.device.type, enabled=False):
+            if need_out:
+                grad_out = (grad_TH.unsqueeze(1) * w_Tk.to(grad_TH.dtype).unsqueeze(-1)).to(out_TkH.dtype)
+            if need_w:
+                grad_w = torch.bmm(out_TkH.to(grad_TH.dtype), grad_TH.unsqueeze(-1)).squeeze(-1).to(w_Tk.dtype)
         return grad_w, grad_out
 
 

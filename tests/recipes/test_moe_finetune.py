@@ -130,6 +130,35 @@ def test_forward_swap_and_dispatch(arch):
             assert record["fallback"] and record["reason"]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp32_training_tracks_the_stock_strategy_step_by_step(arch):
+    # in fp32 the swapped model follows the stock one through AdamW updates (Adam's first steps amplify any gradient
+    # difference, so this catches a wrong gradient that one-step checks could miss); bf16 runs diverge chaotically
+    import lightning.pytorch as L
+
+    def fit(strategy: str) -> list[float]:
+        losses: list[float] = []
+
+        class Record(L.Callback):
+            def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+                losses.append(float(outputs["loss"]))
+
+        torch.manual_seed(0)
+        model = MoECausalLM(arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8,
+                            expert_intermediate_size=48, max_seq_len=64, warmup_steps=2)  # fmt: skip
+        data = MarkovLMData(seq_len=33, batch_size=4, n_train=32)
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, max_steps=6, limit_val_batches=0, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
+        )  # fmt: skip
+        trainer.fit(model, data)
+        return losses
+
+    stock, ours = fit("auto"), fit("flydsl")
+    assert len(ours) == 6 and ours[-1] < ours[0]
+    torch.testing.assert_close(ours, stock, rtol=0, atol=2e-5)
+
+
 def test_unknown_arch_is_a_clear_error():
     with pytest.raises(ValueError, match=r"arch must be one of .*qwen3_moe.*mixtral.*olmoe.*got 'llama'"):
         MoECausalLM(arch="llama", **TINY)

@@ -1,0 +1,82 @@
+"""Compile the routing and top-k kernels for sm_90 without a GPU (Triton's bundled ptxas), with the constexprs their
+launchers would use, and report each variant as JSON.
+
+Run in a process without TRITON_INTERPRET (``test_moe_route_sm90.py`` does). The interpreter cannot reproduce every
+GPU behaviour (it keeps NaN payloads that a GPU float op may canonicalise), so the H200 suites remain the numerical
+check; this one keeps the kernels compiling, spill-free, in CI.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fly_lightning.kernels.triton import moe_route, topk
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
+
+
+def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
+    options = dict(num_warps=const.pop("num_warps"), num_stages=const.pop("num_stages", 3))
+    sig = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run(
+            [PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True
+        ).stderr
+    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", info)]
+    return dict(spill_bytes=max(spills, default=0), shared=kernel.metadata.shared)
+
+
+def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False) -> dict:
+    plan = moe_route._plan(t, e, k, dtype, e, score, renorm, bias, *(groups or (None, None)), perm,
+                           torch.device("cpu"), None, False)  # fmt: skip
+    sig = dict(X=TYPES[dtype], stride_x="i32", BIAS="*fp32" if bias else TYPES[dtype], W_OUT="*fp32",
+               ID_OUT="*i32", POS_OUT="*i32", HIST="*i32", COUNTS="*i32", OFFSETS="*i32", WS="*i32", T="i32",
+               n_tiles="i32", tiles_per_prog="i32", route_scale="fp32")  # fmt: skip
+    aligned = ("X", "W_OUT", "ID_OUT", "POS_OUT", "HIST", "COUNTS", "OFFSETS", "WS")
+    return _compile(moe_route._moe_route_fwd, sig, dict(plan.constexprs), aligned)
+
+
+def top(n, k, dtype) -> dict:
+    _, const = topk._plan(n, k, dtype, n, 4096, None)
+    sig = dict(X=TYPES[dtype], stride_x="i32", V_OUT=TYPES[dtype], I_OUT="*i64", R="i32")
+    return _compile(topk._topk_fwd, sig, dict(const), ("X", "V_OUT", "I_OUT"))
+
+
+VARIANTS = {
+    "route-qwen3-bf16": lambda: route(65536, 128, 8, torch.bfloat16),
+    "route-mixtral-perm": lambda: route(16384, 8, 2, torch.bfloat16, perm=True),
+    "route-qwen2-60": lambda: route(4096, 60, 4, torch.bfloat16),
+    "route-deepseek-v3-fp32-groups": lambda: route(16384, 256, 8, torch.float32, "sigmoid", True, True, (8, 4)),
+    "route-glm-bias": lambda: route(32768, 160, 8, torch.bfloat16, "sigmoid", True, True),
+    "route-v2-lite-fp32": lambda: route(65536, 64, 6, torch.float32, renorm=False),
+    "topk-128-8-bf16": lambda: top(128, 8, torch.bfloat16),
+    "topk-1000-5-fp32": lambda: top(1000, 5, torch.float32),
+}
+
+
+def main() -> None:
+    out = {}
+    for name, build in VARIANTS.items():
+        try:
+            out[name] = dict(ok=True, **build())
+        except Exception as exc:  # noqa: BLE001 (reported per variant)
+            out[name] = dict(ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

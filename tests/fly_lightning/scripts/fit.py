@@ -1,6 +1,6 @@
 """A short Lightning fit used by the strategy tests, run as a subprocess (multi-process Lightning re-executes argv).
 
-    python fit.py STRATEGY DEVICES OUT.json
+    python fit.py STRATEGY DEVICES OUT.json [moe]
 
 STRATEGY is a registered name, ``stock_fsdp2``, or ``flydsl_tp`` / ``stock_tp`` (tensor parallel over all devices,
 sequence-parallel norms as in torchtitan, the plan applied by the user in ``configure_model``).
@@ -84,10 +84,24 @@ def _tensor_parallel(model: TinyLM, tp_mesh) -> None:
     parallelize_module(model, tp_mesh, top)
 
 
+class TinyMoELM(TinyLM):
+    """A two-layer Qwen3-MoE from transformers (8 experts, top-2): the norms and MoE blocks get swapped."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        from fly_lightning.recipes.moe_finetune import build_hf_model
+
+        self.model = build_hf_model("qwen3_moe", 64, 32, 2, 4, 2, 8, 2, 24, 64)
+        self.losses = []
+
+    def forward(self, tokens):
+        return self.model(tokens).logits
+
+
 def main() -> None:
     strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     torch.manual_seed(0)
-    model = TinyLM()
+    model = TinyMoELM() if sys.argv[4:] == ["moe"] else TinyLM()
     data = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8, shuffle=False)
     if strategy == "stock_fsdp2":

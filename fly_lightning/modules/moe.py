@@ -80,30 +80,47 @@ class _Permute(torch.autograd.Function):
         return grad.index_select(0, inverse.long()), None, None
 
 
+COMBINE_CHUNK_ELEMENTS = 2**26  # fp32 elements of ``out`` cast at once (256 MB): bounds the transient copies
+
+
+def _token_chunks(t: int, k: int, h: int) -> list[tuple[int, int]]:
+    step = max(1, COMBINE_CHUNK_ELEMENTS // max(1, k * h))
+    return [(s, min(t, s + step)) for s in range(0, t, step)] or [(0, 0)]
+
+
 class _Combine(torch.autograd.Function):
     """``y[t] = sum_j w[t, j] * out[t, j]`` computed in the weights' dtype (fp32), as the stock blocks do.
 
-    Under bf16-mixed an autocast ``bmm`` would round the router weights and the block's output to bf16. Here the
-    fp32 copies are transient (a handful of launches: the step is often host-bound); only ``w`` and ``out`` are saved.
+    Under bf16-mixed an autocast ``bmm`` would round the router weights and the block's output to bf16. The fp32
+    copies are transient and made a token chunk at a time (a few launches: the step is often host-bound); only ``w``
+    and ``out`` are saved.
     """
 
     @staticmethod
     def forward(ctx, w_Tk: Tensor, out_TkH: Tensor) -> Tensor:
+        t, k, h = out_TkH.shape
         acc = torch.promote_types(w_Tk.dtype, out_TkH.dtype)
         ctx.save_for_backward(w_Tk, out_TkH)
+        y_TH = out_TkH.new_empty((t, h), dtype=acc)
         with torch.autocast(out_TkH.device.type, enabled=False):
-            return torch.bmm(w_Tk.to(acc).unsqueeze(1), out_TkH.to(acc)).squeeze(1)
+            for s, e in _token_chunks(t, k, h):
+                y_TH[s:e] = torch.bmm(w_Tk[s:e].to(acc).unsqueeze(1), out_TkH[s:e].to(acc)).squeeze(1)
+        return y_TH
 
     @staticmethod
     def backward(ctx, grad_TH: Tensor):
         w_Tk, out_TkH = ctx.saved_tensors
+        t, k, h = out_TkH.shape
         need_w, need_out = ctx.needs_input_grad
-        grad_w = grad_out = None
+        grad_w = torch.empty_like(w_Tk) if need_w else None
+        grad_out = torch.empty_like(out_TkH) if need_out else None
         with torch.autocast(grad_TH.device.type, enabled=False):
-            if need_out:
-                grad_out = (grad_TH.unsqueeze(1) * w_Tk.to(grad_TH.dtype).unsqueeze(-1)).to(out_TkH.dtype)
-            if need_w:
-                grad_w = torch.bmm(out_TkH.to(grad_TH.dtype), grad_TH.unsqueeze(-1)).squeeze(-1).to(w_Tk.dtype)
+            for s, e in _token_chunks(t, k, h):
+                g = grad_TH[s:e]
+                if grad_out is not None:
+                    grad_out[s:e] = g.unsqueeze(1) * w_Tk[s:e].to(g.dtype).unsqueeze(-1)
+                if grad_w is not None:
+                    grad_w[s:e] = torch.bmm(out_TkH[s:e].to(g.dtype), g.unsqueeze(-1)).squeeze(-1)
         return grad_w, grad_out
 
 

@@ -6,38 +6,18 @@ GPU behaviour (it keeps NaN payloads that a GPU float op may canonicalise), so t
 check; this one keeps the kernels compiling, spill-free, in CI.
 """
 
-import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
-
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from _sm90 import compile_sm90, report
 
 from fly_lightning.kernels.triton import moe_route, topk
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
 def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
     options = dict(num_warps=const.pop("num_warps"), num_stages=const.pop("num_stages", 3))
-    sig = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kernel.asm["ptx"])
-        info = subprocess.run(
-            [PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True
-        ).stderr
-    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", info)]
-    return dict(spill_bytes=max(spills, default=0), shared=kernel.metadata.shared)
+    kernel, spill_bytes = compile_sm90(fn, sig, const, aligned, **options)
+    return dict(spill_bytes=spill_bytes, shared=kernel.metadata.shared)
 
 
 def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False) -> dict:
@@ -68,15 +48,5 @@ VARIANTS = {
 }
 
 
-def main() -> None:
-    out = {}
-    for name, build in VARIANTS.items():
-        try:
-            out[name] = dict(ok=True, **build())
-        except Exception as exc:  # noqa: BLE001 (reported per variant)
-            out[name] = dict(ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
-    json.dump(out, sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    report(VARIANTS)

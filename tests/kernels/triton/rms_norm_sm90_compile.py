@@ -4,39 +4,19 @@ Run in a process without TRITON_INTERPRET (``test_rms_norm_sm90.py`` does): unde
 gives interpreted functions that cannot be compiled.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from _sm90 import compile_sm90, report
 
 from fly_lightning.kernels.triton.rms_norm import _rms_norm_rows, _rms_norm_unaligned, launch_config
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-
 
 def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...], num_warps: int) -> dict:
-    sig = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    kernel = triton.compile(
-        ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps)
-    )
+    kernel, spill_bytes = compile_sm90(fn, sig, const, aligned, num_warps=num_warps)
     ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        info = subprocess.run(
-            [PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True
-        ).stderr
-    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", info)]
     return dict(
-        spill_bytes=max(spills, default=0),
+        spill_bytes=spill_bytes,
         vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[248]\.", ptx)),
         vector_stores=len(re.findall(r"st\.global(?:\.\w+)*\.v[248]\.", ptx)),
         scalar_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.(?:b16|u16)\s", ptx)),
@@ -70,15 +50,5 @@ VARIANTS = {
 }
 
 
-def main() -> None:
-    out = {}
-    for name, build in VARIANTS.items():
-        try:
-            out[name] = dict(ok=True, **build())
-        except Exception as exc:  # noqa: BLE001 (reported per variant)
-            out[name] = dict(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-    json.dump(out, sys.stdout)
-
-
 if __name__ == "__main__":
-    main()
+    report(VARIANTS)

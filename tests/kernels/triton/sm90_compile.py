@@ -4,22 +4,13 @@ Run in a process without TRITON_INTERPRET (``test_grouped_mm_sm90.py`` does): un
 gives interpreted functions that cannot be compiled.
 """
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 from dataclasses import replace
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from _sm90 import compile_sm90 as _compile
+from _sm90 import report
 
 from fly_lightning.kernels.triton._grouped_mm_config import CONFIG_TABLE, GroupedMMConfig, tune_candidates
 from fly_lightning.kernels.triton._grouped_mm_kernel import _grouped_mm_kernel
-
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-POINTERS = ("X", "W", "OUT", "OFFS", "IDX", "TILE_END")
 
 
 def compile_sm90(cfg: GroupedMMConfig, k_major=True, gather=False, scatter=False, tma=None, out="bf16"):
@@ -33,24 +24,13 @@ def compile_sm90(cfg: GroupedMMConfig, k_major=True, gather=False, scatter=False
         FLATTEN=cfg.flatten, INTERPRET=False,
     )  # fmt: skip
     const["stride_wk" if k_major else "stride_wn"] = 1  # the launcher's unit stride, specialised by Triton
-    sig = {a: "constexpr" if a in const else ("*i32" if a in ("OFFS", "IDX", "TILE_END") else "i32") for a in
-           fn.arg_names}  # fmt: skip
+    sig = {a: "*i32" if a in ("OFFS", "IDX", "TILE_END") else "i32" for a in fn.arg_names}
     sig.update(X="*bf16", W="*bf16", OUT=f"*{out}")
     aligned = ("X", "W", "OUT", "OFFS", "IDX", "TILE_END", "N", "K", "stride_xm", "stride_we", "stride_om")
-    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if sig[a] != "constexpr"}
-    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        info = subprocess.run([PTXAS, "-arch=sm_90a", "-v", ptx, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True).stderr  # fmt: skip
-    spills = [int(w) for line in info.splitlines() if "spill stores" in line for w in [line.split("bytes spill")[0]
-              .split(",")[-1].strip()]]  # fmt: skip
+    kernel, spill_bytes = _compile(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ttgir = kernel.asm["ttgir"]
     return dict(
-        shared=kernel.metadata.shared, warps=kernel.metadata.num_warps, spill_bytes=max(spills, default=0),
+        shared=kernel.metadata.shared, warps=kernel.metadata.num_warps, spill_bytes=spill_bytes,
         specialised=ttgir.count("ttg.warp_specialize") > 0, tma_loads=ttgir.count("async_tma_copy_global_to_local"),
         wgmma=kernel.asm["ptx"].count("wgmma.mma_async"),
     )  # fmt: skip
@@ -74,10 +54,7 @@ def variants():
 
 
 if __name__ == "__main__":
-    results = {}
-    for name, cfg, kw in variants():
-        try:
-            results[name] = dict(ok=True, ws_requested=bool(cfg.warp_specialize), **compile_sm90(cfg, **kw))
-        except Exception as exc:
-            results[name] = dict(ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
-    json.dump(results, sys.stdout)
+    report({
+        name: (lambda cfg=cfg, kw=kw: dict(ws_requested=bool(cfg.warp_specialize), **compile_sm90(cfg, **kw)))
+        for name, cfg, kw in variants()
+    })  # fmt: skip

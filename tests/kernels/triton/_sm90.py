@@ -1,0 +1,46 @@
+"""Shared by the ``*sm90_compile.py`` scripts: compile a Triton kernel for sm_90 on the CPU (no GPU) with Triton's
+compiler and bundled ptxas, and report variants as JSON on stdout.
+
+The scripts run in a process without TRITON_INTERPRET (under the interpreter ``@triton.jit`` gives interpreted
+functions that cannot be compiled); ``compiled_variants`` in this folder's conftest launches them.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options):
+    """``(compiled kernel, spill bytes)``: ``sig`` types the runtime arguments, ``aligned`` are 16-divisible ones."""
+    sig = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a not in const}
+    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run(
+            [PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True
+        ).stderr
+    return kernel, max((int(m) for m in re.findall(r"(\d+) bytes spill stores", info)), default=0)
+
+
+def report(variants: dict[str, Callable[[], dict]]) -> None:
+    """Build every variant; a failure is reported with its error rather than stopping the others."""
+    out = {}
+    for name, build in variants.items():
+        try:
+            out[name] = dict(ok=True, **build())
+        except Exception as exc:  # noqa: BLE001 (reported per variant)
+            out[name] = dict(ok=False, error=f"{type(exc).__name__}: {str(exc)[:400]}")
+    json.dump(out, sys.stdout)

@@ -1,0 +1,30 @@
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import triton
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+@pytest.fixture
+def compiled_variants():
+    """``compiled_variants("x_sm90_compile.py")``: run that script without the interpreter and return its per-variant
+    results, after checking that every variant compiled."""
+    if not PTXAS.exists():
+        pytest.skip("triton wheel without the NVIDIA backend's ptxas")
+
+    def run(script: str) -> dict:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        path = Path(__file__).with_name(script)
+        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        results = json.loads(proc.stdout)
+        failed = {k: v["error"] for k, v in results.items() if not v["ok"]}
+        assert not failed, failed
+        return results
+
+    return run

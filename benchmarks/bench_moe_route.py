@@ -176,16 +176,22 @@ def check(case: Case, x: torch.Tensor, bias) -> tuple[str | None, dict]:
         det = moe_route_op(*args)
     if not all(torch.equal(a, b) for a, b in zip(out, det, strict=True)):
         return "deterministic algorithms change the result", info
-    static = x.clone()
-    graph = torch.cuda.CUDAGraph()
+    # two graphs, the second with two launches, replayed interleaved: each captured launch owns its workspace slot,
+    # which must be zero again after every replay
+    static, other = x.clone(), x.flip(0).contiguous()
     moe_route_op(static, *args[1:])  # warm the signature before capture
-    with torch.cuda.graph(graph):
+    graphs = [torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()]
+    with torch.cuda.graph(graphs[0]):
         captured = moe_route_op(static, *args[1:])
-    graph.replay()
-    graph.replay()  # the captured workspace must be re-zeroed on every replay
+    with torch.cuda.graph(graphs[1]):
+        captured_b = [moe_route_op(static, *args[1:]), moe_route_op(other, *args[1:])]
+    for g in (0, 1, 0, 1, 1, 0):
+        graphs[g].replay()
     torch.cuda.synchronize()
-    if not all(torch.equal(a, b) for a, b in zip(out, captured, strict=True)):
-        return "CUDA-graph replay differs from eager", info
+    expected_other = moe_route_op(other, *args[1:])
+    for got, want in ((captured, out), (captured_b[0], out), (captured_b[1], expected_other)):
+        if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+            return "CUDA-graph replay differs from eager", info
     return None, info
 
 
@@ -327,19 +333,24 @@ def run_suite(compile_baseline: bool) -> None:
 
 
 def sweep_configs(case: Case):
+    """The launcher's configuration, then one factor changed at a time, then the register epilogue combined with
+    the tile heights (small cases are latency-bound: more, smaller tiles may pay there)."""
     from fly_lightning.kernels.triton.moe_route import launch_config
 
     base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None)
     variants = [base]
     for ept in (base.elems_per_thread // 2, base.elems_per_thread * 2):
         variants.append(replace(base, elems_per_thread=ept))
-    for rpt in {max(1, base.rows_per_thread // 2), base.rows_per_thread * 2} - {base.rows_per_thread}:
+    heights = sorted({1, max(1, base.rows_per_thread // 2), base.rows_per_thread, base.rows_per_thread * 2})
+    for rpt in heights:
         variants.append(replace(base, rows_per_thread=rpt))
     for warps in (2, 8):
         variants.append(replace(base, num_warps=warps))
-    for pps in (2, 8):
+    for pps in (1, 2, 8):
         variants.append(replace(base, programs_per_sm=pps))
     variants.append(replace(base, num_stages=2))
+    for rpt in heights:
+        variants.append(replace(base, rows_per_thread=rpt, register_epilogue=True))
     return list(dict.fromkeys(variants))
 
 
@@ -368,6 +379,7 @@ def run_sweep() -> None:
                 warps=cfg.num_warps,
                 pps=cfg.programs_per_sm,
                 stages=cfg.num_stages,
+                reg_epi=cfg.register_epilogue,
                 tile=f"{shape.G}x{shape.LG}x{shape.ROWS}x{shape.C}x{shape.VEC}",
             )
             try:
@@ -388,7 +400,7 @@ def run_sweep() -> None:
             default_ms = timings[0][0]
             res.summary[case.name] = (
                 f"best {best_ms * 1e3:.1f} us (ept={best['ept']} rpt={best['rpt']} "
-                f"warps={best['warps']} pps={best['pps']} stages={best['stages']}), "
+                f"warps={best['warps']} pps={best['pps']} stages={best['stages']} reg_epi={best['reg_epi']}), "
                 f"default {default_ms * 1e3:.1f} us"
             )
     res.summary["sweep_seconds"] = round(time.perf_counter() - start, 1)

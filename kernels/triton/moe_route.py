@@ -143,6 +143,7 @@ def _route_tile(
     INF16: tl.constexpr,
     TOPK_G: tl.constexpr,
     PERM: tl.constexpr,
+    REG_EPI: tl.constexpr,
 ):
     """One tile of ROWS tokens; returns the updated per-expert tallies.
 
@@ -164,6 +165,7 @@ def _route_tile(
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
         key = relative_keys(key32, col, CB)
     m = tl.zeros([ROWS], tl.int32)
+    mk = tl.zeros([ROWS, kk.shape[0]], tl.int32)  # REG_EPI: the winners, compact
     # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
     # read as NaN (relative keys near the row max) or flush those that read as denormals
     W_BITS = W_OUT.to(tl.pointer_type(tl.int32))
@@ -174,7 +176,10 @@ def _route_tile(
         else:
             m = descent_step(key, m, j)
         # the winner's key, for the epilogue: stored by the thread holding column 0 (no layout conversion)
-        tl.store(rows5(out_j + j) + col * 0, rows5(m) + col * 0, mask=rows5(row_ok) & (col == 0))
+        if REG_EPI:
+            mk = tl.where(kk[None, :] == j, m[:, None], mk)
+        else:
+            tl.store(rows5(out_j + j) + col * 0, rows5(m) + col * 0, mask=rows5(row_ok) & (col == 0))
         if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
             _, mx = packed_decode(m, INF16, X.dtype.element_ty, CB)
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
@@ -184,12 +189,15 @@ def _route_tile(
             key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
             for j in tl.static_range(K):
                 key, idx, _ = exact_step(key, col, j, CB)
-                # stored in packed form with the column in the low bits (the epilogue only reads the column)
-                tl.store(
-                    rows5(out_j + j) + col * 0,
-                    rows5((CB - 1) - idx) + col * 0,
-                    mask=rows5(row_ok) & (col == 0),
-                )
+                # kept in packed form with the column in the low bits (the epilogue only reads the column)
+                if REG_EPI:
+                    mk = tl.where(kk[None, :] == j, ((CB - 1) - idx)[:, None], mk)
+                else:
+                    tl.store(
+                        rows5(out_j + j) + col * 0,
+                        rows5((CB - 1) - idx) + col * 0,
+                        mask=rows5(row_ok) & (col == 0),
+                    )
             chosen = key < INT_MIN + K
     chosen = chosen & rows5(row_ok)
     if PERM:
@@ -199,10 +207,11 @@ def _route_tile(
         tl.store(POS_OUT + rows5(rows64) * K + (key - INT_MIN), rank, mask=chosen)
 
     # epilogue, compact layout: the program's own stores above are visible after the barrier
-    tl.debug_barrier()
     out = rows64[:, None] * K + kk[None, :]
     out_ok = row_ok[:, None] & (kk < K)[None, :]
-    mk = tl.load(W_BITS + out, mask=out_ok, other=0)
+    if not REG_EPI:
+        tl.debug_barrier()
+        mk = tl.load(W_BITS + out, mask=out_ok, other=0)
     idx = packed_col(mk, CB)
     tl.store(ID_OUT + out, idx, mask=out_ok)
     if not PERM:
@@ -263,6 +272,7 @@ def _moe_route_fwd(
     INF16: tl.constexpr,
     TOPK_G: tl.constexpr,
     PERM: tl.constexpr,
+    REG_EPI: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -307,6 +317,7 @@ def _moe_route_fwd(
                 INF16,
                 TOPK_G,
                 PERM,
+                REG_EPI,
             )
             tile += 1
     else:
@@ -339,6 +350,7 @@ def _moe_route_fwd(
                 INF16,
                 TOPK_G,
                 PERM,
+                REG_EPI,
             )
     # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
     # program reads the totals (release by every thread, barrier, acq_rel ticket).
@@ -398,6 +410,8 @@ class LaunchConfig:
     num_warps: int = 4
     programs_per_sm: int = 4  # persistent grid: SMs * programs_per_sm programs (fewer when there are fewer tiles)
     num_stages: int = 1  # software pipelining of the tile loop
+    # the epilogue gets each step's winner through registers (a layout conversion) instead of a store + reload
+    register_epilogue: bool = False
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -455,16 +469,41 @@ def _grid(device: torch.device, cfg: LaunchConfig, n_tiles: int) -> tuple[int, i
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
+_CAPTURE_POOL_INTS = 1 << 18  # 1 MiB: room for ~250 captured launches with 1024 experts, ~8000 with 8
+_CAPTURE_SLOT_ALIGN = 32  # ints: slots start on their own 128-byte line
+_capture_pools: dict[torch.device, list] = {}  # device -> [zeroed pool, next free int]
 
 
-def _workspace(device: torch.device) -> torch.Tensor:
-    """``[ticket, count accumulator[MAX_E]]`` int32, zero between launches (the last program re-zeroes it).
+def _capture_slot(device: torch.device, n_experts: int) -> torch.Tensor | None:
+    """A zeroed ``[1 + n_experts]`` slot owned by one captured launch for good, or None when the pool is used up.
+
+    Slots come from a pool zeroed outside capture (when the first launch on the device ran), so a captured launch
+    needs no memset node: each replay finds its slot zero because the kernel re-zeroes it. Slots are never handed out
+    twice, so graphs never share one, however they are replayed.
+    """
+    pool = _capture_pools.get(device)
+    if pool is None:
+        return None
+    size = cdiv(1 + n_experts, _CAPTURE_SLOT_ALIGN) * _CAPTURE_SLOT_ALIGN
+    start = pool[1]
+    if start + size > pool[0].numel():
+        return None
+    pool[1] = start + size
+    return pool[0][start : start + 1 + n_experts]
+
+
+def _workspace(device: torch.device, n_experts: int = MAX_E) -> torch.Tensor:
+    """``[ticket, count accumulator[n_experts]]`` int32, zero between launches (the last program re-zeroes it).
 
     One per (device, stream), so launches on different streams never share it. Under CUDA graph capture each
-    captured launch gets its own zeroed buffer (the zeroing is captured too): a graph may be replayed anywhere.
+    captured launch gets its own zeroed slot: from the pre-zeroed pool when it has room, else a buffer whose zeroing
+    is captured too (one more graph node). Either way a graph may be replayed anywhere.
     """
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1 + MAX_E, dtype=torch.int32, device=device)
+        slot = _capture_slot(device, n_experts)
+        return slot if slot is not None else torch.zeros(1 + n_experts, dtype=torch.int32, device=device)
+    if device.type == "cuda" and device not in _capture_pools:
+        _capture_pools[device] = [torch.zeros(_CAPTURE_POOL_INTS, dtype=torch.int32, device=device), 0]
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     ws = _WORKSPACES.get((device, stream))
     if ws is None:
@@ -558,6 +597,7 @@ def _plan(
         INF16=FP16_INF if dtype == torch.float16 else BF16_INF,
         TOPK_G=topk_groups or 0,
         PERM=perm,
+        REG_EPI=cfg.register_epilogue,
         NUM_STAGES=cfg.num_stages,
         INTERPRET=interpret,
         num_warps=cfg.num_warps,
@@ -626,7 +666,7 @@ def moe_route_triton(
         hist,
         counts,
         offsets,
-        _workspace(dev),
+        _workspace(dev, n_experts),
         n_tokens,
         plan.tiles,
         plan.tiles_per_program,

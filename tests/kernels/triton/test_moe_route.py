@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from fly_lightning.kernels.triton.moe_route import (
     MAX_E,
     LaunchConfig,
+    _capture_pools,
+    _capture_slot,
     _supports,
     _workspace,
     launch_config,
@@ -41,8 +43,10 @@ def _check(out, ref, n_experts, perm=True):
     [
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=3)),  # 64-row tiles, 3 programs
         (60, torch.bfloat16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=2)),  # padded row, 8 lanes
+        (60, torch.bfloat16, LaunchConfig(elems_per_thread=8, num_warps=1, register_epilogue=True)),
         (128, torch.float16, LaunchConfig(elems_per_thread=16, num_warps=1)),
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5)),
+        (160, torch.float32, LaunchConfig(num_warps=2, programs=3, register_epilogue=True)),
         (13, torch.float32, LaunchConfig(num_warps=1, programs=2)),  # odd width: 4-byte loads
         (1024, torch.bfloat16, LaunchConfig(num_warps=1, programs=2)),  # widest supported row
     ],
@@ -73,9 +77,10 @@ def test_non_power_of_two_groups():
     _check(out, ref, e)
 
 
+@pytest.mark.parametrize("register_epilogue", [False, True])
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_exact_fallback_for_wide_dynamic_range(perm, bias):
+def test_exact_fallback_for_wide_dynamic_range(perm, bias, register_epilogue):
     """fp32 values are ranked relative to the row max; a chosen value far below it (here 1e30 vs ~1) makes the tile
     redo the selection with exact keys."""
     logits = torch.randn(40, 32)
@@ -83,7 +88,8 @@ def test_exact_fallback_for_wide_dynamic_range(perm, bias):
     logits[20, :4] = torch.tensor([1e25, -1e25, 1e-30, 0.0])
     b = torch.zeros(32) if bias else None
     score = "sigmoid" if bias else "softmax"
-    out, ref = _run(logits, 5, LaunchConfig(num_warps=1, programs=2), score=score, bias=b, perm=perm)
+    cfg = LaunchConfig(num_warps=1, programs=2, register_epilogue=register_epilogue)
+    out, ref = _run(logits, 5, cfg, score=score, bias=b, perm=perm)
     _check(out, ref, 32, perm)
 
 
@@ -104,9 +110,12 @@ def test_ties_inside_a_relative_key_tile():
     programs=st.sampled_from([None, 1, 3]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     perm=st.booleans(),
+    reg=st.booleans(),
 )
-def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm):
-    cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs)
+def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, reg):
+    cfg = LaunchConfig(
+        elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs, register_epilogue=reg
+    )
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)
@@ -126,6 +135,19 @@ def test_workspace_is_zero_after_each_launch_and_counts_repeat():
     second = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False)
     assert torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
     assert not _workspace(logits.device).any()
+
+
+def test_capture_slots_are_disjoint_zeroed_and_run_out(monkeypatch):
+    """Captured launches take slots from a pool zeroed before capture; none is handed out twice, and when the pool is
+    used up (or was never made) the caller gets None and captures its own zeroing instead."""
+    dev = torch.device("cpu")  # the bookkeeping only; the pool is made on the first CUDA launch
+    assert _capture_slot(dev, 8) is None
+    monkeypatch.setitem(_capture_pools, dev, [torch.zeros(100, dtype=torch.int32), 0])
+    a, b, c = _capture_slot(dev, 8), _capture_slot(dev, 40), _capture_slot(dev, 8)
+    assert (a.numel(), b.numel(), c is None) == (9, 41, True)  # 32 + 64 ints used; 32 more do not fit
+    assert (a.storage_offset(), b.storage_offset()) == (0, 32)  # each on its own 128-byte line
+    a.fill_(1)
+    assert not b.any()
 
 
 def test_empty_and_single_token():

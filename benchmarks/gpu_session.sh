@@ -47,6 +47,7 @@ for phase in "$@"; do
     grouped_check) run grouped_check 360 python3 -m benchmarks.bench_grouped_mm --check --moe ;;
     overhead) run overhead 120 python3 -m benchmarks.bench_dispatch_overhead ;;
     route) run route 300 python3 -m benchmarks.bench_moe_route ;;
+    probe) run probe 120 python3 -m benchmarks.probe_histogram_mask ;;
     route_sweep) run route_sweep 420 python3 -m benchmarks.bench_moe_route --sweep ;;
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
     callbacks) run callbacks 240 python3 -m benchmarks.gpu_check_callbacks ;;

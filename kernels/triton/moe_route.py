@@ -143,7 +143,6 @@ def _route_tile(
     INF16: tl.constexpr,
     TOPK_G: tl.constexpr,
     PERM: tl.constexpr,
-    REG_EPI: tl.constexpr,
 ):
     """One tile of ROWS tokens; returns the updated per-expert tallies.
 
@@ -165,7 +164,6 @@ def _route_tile(
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
         key = relative_keys(key32, col, CB)
     m = tl.zeros([ROWS], tl.int32)
-    mk = tl.zeros([ROWS, kk.shape[0]], tl.int32)  # REG_EPI: the winners, compact
     # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
     # read as NaN (relative keys near the row max) or flush those that read as denormals
     W_BITS = W_OUT.to(tl.pointer_type(tl.int32))
@@ -176,10 +174,7 @@ def _route_tile(
         else:
             m = descent_step(key, m, j)
         # the winner's key, for the epilogue: stored by the thread holding column 0 (no layout conversion)
-        if REG_EPI:
-            mk = tl.where(kk[None, :] == j, m[:, None], mk)
-        else:
-            tl.store(rows5(out_j + j) + col * 0, rows5(m) + col * 0, mask=rows5(row_ok) & (col == 0))
+        tl.store(rows5(out_j + j) + col * 0, rows5(m) + col * 0, mask=rows5(row_ok) & (col == 0))
         if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
             _, mx = packed_decode(m, INF16, X.dtype.element_ty, CB)
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
@@ -189,15 +184,12 @@ def _route_tile(
             key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
             for j in tl.static_range(K):
                 key, idx, _ = exact_step(key, col, j, CB)
-                # kept in packed form with the column in the low bits (the epilogue only reads the column)
-                if REG_EPI:
-                    mk = tl.where(kk[None, :] == j, ((CB - 1) - idx)[:, None], mk)
-                else:
-                    tl.store(
-                        rows5(out_j + j) + col * 0,
-                        rows5((CB - 1) - idx) + col * 0,
-                        mask=rows5(row_ok) & (col == 0),
-                    )
+                # stored in packed form with the column in the low bits (the epilogue only reads the column)
+                tl.store(
+                    rows5(out_j + j) + col * 0,
+                    rows5((CB - 1) - idx) + col * 0,
+                    mask=rows5(row_ok) & (col == 0),
+                )
             chosen = key < INT_MIN + K
     chosen = chosen & rows5(row_ok)
     if PERM:
@@ -207,16 +199,20 @@ def _route_tile(
         tl.store(POS_OUT + rows5(rows64) * K + (key - INT_MIN), rank, mask=chosen)
 
     # epilogue, compact layout: the program's own stores above are visible after the barrier
+    tl.debug_barrier()
     out = rows64[:, None] * K + kk[None, :]
     out_ok = row_ok[:, None] & (kk < K)[None, :]
-    if not REG_EPI:
-        tl.debug_barrier()
-        mk = tl.load(W_BITS + out, mask=out_ok, other=0)
+    mk = tl.load(W_BITS + out, mask=out_ok, other=0)
     idx = packed_col(mk, CB)
     tl.store(ID_OUT + out, idx, mask=out_ok)
     if not PERM:
-        flat = tl.reshape(idx, [ROWS * kk.shape[0]])
-        sel_count += tl.histogram(flat, sel_count.shape[0], mask=tl.reshape(out_ok, [ROWS * kk.shape[0]]))
+        # padding slots (k < KP, rows past T) go to bin 0 and are taken off again: the GPU lowering of
+        # tl.histogram's mask miscounted them (Triton 3.6, H200; the interpreter honours the mask)
+        flat_ok = tl.reshape(out_ok, [ROWS * kk.shape[0]])
+        flat = tl.where(flat_ok, tl.reshape(idx, [ROWS * kk.shape[0]]), 0)
+        n_pad = ROWS * kk.shape[0] - tl.sum(flat_ok.to(tl.int32))
+        bins = tl.arange(0, sel_count.shape[0])
+        sel_count += tl.histogram(flat, sel_count.shape[0]) - tl.where(bins == 0, n_pad, 0)
     if HALF_KEYS:
         _, val = packed_decode(mk, INF16, X.dtype.element_ty, CB)
     else:  # the chosen logit (exact; in cache)
@@ -272,7 +268,6 @@ def _moe_route_fwd(
     INF16: tl.constexpr,
     TOPK_G: tl.constexpr,
     PERM: tl.constexpr,
-    REG_EPI: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -317,7 +312,6 @@ def _moe_route_fwd(
                 INF16,
                 TOPK_G,
                 PERM,
-                REG_EPI,
             )
             tile += 1
     else:
@@ -350,7 +344,6 @@ def _moe_route_fwd(
                 INF16,
                 TOPK_G,
                 PERM,
-                REG_EPI,
             )
     # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
     # program reads the totals (release by every thread, barrier, acq_rel ticket).
@@ -410,8 +403,6 @@ class LaunchConfig:
     num_warps: int = 4
     programs_per_sm: int = 4  # persistent grid: SMs * programs_per_sm programs (fewer when there are fewer tiles)
     num_stages: int = 1  # software pipelining of the tile loop
-    # the epilogue gets each step's winner through registers (a layout conversion) instead of a store + reload
-    register_epilogue: bool = False
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -445,10 +436,29 @@ def tile_shape(n_experts: int, n_groups: int | None, row_stride: int, itemsize: 
 
 
 def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool) -> LaunchConfig:
-    """Heuristic (``benchmarks/bench_moe_route.py --sweep`` measures the alternatives): 32 row elements per thread,
-    several rows per thread when rows are short, so a tile holds about 4096 elements."""
-    per_row = min(32, block_of(n_experts))
-    return LaunchConfig(elems_per_thread=32, rows_per_thread=max(1, 32 // per_row), num_warps=4)
+    """Heuristic, from the H200 sweep (``benchmarks/bench_moe_route.py --sweep``, ``moe_route_sweep.md``): 32 row
+    elements per thread and tiles of about 4096 elements, except where one change measured faster:
+
+    - 16-bit rows of 128+ experts, ungrouped: 64 elements per thread (fewer lanes per row, fewer shuffle stages;
+      GLM-4.5's 160 experts 32.0 -> 26.1 us, Qwen3's 128 9.7 -> 8.5 us).
+    - fp32 rows of up to 64 experts: 16 elements per thread (DeepSeek-V2-Lite 19.9 -> 15.6 us).
+    - expert groups: two rows per thread (DeepSeek-V3 65k tokens 67.7 -> 57.3 us, fp32 16k 25.6 -> 23.2 us).
+    - up to 8 experts: one row per thread, so a 16k-token batch spreads over 128 programs (Mixtral 4.6 -> 4.2 us).
+    """
+    width = block_of(n_experts)
+    per_row = min(32, width)
+    ept = 32
+    if itemsize == 2 and width >= 128 and not grouped:
+        ept = 64
+    elif itemsize == 4 and width <= 64:
+        ept = 16
+    if grouped:
+        rows = 2
+    elif width <= 8:
+        rows = 1
+    else:
+        rows = max(1, 32 // per_row)
+    return LaunchConfig(elems_per_thread=ept, rows_per_thread=rows, num_warps=4)
 
 
 @functools.cache
@@ -597,7 +607,6 @@ def _plan(
         INF16=FP16_INF if dtype == torch.float16 else BF16_INF,
         TOPK_G=topk_groups or 0,
         PERM=perm,
-        REG_EPI=cfg.register_epilogue,
         NUM_STAGES=cfg.num_stages,
         INTERPRET=interpret,
         num_warps=cfg.num_warps,

@@ -20,9 +20,9 @@ def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
     return dict(spill_bytes=spill_bytes, shared=kernel.metadata.shared)
 
 
-def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False, config=None) -> dict:
+def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False) -> dict:
     plan = moe_route._plan(t, e, k, dtype, e, score, renorm, bias, *(groups or (None, None)), perm,
-                           torch.device("cpu"), config, False)  # fmt: skip
+                           torch.device("cpu"), None, False)  # fmt: skip
     sig = dict(X=TYPES[dtype], stride_x="i32", BIAS="*fp32" if bias else TYPES[dtype], W_OUT="*fp32",
                ID_OUT="*i32", POS_OUT="*i32", HIST="*i32", COUNTS="*i32", OFFSETS="*i32", WS="*i32", T="i32",
                n_tiles="i32", tiles_per_prog="i32", route_scale="fp32")  # fmt: skip
@@ -36,7 +36,6 @@ def top(n, k, dtype) -> dict:
     return _compile(topk._topk_fwd, sig, dict(const), ("X", "V_OUT", "I_OUT"))
 
 
-REGISTER_EPILOGUE = moe_route.LaunchConfig(register_epilogue=True)
 VARIANTS = {
     "route-qwen3-bf16": lambda: route(65536, 128, 8, torch.bfloat16),
     "route-mixtral-perm": lambda: route(16384, 8, 2, torch.bfloat16, perm=True),
@@ -44,10 +43,6 @@ VARIANTS = {
     "route-deepseek-v3-fp32-groups": lambda: route(16384, 256, 8, torch.float32, "sigmoid", True, True, (8, 4)),
     "route-glm-bias": lambda: route(32768, 160, 8, torch.bfloat16, "sigmoid", True, True),
     "route-v2-lite-fp32": lambda: route(65536, 64, 6, torch.float32, renorm=False),
-    "route-mixtral-register-epilogue": lambda: route(16384, 8, 2, torch.bfloat16, config=REGISTER_EPILOGUE),
-    "route-deepseek-v3-fp32-register-epilogue": lambda: route(
-        16384, 256, 8, torch.float32, "sigmoid", True, True, (8, 4), config=REGISTER_EPILOGUE
-    ),
     "topk-128-8-bf16": lambda: top(128, 8, torch.bfloat16),
     "topk-1000-5-fp32": lambda: top(1000, 5, torch.float32),
 }

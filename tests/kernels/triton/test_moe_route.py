@@ -43,10 +43,8 @@ def _check(out, ref, n_experts, perm=True):
     [
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=3)),  # 64-row tiles, 3 programs
         (60, torch.bfloat16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=2)),  # padded row, 8 lanes
-        (60, torch.bfloat16, LaunchConfig(elems_per_thread=8, num_warps=1, register_epilogue=True)),
         (128, torch.float16, LaunchConfig(elems_per_thread=16, num_warps=1)),
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5)),
-        (160, torch.float32, LaunchConfig(num_warps=2, programs=3, register_epilogue=True)),
         (13, torch.float32, LaunchConfig(num_warps=1, programs=2)),  # odd width: 4-byte loads
         (1024, torch.bfloat16, LaunchConfig(num_warps=1, programs=2)),  # widest supported row
     ],
@@ -77,10 +75,9 @@ def test_non_power_of_two_groups():
     _check(out, ref, e)
 
 
-@pytest.mark.parametrize("register_epilogue", [False, True])
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_exact_fallback_for_wide_dynamic_range(perm, bias, register_epilogue):
+def test_exact_fallback_for_wide_dynamic_range(perm, bias):
     """fp32 values are ranked relative to the row max; a chosen value far below it (here 1e30 vs ~1) makes the tile
     redo the selection with exact keys."""
     logits = torch.randn(40, 32)
@@ -88,8 +85,7 @@ def test_exact_fallback_for_wide_dynamic_range(perm, bias, register_epilogue):
     logits[20, :4] = torch.tensor([1e25, -1e25, 1e-30, 0.0])
     b = torch.zeros(32) if bias else None
     score = "sigmoid" if bias else "softmax"
-    cfg = LaunchConfig(num_warps=1, programs=2, register_epilogue=register_epilogue)
-    out, ref = _run(logits, 5, cfg, score=score, bias=b, perm=perm)
+    out, ref = _run(logits, 5, LaunchConfig(num_warps=1, programs=2), score=score, bias=b, perm=perm)
     _check(out, ref, 32, perm)
 
 
@@ -110,12 +106,9 @@ def test_ties_inside_a_relative_key_tile():
     programs=st.sampled_from([None, 1, 3]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     perm=st.booleans(),
-    reg=st.booleans(),
 )
-def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, reg):
-    cfg = LaunchConfig(
-        elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs, register_epilogue=reg
-    )
+def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm):
+    cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs)
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)

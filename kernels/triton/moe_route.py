@@ -206,8 +206,10 @@ def _route_tile(
     idx = packed_col(mk, CB)
     tl.store(ID_OUT + out, idx, mask=out_ok)
     if not PERM:
-        # padding slots (k < KP, rows past T) go to bin 0 and are taken off again: the GPU lowering of
-        # tl.histogram's mask miscounted them (Triton 3.6, H200; the interpreter honours the mask)
+        # padding slots (k < KP, rows past T) go to bin 0 and are taken off again, instead of tl.histogram's mask:
+        # with the mask, this kernel's counts came out wrong on the H200 for k=6 (KP=8) in every launch configuration
+        # (moe_route_sweep_register_epilogue.md), while the interpreter and a standalone masked histogram
+        # (benchmarks/probe_histogram_mask.py) were right; this form measured right everywhere (moe_route_sweep.md)
         flat_ok = tl.reshape(out_ok, [ROWS * kk.shape[0]])
         flat = tl.where(flat_ok, tl.reshape(idx, [ROWS * kk.shape[0]]), 0)
         n_pad = ROWS * kk.shape[0] - tl.sum(flat_ok.to(tl.int32))

@@ -1,7 +1,9 @@
 """The one registry of operators and their backends.
 
 An operator (``Op``) has a name, a reference implementation (plain torch/ATen, also the test oracle), an argument
-validator, a shape-signature function and a set of backend implementations. Kernel modules register themselves with
+validator, a shape-signature function and a set of backend implementations. Validation and support predicates run
+once per signature, so a signature must determine their outcome: it holds ``tensor_key`` of every tensor argument and
+every scalar the validator or a predicate inspects. Kernel modules register themselves with
 ``@OP.implement("triton", supports=...)``; nothing else in the package lists operator names.
 """
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
+
+from torch import Tensor
 
 from fly_lightning import dispatch, policy
 from fly_lightning.backends import BACKENDS
@@ -28,6 +32,18 @@ class BackendImpl:
     supports: SupportPredicate
     constraints: str = ""  # the support boundary in words, for the support matrix
     verified: str = "tested"  # "tested" (runs in CI) or "compile-only" (FlyDSL: compiled for gfx950, never run here)
+
+
+def tensor_key(t: Tensor | None) -> tuple | None:
+    """What validation and support predicates may look at in a tensor: shape, strides, dtype, device (with index).
+
+    Anything else is keyed by its type, so that validation (not a failing signature) reports it.
+    """
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        return (type(t),)
+    return (t.shape, t.stride(), t.dtype, t.device)
 
 
 def _always(*args: Any, **kwargs: Any) -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fly_lightning.registry import register_op
+from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -131,7 +131,7 @@ def _grouped_mm_aten(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype 
 
 
 def _signature(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> tuple:
-    return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, x.device.type, out_dtype)
+    return (tensor_key(x), tensor_key(w), tensor_key(offs), out_dtype)
 
 
 GROUPED_MM = register_op(

@@ -31,7 +31,7 @@ from fly_lightning.ops.grouped_mm import (
     weight_grad,
     weight_grad_like,
 )
-from fly_lightning.registry import register_op
+from fly_lightning.registry import register_op, tensor_key
 
 
 def _validate_moe(
@@ -143,7 +143,7 @@ def _signature(
     scatter: bool,
     out_dtype: torch.dtype | None,
 ) -> tuple:
-    return (x.shape, x.stride(), w.shape, w.stride(), x.dtype, x.device.type, topk, gather, scatter, out_dtype)
+    return (tensor_key(x), tensor_key(w), tensor_key(offs), tensor_key(perm), topk, gather, scatter, out_dtype)
 
 
 MOE_GROUPED_MM = register_op(

@@ -10,7 +10,8 @@ Router variants (explicit options):
   never selected), ``renormalize=True`` and ``route_scale`` (the routed scaling factor).
 
 Semantics (the reference below is the oracle; the Triton kernel matches it exactly on expert ids, counts, offsets and
-the permutation, and within fp32 rounding on weights):
+the permutation when ranking the logits, i.e. without bias and groups; with them it ranks its own fp32 scores, so a
+row may swap two experts whose scores differ by fp32 rounding. Weights agree within fp32 rounding):
 - Scores are computed in fp32. Without bias and groups the ranking is done on the logits themselves: softmax and
   sigmoid are increasing, so this is the same ranking, except that distinct logits whose fp32 probabilities round to
   the same value (saturated sigmoids, say) still rank by logit. With bias or groups the ranking is on
@@ -34,7 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fly_lightning.registry import register_op
+from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _SCORES = ("softmax", "sigmoid")
@@ -101,6 +102,9 @@ def _validate(
         raise ValueError(f"moe_route: route_scale must be finite, got {route_scale}")
     if (n_groups is None) != (topk_groups is None):
         raise ValueError("moe_route: n_groups and topk_groups must be given together")
+    for name, v in (("n_groups", n_groups), ("topk_groups", topk_groups)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise ValueError(f"moe_route: {name} must be an int, got {type(v).__name__}")
     if n_groups is not None:
         if n_groups < 1 or n_experts % n_groups:
             raise ValueError(f"moe_route: n_groups={n_groups} must be >= 1 and divide the {n_experts} experts")
@@ -196,14 +200,12 @@ def _signature(
     return_permutation: bool,
 ) -> tuple:
     return (
-        logits_TE.shape,
-        logits_TE.stride(),
-        logits_TE.dtype,
-        logits_TE.device.type,
+        tensor_key(logits_TE),
         k,
         score,
         renormalize,
-        None if bias_E is None else (bias_E.dtype, bias_E.shape, bias_E.stride(), bias_E.device),
+        tensor_key(bias_E),
+        route_scale,
         n_groups,
         topk_groups,
         return_permutation,

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from fly_lightning.dtensor import is_dtensor, run_on_local_shards
-from fly_lightning.registry import register_op
+from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -77,15 +77,7 @@ def _rms_norm_aten(
 
 
 def _signature(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_scale: bool) -> tuple:
-    return (
-        x.shape,
-        x.stride(),
-        x.dtype,
-        x.device.type,
-        None if weight is None else weight.dtype,
-        bool(offset),
-        cast_before_scale,
-    )
+    return (tensor_key(x), tensor_key(weight), eps, offset, cast_before_scale)
 
 
 RMS_NORM = register_op(

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fly_lightning.registry import register_op
+from fly_lightning.registry import register_op, tensor_key
 
 
 class TopK(NamedTuple):
@@ -42,7 +42,7 @@ def topk_reference(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def _signature(x: Tensor, k: int) -> tuple:
-    return (x.shape, x.stride(), x.dtype, x.device.type, k)
+    return (tensor_key(x), k)
 
 
 TOPK = register_op(

@@ -15,6 +15,8 @@ def _supports(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: 
         return "Llama-style cast before scale not implemented"
     if x.numel() == 0:
         return "empty input"
+    if weight is not None and weight.numel() > 1 and weight.stride(0) != 1:
+        return "weight not contiguous"
     try:
         x2 = x.view(-1, x.shape[-1])
     except RuntimeError:

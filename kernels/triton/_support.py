@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -21,3 +22,10 @@ def device_reason(*tensors: torch.Tensor | None) -> str | None:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Make ``t``'s GPU current for a launch: Triton launches on the current device's stream, which need not be t's."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()

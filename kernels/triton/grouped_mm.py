@@ -28,6 +28,8 @@ def layout_reason(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> str |
         return "x rows not contiguous (x.stride(1) != 1)"
     if w.stride(2) != 1 and w.stride(1) != 1 and w.shape[1] > 1 and w.shape[2] > 1:
         return "w has neither N nor K contiguous"
+    if offs.numel() > 1 and offs.stride(0) != 1:
+        return "offs not contiguous"  # the tile schedule reads it as a dense vector
     if w.shape[0] > MAX_GROUPS:
         return f"{w.shape[0]} groups (kernel takes at most {MAX_GROUPS})"
     return None

@@ -52,7 +52,7 @@ from fly_lightning.kernels.triton._select import (
     rows5,
     tile_cols,
 )
-from fly_lightning.kernels.triton._support import device_reason, interpreting
+from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device
 from fly_lightning.ops.moe_route import MOE_ROUTE, RENORM_EPS
 
 MAX_E = 1024
@@ -450,7 +450,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool) -> Launc
     width = block_of(n_experts)
     per_row = min(32, width)
     ept = 32
-    if itemsize == 2 and width >= 128 and not grouped:
+    if itemsize == 2 and n_experts >= 128 and not grouped:
         ept = 64
     elif itemsize == 4 and width <= 64:
         ept = 16
@@ -666,37 +666,38 @@ def moe_route_triton(
         config,
         interpreting(),
     )
-    hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
-    _moe_route_fwd[(plan.programs,)](
-        logits_TE,
-        logits_TE.stride(0),
-        bias_E if bias_E is not None else logits_TE,
-        weights,
-        ids,
-        slot_pos if return_permutation else ids,
-        hist,
-        counts,
-        offsets,
-        _workspace(dev, n_experts),
-        n_tokens,
-        plan.tiles,
-        plan.tiles_per_program,
-        route_scale,
-        **plan.constexprs,
-    )
-    if return_permutation:
-        _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64)
-        n_slots = n_tokens * k
-        _perm_scatter[(cdiv(n_slots, 1024),)](
+    with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
+        hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
+        _moe_route_fwd[(plan.programs,)](
+            logits_TE,
+            logits_TE.stride(0),
+            bias_E if bias_E is not None else logits_TE,
+            weights,
             ids,
-            slot_pos,
+            slot_pos if return_permutation else ids,
             hist,
-            sorted_slots,
-            n_slots,
-            n_experts,
-            plan.tiles_per_program * plan.rows,
-            K=k,
-            BLOCK=1024,
-            num_warps=4,
+            counts,
+            offsets,
+            _workspace(dev, n_experts),
+            n_tokens,
+            plan.tiles,
+            plan.tiles_per_program,
+            route_scale,
+            **plan.constexprs,
         )
+        if return_permutation:
+            _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64)
+            n_slots = n_tokens * k
+            _perm_scatter[(cdiv(n_slots, 1024),)](
+                ids,
+                slot_pos,
+                hist,
+                sorted_slots,
+                n_slots,
+                n_experts,
+                plan.tiles_per_program * plan.rows,
+                K=k,
+                BLOCK=1024,
+                num_warps=4,
+            )
     return weights, ids, counts, offsets, sorted_slots, slot_pos

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._support import device_reason, interpreting
+from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device
 from fly_lightning.ops.rms_norm import RMS_NORM
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -203,11 +203,42 @@ def _supports(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: 
         return True  # nothing to launch; the launcher returns empty outputs
     if x.stride(-1) != 1:
         return "last dim not contiguous"
+    if weight is not None and weight.numel() > 1 and weight.stride(0) != 1:
+        return "weight not contiguous"  # the kernels read it as a dense vector
     try:
         x.view(-1, x.shape[-1])
     except RuntimeError:
         return "leading dims not collapsible to rows (would need a copy)"
     return True
+
+
+def _launch(
+    cfg: LaunchConfig,
+    tuned: bool,
+    x2: torch.Tensor,
+    w: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    n_rows: int,
+    h: int,
+    eps: float,
+    offset: float,
+    flags: dict,
+) -> None:
+    if cfg.kernel == "unaligned":
+        args = (x2, w, y, rstd, eps, offset)
+        consts = dict(H=h, VEC=16 // x2.element_size(), BLOCK=cfg.block, **flags)
+        if tuned:
+            _rms_norm_unaligned_tuned[(n_rows,)](*args, **consts)
+        else:
+            _rms_norm_unaligned[(n_rows,)](*args, num_warps=cfg.num_warps, **consts)
+    else:
+        args = (x2, w, y, rstd, n_rows, x2.stride(0), h, eps, offset)
+        consts = dict(H=h, BLOCK=cfg.block, CHUNKED=cfg.block < h, **flags)
+        if tuned:
+            _rms_norm_rows_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](*args, **consts)
+        else:
+            _rms_norm_rows[(triton.cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, num_warps=cfg.num_warps, **consts)
 
 
 @RMS_NORM.implement(
@@ -240,18 +271,6 @@ def rms_norm_triton(
         cfg = LaunchConfig("rows", cfg.block, max(1, min(256, 16384 // cfg.block)), 4)
     w = weight if weight is not None else x2  # placeholder pointer, never read
     flags = dict(HAS_W=weight is not None, CAST_FIRST=cast_before_scale and weight is not None)
-    if cfg.kernel == "unaligned":
-        args = (x2, w, y, rstd, eps, offset)
-        consts = dict(H=h, VEC=16 // x.element_size(), BLOCK=cfg.block, **flags)
-        if tuned:
-            _rms_norm_unaligned_tuned[(n_rows,)](*args, **consts)
-        else:
-            _rms_norm_unaligned[(n_rows,)](*args, num_warps=cfg.num_warps, **consts)
-    else:
-        args = (x2, w, y, rstd, n_rows, x2.stride(0), h, eps, offset)
-        consts = dict(H=h, BLOCK=cfg.block, CHUNKED=cfg.block < h, **flags)
-        if tuned:
-            _rms_norm_rows_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](*args, **consts)
-        else:
-            _rms_norm_rows[(triton.cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, num_warps=cfg.num_warps, **consts)
+    with on_device(x):
+        _launch(cfg, tuned, x2, w, y, rstd, n_rows, h, eps, offset, flags)
     return y, rstd

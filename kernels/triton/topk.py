@@ -32,7 +32,7 @@ from fly_lightning.kernels.triton._select import (
     rows5,
     tile_cols,
 )
-from fly_lightning.kernels.triton._support import device_reason
+from fly_lightning.kernels.triton._support import device_reason, on_device
 from fly_lightning.ops.topk import TOPK
 
 MAX_N = 1024
@@ -169,5 +169,6 @@ def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> 
         return values, indices
     x2 = x.view(-1, n)
     grid, constexprs = _plan(n, k, x.dtype, x2.stride(0), x2.shape[0], config)
-    _topk_fwd[(grid,)](x2, x2.stride(0), values, indices, x2.shape[0], **constexprs)
+    with on_device(x):
+        _topk_fwd[(grid,)](x2, x2.stride(0), values, indices, x2.shape[0], **constexprs)
     return values, indices

@@ -18,7 +18,8 @@ from fly_lightning.callbacks.manifest import canonical_signature, merge_sections
 from fly_lightning.callbacks.manifest_diff import main as diff_main
 from fly_lightning.registry import OPS
 
-SIG = "(4x8x32, (256, 32, 1), float32, cpu, float32, False, False)"  # the Tiny model's RMSNorm input
+# the Tiny model's RMSNorm: x and weight (shape, strides, dtype, device), eps, offset, cast
+SIG = "((4x8x32, (256, 32, 1), float32, cpu), (32, (1), float32, cpu), 1.1920928955078125e-07, 0.0, False)"
 
 
 def test_fit_logs_coverage_and_writes_manifest(tiny, tmp_path, capsys):

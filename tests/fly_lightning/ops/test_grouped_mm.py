@@ -228,3 +228,22 @@ def test_invalid_inputs_raise_before_anything_runs():
     _bad("at least one group", x, w[:0], offs[:0])
     _bad("offs must be a Tensor", x, w, [4, 10])
     assert not DISPATCH_LOG.records("grouped_mm")  # nothing was dispatched
+
+
+def test_a_valid_call_does_not_let_a_later_invalid_one_through():
+    """Validation runs once per signature, so the signature holds every operand's dtype, shape and device."""
+    x, w, offs = torch.randn(10, 8).half(), _weights(2, 8, 8, torch.float16, False), _offs([4, 6])
+    grouped_mm(x, w, offs)
+    _bad("w dtype", x, w.float(), offs)
+    _bad("offs must be int32", x, w, offs.long())
+    _bad("non-decreasing", x, w, torch.tensor([6, 4], dtype=torch.int32))
+
+
+def test_strided_offsets_fall_back_with_reason():
+    x, w = torch.randn(10, 8).half(), _weights(2, 8, 8, torch.float16, False)
+    grouped_mm(x, w, _offs([4, 6]))  # contiguous first: the strided call must not reuse its decision
+    offs = torch.tensor([4, 0, 10, 0], dtype=torch.int32)[::2]
+    y = grouped_mm(x, w, offs)
+    rec = _last()
+    assert rec["backend"] == "aten" and "offs not contiguous" in rec["reason"]
+    assert _rel_err(y, grouped_mm_reference(x.double(), w.double(), offs)) < 2e-3

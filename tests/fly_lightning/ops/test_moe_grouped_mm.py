@@ -123,3 +123,16 @@ def test_invalid_inputs():
     bad("perm values", x, w, offs, perm + 1, topk=k, gather=True)
     bad("contraction dims", x, torch.randn(e, 4, 8).half(), offs, perm, topk=k, gather=True)
     bad("offs must be int32", x, w, offs.long(), perm, topk=k, gather=True)
+
+
+def test_strided_permutation_after_a_contiguous_one_falls_back_with_reason():
+    t, k, e, kk, n = 9, 2, 3, 16, 8
+    _, offs, perm = _routing(t, k, e)
+    x, w = torch.randn(t, kk).half(), torch.randn(e, kk, n).half()
+    moe_grouped_mm(x, w, offs, perm, topk=k, gather=True)
+    strided = torch.stack([perm, torch.zeros_like(perm)], 1).reshape(-1)[::2]  # same values, stride 2
+    y = moe_grouped_mm(x, w, offs, strided, topk=k, gather=True)
+    rec = DISPATCH_LOG.records("moe_grouped_mm")[-1]
+    assert rec["backend"] == "aten" and "perm not contiguous" in rec["reason"]
+    ref = moe_grouped_mm_reference(x.double(), w.double(), offs, perm, k, True, False)
+    assert _rel_err(y, ref) < 2e-3

@@ -364,12 +364,23 @@ def test_disabled_op_runs_aten_with_reason():
         (dict(k=2, n_groups=2, topk_groups=3), r"topk_groups must be in \[1, n_groups=2\]"),
         (dict(k=5, n_groups=4, topk_groups=2), "larger than the 4 experts of 2 groups"),
         (dict(k=2, route_scale=float("nan")), "route_scale must be finite"),
+        (dict(k=2, n_groups=4, topk_groups=2.0), "topk_groups must be an int"),
+        (dict(k=2, n_groups=True, topk_groups=1), "n_groups must be an int"),
     ],
 )
 def test_invalid_arguments_raise_before_dispatch(kwargs, match):
     with pytest.raises(ValueError, match=match):
         moe_route(torch.randn(4, 8), **kwargs)
     assert DISPATCH_LOG.records() == []
+
+
+def test_a_valid_call_does_not_let_a_later_invalid_one_through():
+    """Validation runs once per signature, so the signature holds every argument it checks."""
+    x = torch.randn(4, 8)
+    moe_route(x, 2, route_scale=1.0)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="route_scale must be finite"):
+            moe_route(x, 2, route_scale=bad)
 
 
 def test_each_new_bias_shape_is_validated():

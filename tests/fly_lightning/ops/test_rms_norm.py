@@ -203,3 +203,23 @@ def test_deterministic_algorithms_same_result_and_all_outputs_written():
         torch.use_deterministic_algorithms(False)
     assert torch.isfinite(y1).all()
     assert torch.equal(y0, y1)
+
+
+def test_a_valid_call_does_not_let_a_later_invalid_one_through():
+    """Validation runs once per signature, so the signature holds everything it checks (eps, the weight's shape)."""
+    x, w = torch.randn(4, 32), torch.randn(32)
+    rms_norm(x, w, 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        rms_norm(x, w, -1.0)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        rms_norm(x, torch.randn(64)[:31], 1e-6)
+
+
+def test_strided_weight_falls_back_with_reason():
+    x, w_wide = torch.randn(4, 32), torch.randn(64)
+    rms_norm(x, w_wide[:32], 1e-6)  # contiguous first: the strided call must not reuse its decision
+    w = w_wide[::2]
+    y = rms_norm(x, w, 1e-6)
+    rec = _last()
+    assert rec["backend"] == "aten" and "weight not contiguous" in rec["reason"]
+    assert _rel_err(y, _ref64(x, w, 1e-6)) < 1e-5

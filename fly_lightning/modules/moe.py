@@ -9,11 +9,11 @@ Two data paths, numerically identical:
   down GEMM's rows straight to their slots (no permuted copies).
 
 The combine is deterministic: no atomics; a token's k expert outputs are summed in slot order (a batched ``[1, k] x
-[k, H]`` product in the activation dtype with fp32 accumulation; the routing weights are rounded to that dtype, as
-transformers' Qwen/OLMoE blocks do). The scatter writes unweighted rows: the weights are applied in that combine (one
-pass over the slots either way), which keeps the routing-weight gradient a plain ``bmm`` backward. Every permutation
-is a gather in both directions (the inverse permutation is computed once); the backward of the token gather sums
-each token's k slot gradients in slot order.
+[k, H]`` product in fp32, the routing weights' dtype, as the stock blocks compute it; the result is returned in the
+input's dtype). The scatter writes unweighted rows: the weights are applied in that combine (one pass over the slots
+either way), which keeps the routing-weight gradient a plain ``bmm`` backward. Every permutation is a gather in both
+directions (the plain path computes the inverse permutation once per forward; the fused path's backward computes
+it where it needs it); the backward of the token gather sums each token's k slot gradients in slot order.
 """
 
 from __future__ import annotations
@@ -163,8 +163,8 @@ def experts_forward(
     else:
         out_slots = _Permute.apply(grouped_mm(act, down_EIH, offs_E), inv, perm_M)
     out = out_slots.view(t, k, h)
-    if score_before_experts:
-        return out.sum(1)
+    if score_before_experts:  # summed in fp32 and returned in x's dtype, as without it (not autocast's dtype)
+        return out.float().sum(1).to(x_TH.dtype)
     return _Combine.apply(weights_Tk, out).to(x_TH.dtype)
 
 

@@ -160,12 +160,20 @@ def _torchtitan(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     _check_router(module, gate)
     e, h = gate.weight.shape
     w1 = experts.w1
-    legacy = w1.shape[1] == h and w1.shape[2] != h  # [E, H, I] (older torchtitan) vs [E, I, H]
+    # [E, H, I] (older torchtitan) vs [E, I, H]; with H == I the shapes cannot tell: taken as the current layout
+    # (convert an older one with FlyMoE.from_module(block, layout="torchtitan_legacy"))
+    legacy = w1.shape[1] == h and w1.shape[2] != h
     i = w1.shape[2] if legacy else w1.shape[1]
     bias = getattr(module, "expert_bias", None)
+    # node-limited routing: groups scored by their top-2 (biased) scores, as this op's n_groups / topk_groups
+    n_groups, topk_groups = getattr(router, "num_expert_groups", None), getattr(router, "num_limited_groups", None)
+    if (n_groups is None) != (topk_groups is None):
+        _reject(module, "router sets only one of num_expert_groups / num_limited_groups")
     kw = (
         dict(
             layout="torchtitan_legacy" if legacy else "torchtitan",
+            n_groups=None if n_groups is None else int(n_groups),
+            topk_groups=None if topk_groups is None else int(topk_groups),
             score_func=router.score_func,
             norm_topk_prob=bool(router.route_norm),
             route_scale=float(router.route_scale),

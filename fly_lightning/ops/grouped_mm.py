@@ -123,10 +123,21 @@ def aten_reason(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype | Non
     return None
 
 
+def clamp_offsets(offs: Tensor, m: int) -> Tensor:
+    """Device offsets as the Triton kernel reads them: each clamped to ``[0, m]``, then made non-decreasing.
+
+    ATen's grouped GEMM trusts its offsets, and device offsets cannot be checked without a sync: this keeps invalid
+    ones inside the tensors on the ATen paths too (valid offsets are unchanged). CPU offsets were checked on the host.
+    """
+    if offs.device.type == "cpu":
+        return offs
+    return torch.cummax(offs.clamp(0, m), 0).values
+
+
 def _grouped_mm_aten(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> Tensor:
     """``torch._grouped_mm`` where it accepts the operands, else the reference."""
     if hasattr(torch, "_grouped_mm") and aten_reason(x, w, offs, out_dtype) is None:
-        return torch._grouped_mm(x, w, offs=offs)
+        return torch._grouped_mm(x, w, offs=clamp_offsets(offs, x.shape[0]))
     return grouped_mm_reference(x, w, offs, out_dtype)
 
 
@@ -146,7 +157,10 @@ GROUPED_MM = register_op(
 
 @torch.library.custom_op("fly::grouped_mm", mutates_args=())
 def grouped_mm_op(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> Tensor:
-    """Dispatched forward."""
+    """Dispatched forward. CPU offset values are checked here, on every call (also from compiled graphs): the
+    dispatcher validates only a signature's first call, and values are not part of it."""
+    if isinstance(x, Tensor) and x.dim() == 2:
+        _check_offsets(offs, x.shape[0], "grouped_mm")
     return GROUPED_MM(x, w, offs, out_dtype)
 
 
@@ -159,7 +173,7 @@ def _(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> Tens
 def _aten_mm(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
     """``a @ b[e]`` per row group (2D x 3D) through ATen, or the reference when ATen refuses the layout."""
     if hasattr(torch, "_grouped_mm") and aten_reason(a, b, offs) is None:
-        return torch._grouped_mm(a, b, offs=offs)
+        return torch._grouped_mm(a, b, offs=clamp_offsets(offs, a.shape[0]))
     return grouped_mm_reference(a, b, offs)
 
 
@@ -172,7 +186,7 @@ def weight_grad(x: Tensor, grad: Tensor, offs: Tensor, like: Tensor) -> Tensor:
     k_major = like.stride(-2) == 1 and like.stride(-1) != 1
     a, b = (grad.t(), x) if k_major else (x.t(), grad)  # product is [E, N, K] when k_major, else [E, K, N]
     if hasattr(torch, "_grouped_mm") and aten_reason(a, b, offs) is None and a.shape[1] > 0:
-        dw = torch._grouped_mm(a, b, offs=offs)
+        dw = torch._grouped_mm(a, b, offs=clamp_offsets(offs, x.shape[0]))
     else:
         acc = _acc_dtype(x.dtype)
         dw = torch.zeros(e, a.shape[0], b.shape[1], dtype=acc, device=x.device)
@@ -239,7 +253,7 @@ grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def autocast_operands(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """Cast floating operands to the autocast dtype where autocast is on, as autocast does for ``mm``.
+    """Cast fp32 operands to the autocast dtype where autocast is on, as autocast does for ``mm``.
 
     Custom ops are invisible to autocast, so without this a ``bf16-mixed`` run would hand fp32 weights to the op and
     every call would fall back. The cast is differentiable: gradients reach the fp32 parameters as with ``F.linear``.
@@ -247,7 +261,7 @@ def autocast_operands(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     if not isinstance(x, Tensor) or not isinstance(w, Tensor) or not torch.is_autocast_enabled(x.device.type):
         return x, w
     dtype = torch.get_autocast_dtype(x.device.type)
-    cast = lambda t: t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t  # noqa: E731
+    cast = lambda t: t.to(dtype) if t.dtype == torch.float32 else t  # noqa: E731 - autocast leaves fp64 alone
     return cast(x), cast(w)
 
 
@@ -263,13 +277,12 @@ def grouped_mm(x_MK: Tensor, w: Tensor, offs_E: Tensor, *, out_dtype: torch.dtyp
     Returns:
         ``[M, N]``; rows at and past ``offs[-1]`` are unspecified, as in torch.
 
-    Offset values are checked only on the CPU; on a GPU they are never read by the host (no sync), and the Triton
-    kernel clamps them so that invalid offsets cannot touch memory outside the tensors. Under autocast, floating
-    operands are cast to the autocast dtype first.
+    Offset values are checked only on the CPU; on a GPU they are never read by the host (no sync): the Triton kernel
+    clamps them, and the ATen paths (fallback, backward) get them clamped the same way (``clamp_offsets``), so invalid
+    offsets cannot touch memory outside the tensors. Under autocast, fp32 operands are cast to the autocast dtype
+    first.
     """
     x_MK, w = autocast_operands(x_MK, w)
     if not (isinstance(x_MK, Tensor) and isinstance(w, Tensor) and isinstance(offs_E, Tensor)):
         _validate(x_MK, w, offs_E, out_dtype)  # raises the ValueError naming the argument
-    if x_MK.dim() == 2:
-        _check_offsets(offs_E, x_MK.shape[0], "grouped_mm")
     return grouped_mm_op(x_MK, w, offs_E, out_dtype)

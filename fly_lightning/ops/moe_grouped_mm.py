@@ -92,6 +92,8 @@ def _check_perm(offs: Tensor, perm: Tensor, m: int) -> None:
         raise ValueError(f"moe_grouped_mm: offs[-1]={int(offs[-1])} must equal the number of rows M={m}")
     if m and (int(perm.min()) < 0 or int(perm.max()) >= m):
         raise ValueError(f"moe_grouped_mm: perm values must lie in [0, {m})")
+    if m and not bool(torch.bincount(perm.long(), minlength=m).eq(1).all()):
+        raise ValueError(f"moe_grouped_mm: perm must be a permutation of range({m}) (a value repeats)")
 
 
 def inverse_permutation(perm: Tensor) -> Tensor:
@@ -167,7 +169,9 @@ def moe_grouped_mm_op(
     scatter: bool,
     out_dtype: torch.dtype | None,
 ) -> Tensor:
-    """Dispatched forward."""
+    """Dispatched forward. CPU offset and permutation values are checked here, on every call (see ``grouped_mm_op``)."""
+    if isinstance(perm, Tensor) and isinstance(x, Tensor) and x.dim() == 2 and isinstance(offs, Tensor):
+        _check_perm(offs, perm, perm.shape[0])
     return MOE_GROUPED_MM(x, w, offs, perm, topk, gather, scatter, out_dtype)
 
 
@@ -292,6 +296,4 @@ def moe_grouped_mm(
         to the autocast dtype first, as in ``grouped_mm``.
     """
     x, w = autocast_operands(x, w)
-    if isinstance(perm_M, Tensor) and isinstance(x, Tensor) and x.dim() == 2 and isinstance(offs_E, Tensor):
-        _check_perm(offs_E, perm_M, perm_M.shape[0])
     return moe_grouped_mm_op(x, w, offs_E, perm_M, topk, gather, scatter, out_dtype)

@@ -26,7 +26,7 @@ def layout_reason(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> str |
         return "GPU older than sm80"
     if x.shape[1] > 1 and x.stride(1) != 1:
         return "x rows not contiguous (x.stride(1) != 1)"
-    if w.stride(2) != 1 and w.stride(1) != 1 and w.shape[1] > 1 and w.shape[2] > 1:
+    if w.stride(2) != 1 and w.stride(1) != 1:  # also for K or N == 1: the kernel takes the other stride as 1
         return "w has neither N nor K contiguous"
     if offs.numel() > 1 and offs.stride(0) != 1:
         return "offs not contiguous"  # the tile schedule reads it as a dense vector

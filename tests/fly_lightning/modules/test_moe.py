@@ -24,12 +24,23 @@ def loop_moe(
     route_scale=1.0,
     score_before=False,
     expert_bias=None,
+    groups=None,
 ):
-    """The oracle: route, then run each expert on its tokens in a Python loop. gate/up [E, I, H], down [E, H, I]."""
+    """The oracle: route, then run each expert on its tokens in a Python loop. gate/up [E, I, H], down [E, H, I].
+
+    ``groups=(n, top)``: node-limited routing as torchtitan does it (groups scored by their two best biased scores).
+    """
     logits = x @ router_w.t()
     scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, -1)
-    if expert_bias is not None:
-        ids = torch.topk(scores + expert_bias.to(scores.dtype), k, -1).indices
+    if expert_bias is not None or groups is not None:
+        sel = scores if expert_bias is None else scores + expert_bias.to(scores.dtype)
+        if groups is not None:
+            n, top = groups
+            group_scores = sel.unflatten(-1, (n, -1)).topk(2, dim=-1).values.sum(-1)
+            chosen = group_scores.topk(top, -1).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+            sel = sel.masked_fill(~keep.repeat_interleave(sel.shape[-1] // n, dim=-1), float("-inf"))
+        ids = torch.topk(sel, k, -1).indices
         w = scores.gather(1, ids)
     else:
         w, ids = torch.topk(scores, k, -1)
@@ -129,9 +140,11 @@ def test_autocast_runs_the_experts_in_the_autocast_dtype(path):
     assert moe.experts.down_proj.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
 
 
-def test_autocast_combine_keeps_fp32_like_the_stock_blocks():
-    # HF blocks weight and sum the bf16 expert outputs in fp32 and return the input's dtype: so must we
-    moe = _fresh()
+@pytest.mark.parametrize("score_before_experts", [False, True])
+def test_autocast_combine_keeps_fp32_like_the_stock_blocks(score_before_experts):
+    # HF blocks weight and sum the bf16 expert outputs in fp32 and return the input's dtype: so must we (and
+    # torchtitan's score-before-experts path returns its input's dtype too)
+    moe = _fresh(score_before_experts=score_before_experts)
     x = torch.randn(3, 7, H, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = moe(x)
@@ -315,10 +328,11 @@ def test_per_expert_list_layouts_keep_their_state_dict(layout):
 
 
 class _TitanRouter(nn.Module):
-    def __init__(self, k, score_func, route_norm, route_scale):
+    def __init__(self, k, score_func, route_norm, route_scale, groups=None):
         super().__init__()
         self.gate = nn.Linear(H, E, bias=False)
         self.top_k, self.score_func, self.route_norm, self.route_scale = k, score_func, route_norm, route_scale
+        self.num_expert_groups, self.num_limited_groups = groups or (None, None)
 
 
 class _TitanExperts(nn.Module):
@@ -345,10 +359,17 @@ class _TitanMoE(nn.Module):
     """torchtitan's MoE structure (router.gate, experts.w1/w2/w3, shared_experts, expert_bias)."""
 
     def __init__(
-        self, legacy=False, score_before=True, score_func="softmax", route_norm=False, shared=True, balance=True
+        self,
+        legacy=False,
+        score_before=True,
+        score_func="softmax",
+        route_norm=False,
+        shared=True,
+        balance=True,
+        groups=None,
     ):
         super().__init__()
-        self.router = _TitanRouter(2, score_func, route_norm, 1.5)
+        self.router = _TitanRouter(2, score_func, route_norm, 1.5, groups)
         self.experts = _TitanExperts(legacy)
         self.shared_experts = _TitanFF() if shared else None
         self.score_before_experts = score_before
@@ -379,6 +400,7 @@ class _TitanMoE(nn.Module):
             r.route_scale,
             self.score_before_experts,
             self.expert_bias,
+            None if r.num_expert_groups is None else (r.num_expert_groups, r.num_limited_groups),
         )
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
@@ -389,6 +411,7 @@ class _TitanMoE(nn.Module):
         dict(),
         dict(legacy=True, score_before=False),
         dict(score_func="sigmoid", route_norm=True, shared=False, balance=False),
+        dict(score_func="sigmoid", route_norm=True, groups=(2, 1)),  # node-limited routing (DeepSeek-V3 in titan)
     ],
 )
 def test_torchtitan_layouts(kw):
@@ -397,6 +420,7 @@ def test_torchtitan_layouts(kw):
     nn.init.normal_(titan.router.gate.weight, std=0.5)
     moe = FlyMoE.from_module(titan)
     assert moe.layout == ("torchtitan_legacy" if kw.get("legacy") else "torchtitan")
+    assert (moe.n_groups, moe.topk_groups) == (kw.get("groups") or (None, None))
     assert moe.experts.w1 is titan.experts.w1
     x = torch.randn(11, H)
     torch.testing.assert_close(moe(x), titan(x), rtol=1e-5, atol=1e-5)

@@ -204,6 +204,12 @@ def test_fallback_reasons_for_layouts_the_kernel_does_not_take():
     grouped_mm(torch.randn(8, 16).half(), w_odd, offs)
     rec = _last()
     assert rec["backend"] == "aten" and "neither N nor K contiguous" in rec["reason"]
+    w_n1 = torch.randn(2, 1, 32).half().transpose(1, 2)[:, ::2]  # N == 1, strides (32, 2, 32): still neither
+    x = torch.randn(8, 16).half()
+    y = grouped_mm(x, w_n1, offs)
+    rec = _last()
+    assert rec["backend"] == "aten" and "neither N nor K contiguous" in rec["reason"]
+    assert _rel_err(y, grouped_mm_reference(x.double(), w_n1.double(), offs)) < 2e-3
 
 
 def _bad(msg, *args, **kw):
@@ -247,3 +253,22 @@ def test_strided_offsets_fall_back_with_reason():
     rec = _last()
     assert rec["backend"] == "aten" and "offs not contiguous" in rec["reason"]
     assert _rel_err(y, grouped_mm_reference(x.double(), w.double(), offs)) < 2e-3
+
+
+def test_offset_values_are_checked_on_every_call_also_through_the_custom_op():
+    """Values are not part of the dispatch signature: the op itself checks CPU offsets on each call (compiled graphs
+    call it directly, past the eager wrapper)."""
+    x, w = torch.randn(10, 8).half(), _weights(2, 8, 8, torch.float16, False)
+    torch.ops.fly.grouped_mm(x, w, _offs([4, 6]), None)
+    for bad, msg in (([6, 4], "non-decreasing"), ([4, 99], "exceeds the number of rows"), ([-3, 10], "non-negative")):
+        with pytest.raises(ValueError, match=msg):
+            torch.ops.fly.grouped_mm(x, w, torch.tensor(bad, dtype=torch.int32), None)
+
+
+def test_autocast_leaves_float64_alone_like_mm():
+    # autocast casts fp32 only: fp64 operands are refused as without autocast, not silently run in bf16
+    x, w = torch.randn(10, 8, dtype=torch.float64), torch.randn(2, 8, 8, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x @ w[0]).dtype == torch.float64
+        with pytest.raises(ValueError, match="got torch.float64"):
+            grouped_mm(x, w, _offs([4, 6]))

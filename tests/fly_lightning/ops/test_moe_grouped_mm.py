@@ -136,3 +136,15 @@ def test_strided_permutation_after_a_contiguous_one_falls_back_with_reason():
     assert rec["backend"] == "aten" and "perm not contiguous" in rec["reason"]
     ref = moe_grouped_mm_reference(x.double(), w.double(), offs, perm, k, True, False)
     assert _rel_err(y, ref) < 2e-3
+
+
+def test_permutation_values_are_checked_on_every_call_also_through_the_custom_op():
+    t, k, e, kk, n = 4, 2, 3, 16, 8
+    _, offs, perm = _routing(t, k, e)
+    x, w = torch.randn(t, kk).half(), torch.randn(e, kk, n).half()
+    torch.ops.fly.moe_grouped_mm(x, w, offs, perm, k, True, True, None)
+    repeated = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3], dtype=torch.int32)  # in range, not a permutation
+    with pytest.raises(ValueError, match="must be a permutation"):
+        torch.ops.fly.moe_grouped_mm(x, w, offs, repeated, k, True, True, None)
+    with pytest.raises(ValueError, match="must be a permutation"):
+        moe_grouped_mm(x, w, offs, repeated, topk=k, gather=True, scatter=True)

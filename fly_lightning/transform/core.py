@@ -140,6 +140,6 @@ def _try_swap(module: nn.Module, wanted: set[str], root: nn.Module) -> nn.Module
             new = m.build(module, variant, root)
         except Unsupported as exc:
             return str(exc)
-        new._fly_matcher = f"{m.name}:{variant}"
+        new._fly_matcher = f"{m.name}:{getattr(new, '_fly_variant', variant)}"  # a probe may settle the variant
         return new
     return None

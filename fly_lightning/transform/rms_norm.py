@@ -1,7 +1,10 @@
 """RMSNorm matchers: ``nn.RMSNorm`` and the RMSNorm classes of Hugging Face models, recognised by structure.
 
-Structure decides the candidate variant; a probe on a small random input confirms that ``FlyRMSNorm`` computes the same
-function before swapping (skipped when the weight is on the meta device or a DTensor).
+Three variants differ in where the weight meets the cast back to the input dtype: ``llama`` (``w * x̂.to(dtype)``),
+``plain`` (``(w * x̂).to(dtype)``, Olmo2-style) and ``gemma`` (``(x̂ * (1 + w)).to(dtype)``). With real weights a probe
+runs the original module on random inputs (in the weight's dtype, and in bf16 for fp32 weights) and picks the variant
+our reference reproduces exactly; the class tables only break ties and say what to expect. With weights on the meta
+device or sharded (DTensor) no probe can run, so only classes in the tables are swapped.
 """
 
 from __future__ import annotations
@@ -14,22 +17,28 @@ from fly_lightning.modules.rms_norm import FlyRMSNorm
 from fly_lightning.ops.rms_norm import rms_norm_reference
 from fly_lightning.transform.core import Matcher, Unsupported, register_matcher
 
-# Known classes: the probe still runs, the table only says which variant to expect
-_LLAMA_STYLE = {
-    "LlamaRMSNorm",
-    "MistralRMSNorm",
-    "MixtralRMSNorm",
-    "Qwen2RMSNorm",
-    "Qwen2MoeRMSNorm",
-    "Qwen3RMSNorm",
-    "Qwen3MoeRMSNorm",
-    "OlmoeRMSNorm",
-    "OlmoRMSNorm",
-    "Olmo2RMSNorm",
-    "DeepseekV3RMSNorm",
-    "DeepseekV2RMSNorm",
+_KNOWN = {
+    **dict.fromkeys(
+        (
+            "LlamaRMSNorm",
+            "MistralRMSNorm",
+            "MixtralRMSNorm",
+            "Qwen2RMSNorm",
+            "Qwen2MoeRMSNorm",
+            "Qwen3RMSNorm",
+            "Qwen3MoeRMSNorm",
+            "OlmoeRMSNorm",
+            "OlmoRMSNorm",
+            "DeepseekV3RMSNorm",
+            "DeepseekV2RMSNorm",
+        ),
+        "llama",
+    ),
+    "Olmo2RMSNorm": "plain",
+    **dict.fromkeys(("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"), "gemma"),
 }
-_GEMMA_STYLE = {"GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"}
+_OPTIONS = {"torch": {}, "plain": {}, "gemma": {"offset": 1.0}, "llama": {"cast_before_scale": True}}
+_PROBED = ("llama", "plain", "gemma")
 
 
 def _weight_1d(module: nn.Module) -> torch.Tensor | None:
@@ -44,16 +53,13 @@ def _match(module: nn.Module) -> str | None:
     if type(module) is nn.RMSNorm:
         return "torch"
     cls = type(module).__name__
-    if not cls.endswith("RMSNorm") or _weight_1d(module) is None:
+    if isinstance(module, FlyRMSNorm) or not cls.endswith("RMSNorm") or _weight_1d(module) is None:
         return None
-    if cls in _GEMMA_STYLE or (hasattr(module, "eps") and not hasattr(module, "variance_epsilon")):
-        return "gemma"
-    if cls in _LLAMA_STYLE or hasattr(module, "variance_epsilon"):
-        return "llama"
+    if cls in _KNOWN:
+        return _KNOWN[cls]
+    if hasattr(module, "variance_epsilon") or hasattr(module, "eps"):
+        return "probe"  # an RMSNorm by structure; the probe decides which variant, if any
     return None
-
-
-_OPTIONS = {"torch": {}, "gemma": {"offset": 1.0}, "llama": {"cast_before_scale": True}}
 
 
 def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
@@ -64,25 +70,46 @@ def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     if not isinstance(eps, float):
         raise Unsupported(f"eps attribute is {type(eps).__name__}, expected float")
-    _probe(module, eps, **_OPTIONS[variant])
-    return FlyRMSNorm.from_module(module, eps=eps, **_OPTIONS[variant])
-
-
-def _probe(old: nn.Module, eps: float, offset: float = 0.0, cast_before_scale: bool = False) -> None:
-    """Compare the original module with our reference semantics on a random input (no dispatch, nothing logged)."""
-    w = old.weight
+    w = module.weight
     if w.is_meta or is_dtensor(w):
-        return
-    x = torch.randn(4, w.shape[0], dtype=w.dtype, device=w.device)
+        if variant == "probe":
+            raise Unsupported("weight on meta / sharded: an unlisted RMSNorm class needs a probe on real weights")
+    else:
+        variant = _probe(module, eps, prefer=variant)
+    new = FlyRMSNorm.from_module(module, eps=eps, **_OPTIONS[variant])
+    new._fly_variant = variant
+    return new
+
+
+def _probe(old: nn.Module, eps: float, prefer: str) -> str:
+    """The variant whose reference reproduces ``old`` on random inputs: exactly if one does (``prefer`` first), else
+    the closest within tolerance. No dispatch, nothing logged."""
+    w = old.weight
+    dtypes = [w.dtype] + ([torch.bfloat16] if w.dtype == torch.float32 else [])
+    inputs = [torch.randn(4, w.shape[0], device=w.device).to(d) for d in dtypes]
     with torch.no_grad():
-        expected = old(x)
-        got = rms_norm_reference(x, w, eps, offset, cast_before_scale)[0]
-    tol = 1e-5 if expected.dtype == torch.float32 else 2e-2
-    if expected.shape != got.shape or expected.dtype != got.dtype:
-        raise Unsupported(f"probe: output {got.dtype}{tuple(got.shape)} != {expected.dtype}{tuple(expected.shape)}")
-    err = ((got.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-30)).item()
-    if not err <= tol:
-        raise Unsupported(f"probe: output differs from the original (relative error {err:.2e})")
+        expected = [old(x) for x in inputs]
+    order = sorted(_PROBED, key=lambda v: v != prefer)
+    errors: dict[str, float] = {}
+    for v in order:
+        err = 0.0
+        for x, want in zip(inputs, expected, strict=True):
+            with torch.no_grad():
+                got = rms_norm_reference(x, w, eps, **_OPTIONS[v])[0]
+            if got.shape != want.shape or got.dtype != want.dtype:
+                err = float("inf")
+                break
+            rel = ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+            err = max(err, rel if rel == rel else float("inf"))
+        if err == 0.0:
+            return v
+        errors[v] = err
+    best = min(order, key=lambda v: errors[v])
+    tol = 1e-5 if w.dtype == torch.float32 else 2e-2
+    if not errors[best] <= tol:
+        detail = ", ".join(f"{v} {e:.1e}" for v, e in errors.items())
+        raise Unsupported(f"probe: no variant reproduces the original (relative errors: {detail})")
+    return best
 
 
 register_matcher(Matcher("rms_norm", "rms_norm", _match, _build))

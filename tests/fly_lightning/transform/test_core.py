@@ -137,8 +137,8 @@ def test_lookalike_with_the_same_math_is_swapped():
 @pytest.mark.parametrize(
     "cls, reason",
     [
-        (CenteredRMSNorm, "probe: output differs from the original"),
-        (ScaledRMSNorm, "probe: output differs from the original"),
+        (CenteredRMSNorm, "probe: no variant reproduces the original"),
+        (ScaledRMSNorm, "probe: no variant reproduces the original"),
         (TensorEpsRMSNorm, "eps attribute is Tensor, expected float"),
     ],
 )
@@ -152,6 +152,60 @@ def test_lookalike_with_different_math_is_left_with_reason(cls, reason):
     assert (path, name) == ("1", cls.__name__) and why.startswith(reason), why
     assert model[1] is original  # untouched
     assert DISPATCH_LOG.records() == []  # the probe compares with the reference, it dispatches nothing
+
+
+class EpsOnlyLlamaStyleRMSNorm(nn.Module):
+    """Llama-4's layout: ``eps`` (no ``variance_epsilon``), yet Llama's math (cast, then scale by ``w``)."""
+
+    def __init__(self, h, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(h))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class ScaleThenCastRMSNorm(LlamaStyleRMSNorm):
+    """Olmo2's math, ``(w * x̂).to(dtype)``, under an unlisted name."""
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * xf).to(x.dtype)
+
+
+@pytest.mark.parametrize("cls, variant", [(EpsOnlyLlamaStyleRMSNorm, "llama"), (ScaleThenCastRMSNorm, "plain")])
+def test_the_probe_picks_the_variant_that_reproduces_the_class(cls, variant):
+    ref = _randomise(nn.Sequential(nn.Linear(H, H), cls(H)))
+    model = copy.deepcopy(ref)
+    summary = fly_lightning.transform(model)
+    assert summary.swapped == [("1", cls.__name__, f"rms_norm:{variant}")]
+    _assert_same_step(model, ref, torch.randn(4, H))
+    x = torch.randn(4, H).bfloat16()  # fp32 weights, bf16 input: output dtype and values as the original's
+    with torch.no_grad():
+        want, got = ref[1](x), model[1](x)
+    assert got.dtype == want.dtype
+    # within a bf16 rounding: the Triton interpreter truncates fp32 -> bf16 where torch and the GPU round to nearest
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
+def test_unlisted_class_on_meta_is_left_until_it_can_be_probed():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(H, H), EpsOnlyLlamaStyleRMSNorm(H), LlamaStyleRMSNorm(H))
+    summary = fly_lightning.transform(model)
+    assert summary.swapped == []  # LlamaStyleRMSNorm is not a transformers class either
+    assert [(p, why.split(":")[0]) for p, _, why in summary.left] == [
+        ("1", "weight on meta / sharded"),
+        ("2", "weight on meta / sharded"),
+    ]
+
+
+def test_our_own_module_is_not_matched():
+    model = nn.Sequential(nn.Linear(H, H), FlyRMSNorm(H))
+    summary = fly_lightning.transform(model)
+    assert summary.swapped == [] and summary.left == []
 
 
 # --- not recognised ---------------------------------------------------------------------------------------------------

@@ -184,6 +184,8 @@ class FlyMoE(nn.Module):
         shared_experts: a dense module added to the routed output (torchtitan ``shared_experts``), kept as is.
         n_groups / topk_groups: node-limited routing (DeepSeek-V3): pick experts only from the best ``topk_groups``
             of ``n_groups`` equal groups.
+        router_fp32: compute the router logits in fp32 whatever the weight's dtype, as transformers' DeepSeek-style
+            routers do (``from_module`` sets it when the wrapped router does); otherwise in the weight's dtype.
         path: ``"plain"``, ``"fused"`` (gather/scatter inside the GEMMs) or ``"auto"`` (``AUTO_PATH``).
     """
 
@@ -203,6 +205,7 @@ class FlyMoE(nn.Module):
         shared_experts: nn.Module | None = None,
         n_groups: int | None = None,
         topk_groups: int | None = None,
+        router_fp32: bool = False,
         path: Path = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -220,7 +223,7 @@ class FlyMoE(nn.Module):
         self.num_experts, self.top_k, self.layout = num_experts, top_k, layout
         self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, float(route_scale)
         self.score_before_experts, self.path = score_before_experts, path
-        self.n_groups, self.topk_groups = n_groups, topk_groups
+        self.n_groups, self.topk_groups, self.router_fp32 = n_groups, topk_groups, router_fp32
         router = RouterWeight(num_experts, hidden_size, device=device, dtype=dtype)
         if layout.startswith("torchtitan"):
             self.router = nn.Module()
@@ -273,7 +276,10 @@ class FlyMoE(nn.Module):
             raise ValueError(f"FlyMoE: expected last dim {self.hidden_size}, got {shape[-1]}")
         x = hidden_states.reshape(-1, self.hidden_size)
         router_w = self.router_weight
-        logits = F.linear(x.to(router_w.dtype), router_w)  # some routers keep fp32 weights
+        if self.router_fp32:
+            logits = F.linear(x.float(), router_w.float())
+        else:
+            logits = F.linear(x.to(router_w.dtype), router_w)  # some routers keep fp32 weights
         weights, _, counts, offs, perm = _route(self, logits)
         if hasattr(self, "tokens_per_expert"):
             with torch.no_grad():

@@ -79,7 +79,9 @@ def _hf_v5(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     e, two_i, h = experts.gate_up_proj.shape
     k = int(getattr(router, "top_k", getattr(module, "top_k", 0)))
     norm = bool(getattr(router, "norm_topk_prob", getattr(module, "norm_topk_prob", True)))  # Mixtral: always
-    kw = dict(layout="hf", norm_topk_prob=norm) | _deepseek_router_options(module, router) | options
+    _check_router_state(module, router)
+    kw = dict(layout="hf", norm_topk_prob=norm, router_fp32=_router_computes_fp32(router))
+    kw = kw | _deepseek_router_options(module, router) | options
     moe = _new(cls, router.weight, h, two_i // 2, e, k, False, **kw)
     moe.gate.weight = router.weight
     if kw.get("score_func") == "sigmoid":
@@ -87,6 +89,39 @@ def _hf_v5(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     moe.experts.gate_up_proj, moe.experts.down_proj = experts.gate_up_proj, experts.down_proj
     _attach_shared(moe, module)
     return moe
+
+
+_ROUTER_STATE = {"weight", "e_score_correction_bias"}
+
+
+def _check_router_state(module: nn.Module, router: nn.Module) -> None:
+    """Routers whose state we do not model (e.g. Ernie 4.5's ``moe_statics`` correction bias) are left: their state
+    would drop out of the state_dict and out of the routing."""
+    extra = {n for n, _ in router.named_parameters()} | {n for n, _ in router.named_buffers()}
+    extra -= _ROUTER_STATE
+    if extra or any(True for _ in router.children()):
+        names = sorted(extra) or [n for n, _ in router.named_children()]
+        _reject(module, f"router has state this block does not model: {', '.join(names)}")
+
+
+def _router_computes_fp32(router: nn.Module) -> bool:
+    """Whether the router makes fp32 logits from 16-bit weights and inputs (transformers' DeepSeek-style routers):
+    run on a meta copy in bf16, so neither the weights' current dtype nor their device matters."""
+    try:
+        with torch.device("meta"):
+            clone = type(router).__new__(type(router))
+            clone.__dict__ = dict(router.__dict__)
+            clone._parameters = {n: torch.empty_like(p, device="meta", dtype=torch.bfloat16)
+                                 for n, p in router._parameters.items() if p is not None}  # fmt: skip
+            clone._buffers = {n: torch.empty_like(b, device="meta", dtype=torch.bfloat16)
+                              for n, b in router._buffers.items() if b is not None}  # fmt: skip
+            x = torch.empty(1, router.weight.shape[1], dtype=torch.bfloat16)
+            with torch.no_grad(), torch.autocast("cpu", enabled=False):
+                out = clone(x)
+    except Exception:  # noqa: BLE001 - a router that cannot run on meta: keep the weight's dtype
+        return False
+    out = out[0] if isinstance(out, tuple) else out
+    return isinstance(out, torch.Tensor) and out.dtype == torch.float32
 
 
 def _deepseek_router_options(module: nn.Module, router: nn.Module) -> dict:

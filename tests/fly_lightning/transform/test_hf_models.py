@@ -215,3 +215,26 @@ def test_hf_gradient_checkpointing_gives_equal_gradients(hf):
     assert calls["moe_route"] == 2 and calls["rms_norm"] == 4 * 2 + 1  # 4 norms in the layer + the final norm
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name, fp32", [("deepseek_v3", True), ("qwen3_moe", False), ("mixtral", False)])
+def test_router_logits_in_the_dtype_the_original_router_uses(hf, name, fp32):
+    # DeepSeek-style routers make fp32 logits even from bf16 weights; in bf16 a bf16 product would change choices
+    model = hf.build(name).to(torch.bfloat16)
+    fly_lightning.transform(model)
+    moes = [m for m in model.modules() if isinstance(m, fly_lightning.FlyMoE)]
+    assert moes and all(m.router_fp32 is fp32 for m in moes)
+
+
+def test_router_with_state_we_do_not_model_is_left_with_reason():
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Ernie4_5_MoeConfig"):
+        pytest.skip("this transformers has no Ernie 4.5 MoE")
+    cfg = transformers.Ernie4_5_MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, moe_num_experts=4, moe_k=2,
+    )  # fmt: skip
+    model = transformers.Ernie4_5_MoeForCausalLM(cfg)
+    summary = fly_lightning.transform(model)
+    left = [why for _, cls, why in summary.left if cls == "Ernie4_5_MoeSparseMoeBlock"]
+    assert left and "moe_statics.e_score_correction_bias" in left[0]

@@ -101,15 +101,24 @@ class _FlyStrategyMixin:
 
 
 def _auto_fully_shard(strategy: Any, model: nn.Module) -> None:
-    """Default FSDP2 wrapping: each block of every ``nn.ModuleList``, then the root."""
-    from torch.distributed.fsdp import fully_shard
+    """Default FSDP2 wrapping: each block of every ``nn.ModuleList`` (not per-expert lists), then the root.
 
+    Modules built in ``setup()`` are transformed first (sharded modules can no longer be swapped); already sharded
+    ones are skipped, so a second ``fit`` / ``validate`` on the same model works.
+    """
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if hasattr(strategy, "_fly_apply"):  # also used with Lightning's own strategy (the stock baseline in the tests)
+        strategy._fly_apply(model)
     mesh = strategy.device_mesh["data_parallel"]
-    for module in list(model.modules()):
-        if isinstance(module, nn.ModuleList):
+    for name, module in list(model.named_modules()):
+        # experts that get no tokens on one rank would skip their all-gather: per-expert lists stay in their block
+        if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] != "experts":
             for block in module:
-                fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+                if not isinstance(block, FSDPModule):
+                    fully_shard(block, mesh=mesh)
+    if not isinstance(model, FSDPModule):
+        fully_shard(model, mesh=mesh)
 
 
 def _build(pl: Any) -> dict[str, type]:
@@ -162,9 +171,15 @@ def _build(pl: Any) -> dict[str, type]:
                 self._data_parallel_size = self.world_size
             super().setup_environment()
             module = self.lightning_module
-            if module is not None and not model_helpers.is_overridden("configure_model", module):
-                # an instance attribute counts as an override for Lightning, and runs at the usual hook point
-                module.configure_model = lambda: _auto_fully_shard(self, module)
+            ours = getattr(module.__dict__.get("configure_model") if module is not None else None, "_fly_auto", False)
+            if module is not None and (ours or not model_helpers.is_overridden("configure_model", module)):
+                # an instance attribute counts as an override for Lightning, and runs at the usual hook point; a
+                # later Trainer replaces ours (it holds this strategy's mesh)
+                def auto_shard() -> None:
+                    _auto_fully_shard(self, module)
+
+                auto_shard._fly_auto = True
+                module.configure_model = auto_shard
 
     classes = [FlySingleDeviceStrategy, FlyDDPStrategy, FlyFSDP2Strategy, FlyModelParallelStrategy]
     return {cls.strategy_name: cls for cls in classes}

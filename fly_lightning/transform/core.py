@@ -140,6 +140,8 @@ def _try_swap(module: nn.Module, wanted: set[str], root: nn.Module) -> nn.Module
             new = m.build(module, variant, root)
         except Unsupported as exc:
             return str(exc)
+        except Exception as exc:  # noqa: BLE001 - a module we misread is left as it is, never a crashed fit
+            return f"conversion failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
         new._fly_matcher = f"{m.name}:{getattr(new, '_fly_variant', variant)}"  # a probe may settle the variant
         return new
     return None

@@ -76,6 +76,9 @@ def test_fsdp2_two_processes_gloo(tmp_path):
     assert ours["dispatch"]["rms_norm"]["by_backend"]["triton"] > 0
     assert ours["left"] == []
     torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
+    # validate after fit with the same Trainer: the automatic sharding must not shard twice
+    assert ours["val_losses"] and len(ours["val_losses"]) == len(stock["val_losses"])
+    torch.testing.assert_close(ours["val_losses"], stock["val_losses"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("flavour", ["ddp", "fsdp2"])

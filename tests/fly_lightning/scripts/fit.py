@@ -39,6 +39,7 @@ class TinyLM(L.LightningModule):
         self.norm = nn.RMSNorm(d, eps=1e-6)
         self.head = nn.Linear(d, vocab)
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
 
     def forward(self, tokens):
         h = self.emb(tokens)
@@ -52,6 +53,12 @@ class TinyLM(L.LightningModule):
         loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
         self.losses.append(float(loss.detach()))
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        tokens = batch[0]
+        logits = self(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        self.val_losses.append(float(loss.detach()))
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.5)
@@ -100,6 +107,7 @@ class TinyMoELM(TinyLM):
 
 def main() -> None:
     strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    name = strategy
     torch.manual_seed(0)
     model = TinyMoELM() if sys.argv[4:] == ["moe"] else TinyLM()
     data = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
@@ -129,12 +137,16 @@ def main() -> None:
         use_distributed_sampler=True,
     )
     trainer.fit(model, loader)
+    if name in ("flydsl_fsdp2", "stock_fsdp2"):
+        # the same Trainer again: the automatic sharding runs a second time on the already sharded model
+        trainer.validate(model, loader, verbose=False)
     if trainer.global_rank == 0:
         s = getattr(trainer.strategy, "transform_summary", None)
         json.dump(
             {
                 "strategy": type(trainer.strategy).__name__,
                 "losses": model.losses,
+                "val_losses": model.val_losses,
                 "dispatch": fly_lightning.DISPATCH_LOG.summary(),
                 "swapped": [] if s is None else s.swapped,
                 "left": [] if s is None else s.left,

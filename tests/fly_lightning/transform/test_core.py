@@ -202,6 +202,20 @@ def test_unlisted_class_on_meta_is_left_until_it_can_be_probed():
     ]
 
 
+class BrokenRMSNorm(LlamaStyleRMSNorm):
+    """Recognised by structure, but its forward fails (as a module whose layout a converter misreads would)."""
+
+    def forward(self, x):
+        raise AttributeError("no attribute 'weight_scale'")
+
+
+def test_a_module_whose_conversion_fails_is_left_with_the_error():
+    model = nn.Sequential(nn.Linear(H, H), BrokenRMSNorm(H), nn.RMSNorm(H))
+    summary = fly_lightning.transform(model)  # does not raise: the rest of the model is still transformed
+    assert summary.swapped == [("2", "RMSNorm", "rms_norm:torch")]
+    assert summary.left == [("1", "BrokenRMSNorm", "conversion failed (AttributeError: no attribute 'weight_scale')")]
+
+
 def test_our_own_module_is_not_matched():
     model = nn.Sequential(nn.Linear(H, H), FlyRMSNorm(H))
     summary = fly_lightning.transform(model)

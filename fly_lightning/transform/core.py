@@ -1,5 +1,7 @@
 """The transform engine: a small table of matchers, each recognising modules by structure and building a replacement
-that shares the original parameters (state_dict keys, shapes and tensors unchanged).
+with the original state_dict keys and shapes. Norms, fused expert tensors (transformers v5, torchtitan) and routers
+share the original parameters; per-expert ``nn.Linear`` lists are restacked into ``[E, ...]`` parameters whose
+state_dict entries are per-expert views (see ``FlyMoE``), so those blocks have fewer parameter objects.
 
 A matcher may confirm a structural match with a probe: run the original and the replacement on a small random input
 and compare, so a look-alike module with different math is left alone (with the reason) instead of silently changed.

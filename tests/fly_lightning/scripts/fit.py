@@ -99,7 +99,7 @@ class TinyMoELM(TinyLM):
         from fly_lightning.recipes.moe_finetune import build_hf_model
 
         self.model = build_hf_model("qwen3_moe", 64, 32, 2, 4, 2, 8, 2, 24, 64)
-        self.losses = []
+        self.losses, self.val_losses = [], []
 
     def forward(self, tokens):
         return self.model(tokens).logits

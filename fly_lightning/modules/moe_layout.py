@@ -17,8 +17,9 @@ relative to the MoE block; E experts, hidden size H, expert intermediate size I:
 "Stored as named": the parameters are the model's own tensors (shared, not copied, by ``FlyMoE.from_module``).
 "Stored stacked": a grouped GEMM needs each projection contiguous over experts, so the per-expert matrices live in
 one ``[E, 2I, H]`` and one ``[E, H, I]`` parameter; state_dict hooks present and accept the per-expert keys, as
-views of the stacked storage (in-place loading, e.g. by distributed checkpointing, writes through). Optimizer state
-and ``named_parameters`` use the stacked names.
+views of the stacked storage (in-place loading, e.g. by distributed checkpointing, writes through; the keys also
+resolve as attributes, as ``get_model_state_dict`` needs). Optimizer state and ``named_parameters`` use the stacked
+names.
 
 Every container exposes ``projections()``: the ``[E, K, N]`` weights of the grouped GEMMs (transposed views, no
 copy): ``(gate_up or gate, up or None, down)``.
@@ -73,6 +74,33 @@ class ExpertList(FusedExperts):
 
     def extra_repr(self) -> str:
         return f"state_dict names={self.names}"
+
+    def __getattr__(self, name: str):
+        """``experts.{i}.{w1}.weight`` as attributes too: tools that resolve state_dict keys by attribute lookup
+        (``torch.distributed.checkpoint``'s ``get_model_state_dict``, what Lightning's FSDP2 / model-parallel
+        checkpointing calls) find the per-expert views the state_dict presents."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.isdigit() and int(name) < self.gate_up_proj.shape[0]:
+                return _ExpertView(self, int(name))
+            raise
+
+
+class _ExpertView:
+    """Expert ``i`` of an ``ExpertList``: ``.{gate, up, down name}.weight``, views of the stacked storage."""
+
+    def __init__(self, experts: ExpertList, i: int) -> None:
+        self._experts, self._i = experts, i
+
+    def __getattr__(self, name: str):
+        if name not in self._experts.names:
+            raise AttributeError(name)
+        inter = self._experts.gate_up_proj.shape[1] // 2
+        gate, up, down = self._experts.names
+        gu, dp = self._experts.gate_up_proj[self._i], self._experts.down_proj[self._i]
+        weight = {gate: gu[:inter], up: gu[inter:], down: dp}[name]
+        return type("ExpertWeight", (), {"weight": weight})()
 
 
 def _list_keys(module: ExpertList, prefix: str, i: int) -> tuple[str, str, str]:

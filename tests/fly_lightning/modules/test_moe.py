@@ -327,6 +327,22 @@ def test_per_expert_list_layouts_keep_their_state_dict(layout):
         other.load_state_dict({k: v for k, v in sd.items() if "experts.5." not in k}, strict=True)
 
 
+@pytest.mark.parametrize("layout", ["mixtral", "qwen"])
+def test_per_expert_list_keys_resolve_for_distributed_checkpoint(layout):
+    # get_model_state_dict (Lightning's FSDP2 / model-parallel checkpointing) resolves each state_dict key by
+    # attribute lookup; the per-expert keys must resolve and give the same tensors as state_dict()
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    block = _ListBlock(LIST_NAMES[layout], norm=layout == "mixtral")
+    moe = FlyMoE.from_module(block)
+    sd, dcp = moe.state_dict(), get_model_state_dict(moe)
+    assert list(dcp) == list(sd)
+    for key, value in sd.items():
+        assert torch.equal(dcp[key], value), key
+    with pytest.raises(AttributeError):
+        getattr(moe.experts, str(E))  # past the last expert
+
+
 class _TitanRouter(nn.Module):
     def __init__(self, k, score_func, route_norm, route_scale, groups=None):
         super().__init__()

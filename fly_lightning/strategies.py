@@ -202,4 +202,13 @@ FlyFSDP2Strategy = _LIGHTNING["flydsl_fsdp2"]
 FlyModelParallelStrategy = _LIGHTNING["flydsl_model_parallel"]
 
 if importlib.util.find_spec("pytorch_lightning") is not None:
-    PYTORCH_LIGHTNING_STRATEGIES = register("pytorch_lightning")
+    try:
+        PYTORCH_LIGHTNING_STRATEGIES = register("pytorch_lightning")
+    except (ImportError, AttributeError) as exc:  # e.g. a pytorch_lightning before 2.4 (no ModelParallelStrategy)
+        import warnings
+
+        warnings.warn(
+            f"fly_lightning: strategies not registered for the installed pytorch_lightning ({exc}); "
+            "`lightning.pytorch` has them",
+            stacklevel=2,
+        )

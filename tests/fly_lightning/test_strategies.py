@@ -41,6 +41,22 @@ def test_flydsl_rejects_several_devices_with_a_clear_message():
         L.Trainer(strategy="flydsl", accelerator="cpu", devices=2)
 
 
+def test_an_old_pytorch_lightning_does_not_break_the_import():
+    pytest.importorskip("pytorch_lightning")
+    code = (
+        "import warnings, pytorch_lightning.strategies as s\n"
+        "del s.ModelParallelStrategy  # as before pytorch_lightning 2.4\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    import fly_lightning\n"
+        "assert fly_lightning.FlyFSDP2Strategy is not None\n"
+        "print([str(x.message) for x in w if 'fly_lightning: strategies not registered' in str(x.message)])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "not registered for the installed pytorch_lightning" in proc.stdout
+
+
 def _run(strategy: str, devices: int, tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / f"{strategy}{''.join('-' + e for e in extra)}.json"
     proc = subprocess.run(

@@ -190,7 +190,11 @@ def register(package: str = "lightning.pytorch") -> dict[str, type]:
     pl = importlib.import_module(package)
     registry = importlib.import_module(f"{package}.strategies").StrategyRegistry
     classes = _build(pl)
+    prefix = "" if package == "lightning.pytorch" else package.title().replace("_", "")
     for name, cls in classes.items():
+        # module-level names, so pickle finds the classes (start_method="spawn" pickles the strategy)
+        cls.__module__, cls.__qualname__ = __name__, prefix + cls.__name__
+        globals()[cls.__qualname__] = cls
         registry.register(name, cls, description=(cls.__doc__ or name).split("\n")[0], override=True)
     return classes
 

@@ -41,6 +41,14 @@ def test_flydsl_rejects_several_devices_with_a_clear_message():
         L.Trainer(strategy="flydsl", accelerator="cpu", devices=2)
 
 
+def test_strategies_pickle_for_spawn():
+    # start_method="spawn" pickles the strategy: the classes must be importable by name
+    import pickle
+
+    for cls in (fly_lightning.FlySingleDeviceStrategy, fly_lightning.FlyDDPStrategy, fly_lightning.FlyFSDP2Strategy):
+        assert type(pickle.loads(pickle.dumps(cls()))) is cls
+
+
 def test_an_old_pytorch_lightning_does_not_break_the_import():
     pytest.importorskip("pytorch_lightning")
     code = (

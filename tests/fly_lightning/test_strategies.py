@@ -142,6 +142,7 @@ class _Dense(L.LightningModule):
         return nn.functional.mse_loss(self.net(batch[0]), batch[1])
 
     def configure_optimizers(self):
+        self.norm_type_at_configure_optimizers = type(self.net[1]).__name__
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
@@ -173,7 +174,10 @@ def test_strategy_options_ops_and_dispatch_policy():
 
 
 def test_optimizer_sees_swapped_parameters():
+    # the swap happens before configure_optimizers: the norm is already ours there (the weight itself is shared, so
+    # only the module type tells whether the optimizer was built before or after the swap)
     trainer, model = _fit("flydsl")
+    assert model.norm_type_at_configure_optimizers == "FlyRMSNorm"
     params = {id(p) for g in trainer.optimizers[0].param_groups for p in g["params"]}
     assert id(model.net[1].weight) in params
 

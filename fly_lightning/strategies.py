@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -37,7 +38,9 @@ class _FlyStrategyMixin:
         ops: module families to swap (``"rms_norm"``, ``"moe"``); ``None`` means all; ``()`` swaps nothing.
         dispatch: backend policy in force while this strategy runs (default: the current one).
         quantization: a torchao ``AOBaseConfig`` applied with ``torchao.quantization.quantize_`` after the swap, before
-            sharding and optimizers (e.g. torchao's MXFP8 training config on hardware that has it).
+            sharding and optimizers (e.g. torchao's MXFP8 training config on hardware that has it). Modules created
+            in ``configure_model`` are quantized in ``setup()``, unless their parameters are already sharded then
+            (listed as left, with the reason: quantize before ``fully_shard`` / ``parallelize_module`` yourself).
         quantization_filter: ``filter_fn(module, fqn)`` passed to ``quantize_``.
         report: print the transform summary and the dispatch table at the end (rank 0).
     """
@@ -60,7 +63,7 @@ class _FlyStrategyMixin:
         self.fly_report = report
         self.transform_summary = TransformSummary()
         self._fly_previous_config: DispatchConfig | None = None
-        self._fly_quantized = False
+        self._fly_quantized: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules earlier quantize_ passes saw
 
     def connect(self, model: Any) -> None:
         super().connect(model)
@@ -93,11 +96,31 @@ class _FlyStrategyMixin:
         self.transform_summary.swapped += s.swapped
         self.transform_summary.left = s.left  # the latest pass knows what is still left
         self.transform_summary.unrecognised = s.unrecognised
-        if self.fly_quantization is not None and not self._fly_quantized:
-            from torchao.quantization import quantize_
+        if self.fly_quantization is not None:
+            self._fly_quantize(model)
 
-            quantize_(model, self.fly_quantization, filter_fn=self.fly_quantization_filter)
-            self._fly_quantized = True
+    def _fly_quantize(self, model: nn.Module) -> None:
+        """``quantize_`` on the modules no earlier pass has seen (each module is quantized at most once)."""
+        from torchao.quantization import quantize_
+
+        from fly_lightning.dtensor import is_dtensor
+
+        seen, user_filter = self._fly_quantized, self.fly_quantization_filter
+        default = lambda m, fqn: isinstance(m, nn.Linear)  # noqa: E731 - torchao's own default filter
+        sharded: list[tuple[str, str, str]] = []
+
+        def wanted(module: nn.Module, fqn: str) -> bool:
+            if module in seen or not (user_filter or default)(module, fqn):
+                return False
+            if any(is_dtensor(p) for p in module.parameters(recurse=False)):
+                why = "quantization: parameters already sharded (quantize before fully_shard / parallelize_module)"
+                sharded.append((fqn, type(module).__name__, why))
+                return False
+            return True
+
+        quantize_(model, self.fly_quantization, filter_fn=wanted)
+        seen.update(model.modules())
+        self.transform_summary.left += sharded
 
 
 def _auto_fully_shard(strategy: Any, model: nn.Module) -> None:

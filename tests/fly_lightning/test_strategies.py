@@ -204,3 +204,46 @@ def test_quantization_slot_applies_a_torchao_config():
     )
     assert getattr(model.net[0], "fly_test_tag", None) == "marked"
     assert not hasattr(model.net[2], "fly_test_tag")
+
+
+class _DenseLate(_Dense):
+    """Builds one layer in ``configure_model`` (after the strategy's first pass)."""
+
+    def configure_model(self):
+        if not hasattr(self, "late"):
+            self.late = nn.Linear(1, 1)
+
+    def training_step(self, batch, _):
+        return nn.functional.mse_loss(self.late(self.net(batch[0])), batch[1])
+
+
+def test_quantization_reaches_modules_built_in_configure_model_once():
+    from dataclasses import dataclass
+
+    from torchao.core.config import AOBaseConfig
+    from torchao.quantization.transform_module import register_quantize_module_handler
+
+    @dataclass
+    class _CountLinear(AOBaseConfig):
+        pass
+
+    @register_quantize_module_handler(_CountLinear)
+    def _handler(module, config):
+        module.fly_test_count = getattr(module, "fly_test_count", 0) + 1
+        return module
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 16), torch.randn(16, 1))
+    trainer = L.Trainer(
+        strategy=fly_lightning.FlySingleDeviceStrategy(quantization=_CountLinear(), report=False),
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = _DenseLate()
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    counts = {name: getattr(m, "fly_test_count", 0) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert counts == {"net.0": 1, "net.2": 1, "late": 1}

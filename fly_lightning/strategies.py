@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -63,7 +62,6 @@ class _FlyStrategyMixin:
         self.fly_report = report
         self.transform_summary = TransformSummary()
         self._fly_previous_config: DispatchConfig | None = None
-        self._fly_quantized: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # modules earlier quantize_ passes saw
 
     def connect(self, model: Any) -> None:
         super().connect(model)
@@ -100,17 +98,18 @@ class _FlyStrategyMixin:
             self._fly_quantize(model)
 
     def _fly_quantize(self, model: nn.Module) -> None:
-        """``quantize_`` on the modules no earlier pass has seen (each module is quantized at most once)."""
+        """``quantize_`` on the modules no earlier pass has seen (each module is quantized at most once: a pass marks
+        every module it saw, on the module itself, so a later Trainer does not quantize it again either)."""
         from torchao.quantization import quantize_
 
         from fly_lightning.dtensor import is_dtensor
 
-        seen, user_filter = self._fly_quantized, self.fly_quantization_filter
+        user_filter = self.fly_quantization_filter
         default = lambda m, fqn: isinstance(m, nn.Linear)  # noqa: E731 - torchao's own default filter
         sharded: list[tuple[str, str, str]] = []
 
         def wanted(module: nn.Module, fqn: str) -> bool:
-            if module in seen or not (user_filter or default)(module, fqn):
+            if getattr(module, "_fly_quantize_seen", False) or not (user_filter or default)(module, fqn):
                 return False
             if any(is_dtensor(p) for p in module.parameters(recurse=False)):
                 why = "quantization: parameters already sharded (quantize before fully_shard / parallelize_module)"
@@ -119,7 +118,8 @@ class _FlyStrategyMixin:
             return True
 
         quantize_(model, self.fly_quantization, filter_fn=wanted)
-        seen.update(model.modules())
+        for m in model.modules():
+            m._fly_quantize_seen = True
         self.transform_summary.left += sharded
 
 

@@ -95,6 +95,8 @@ def _first_call(op: Op, dec: Decision, args: tuple) -> Any:
 def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args: tuple) -> Decision:
     if op.validate is not None:
         op.validate(*args)
+    if op.check is not None:
+        op.check(*args)
     candidates = cfg.candidates(op.name)
     rejected: list[tuple[str, str]] = []
     if not cfg.enabled:

@@ -3,7 +3,8 @@
 An operator (``Op``) has a name, a reference implementation (plain torch/ATen, also the test oracle), an argument
 validator, a shape-signature function and a set of backend implementations. Validation and support predicates run
 once per signature, so a signature must determine their outcome: it holds ``tensor_key`` of every tensor argument and
-every scalar the validator or a predicate inspects. Kernel modules register themselves with
+every scalar the validator or a predicate inspects. What a signature cannot hold (the values of CPU index tensors)
+goes in ``check``, which runs on every call, after validation. Kernel modules register themselves with
 ``@OP.implement("triton", supports=...)``; nothing else in the package lists operator names.
 """
 
@@ -58,6 +59,7 @@ class Op:
     reference: Callable[..., Any]
     signature: Callable[..., Hashable]
     validate: Callable[..., None] | None = None
+    check: Callable[..., None] | None = None  # per-call value checks (after ``validate`` on a signature's first call)
     doc: str = ""
     impls: dict[str, BackendImpl] = field(default_factory=dict)
     # decisions keyed by (config uid, signature); owned by fly_lightning.dispatch
@@ -85,6 +87,8 @@ class Op:
         decision = self.cache.get(key)
         if decision is None:
             return dispatch.decide_and_call(self, key, args)
+        if self.check is not None:
+            self.check(*args)
         decision.calls += 1
         if dispatch.profile_ranges:  # only while OperatorTime profiles a step; otherwise one attribute read
             return dispatch.call_in_range(decision, args)
@@ -100,6 +104,7 @@ def register_op(
     reference: Callable[..., Any],
     signature: Callable[..., Hashable],
     validate: Callable[..., None] | None = None,
+    check: Callable[..., None] | None = None,
     aten: Callable[..., Any] | None = None,
     doc: str = "",
 ) -> Op:
@@ -109,7 +114,7 @@ def register_op(
     """
     if name in OPS:
         raise ValueError(f"operator {name!r} is already registered")
-    op = Op(name=name, reference=reference, signature=signature, validate=validate, doc=doc)
+    op = Op(name=name, reference=reference, signature=signature, validate=validate, check=check, doc=doc)
     op.implement("aten", constraints="every valid input (fallback and oracle)")(aten or reference)
     OPS[name] = op
     return op

@@ -56,6 +56,9 @@ def _validate(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype | None)
         raise ValueError(f"grouped_mm: x on {x.device}, w on {w.device}, offs on {offs.device}: must match")
     if out_dtype is not None and out_dtype not in (x.dtype, torch.float32):
         raise ValueError(f"grouped_mm: out_dtype must be None, {x.dtype} or torch.float32, got {out_dtype}")
+
+
+def _check_values(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> None:
     _check_offsets(offs, x.shape[0], "grouped_mm")
 
 
@@ -151,16 +154,14 @@ GROUPED_MM = register_op(
     aten=_grouped_mm_aten,
     signature=_signature,
     validate=_validate,
+    check=_check_values,
     doc="grouped GEMM, 2D x 3D by int32 group end offsets; (x [M,K], w [E,K,N], offs [E], out_dtype) -> [M,N]",
 )
 
 
 @torch.library.custom_op("fly::grouped_mm", mutates_args=())
 def grouped_mm_op(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> Tensor:
-    """Dispatched forward. CPU offset values are checked here, on every call (also from compiled graphs): the
-    dispatcher validates only a signature's first call, and values are not part of it."""
-    if isinstance(x, Tensor) and x.dim() == 2:
-        _check_offsets(offs, x.shape[0], "grouped_mm")
+    """Dispatched forward."""
     return GROUPED_MM(x, w, offs, out_dtype)
 
 

@@ -62,7 +62,6 @@ def _validate_moe(
     if scatter and m % topk:
         raise ValueError(f"moe_grouped_mm: scattering needs M={m} divisible by topk={topk}")
     _validate_shapes(x, w, offs, out_dtype)
-    _check_perm(offs, perm, m)
 
 
 def _validate_shapes(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype | None) -> None:
@@ -83,8 +82,18 @@ def _validate_shapes(x: Tensor, w: Tensor, offs: Tensor, out_dtype: torch.dtype 
         raise ValueError(f"moe_grouped_mm: out_dtype must be None, {x.dtype} or torch.float32, got {out_dtype}")
 
 
-def _check_perm(offs: Tensor, perm: Tensor, m: int) -> None:
-    """CPU-only value checks of the contract (never a device sync)."""
+def _check_perm(
+    x: Tensor,
+    w: Tensor,
+    offs: Tensor,
+    perm: Tensor,
+    topk: int,
+    gather: bool,
+    scatter: bool,
+    out_dtype: torch.dtype | None,
+) -> None:
+    """CPU-only value checks of the contract, on every call (never a device sync)."""
+    m = perm.shape[0]
     if perm.device.type != "cpu" or torch.compiler.is_compiling() or _fake(perm) or _fake(offs):
         return
     _check_offsets(offs, m, "moe_grouped_mm")
@@ -154,6 +163,7 @@ MOE_GROUPED_MM = register_op(
     aten=_moe_aten,
     signature=_signature,
     validate=_validate_moe,
+    check=_check_perm,
     doc="grouped GEMM reading token rows / writing slot rows through the routing permutation",
 )
 
@@ -169,9 +179,7 @@ def moe_grouped_mm_op(
     scatter: bool,
     out_dtype: torch.dtype | None,
 ) -> Tensor:
-    """Dispatched forward. CPU offset and permutation values are checked here, on every call (see ``grouped_mm_op``)."""
-    if isinstance(perm, Tensor) and isinstance(x, Tensor) and x.dim() == 2 and isinstance(offs, Tensor):
-        _check_perm(offs, perm, perm.shape[0])
+    """Dispatched forward."""
     return MOE_GROUPED_MM(x, w, offs, perm, topk, gather, scatter, out_dtype)
 
 

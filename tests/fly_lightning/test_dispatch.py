@@ -143,3 +143,27 @@ def test_table_and_summary():
     # the reason shared by every row is said once, in the caption, not on each row
     assert text.count("flydsl: no kernel for this op") == 1
     assert "passed over on every row: flydsl: no kernel for this op" in text
+
+
+def test_check_runs_on_every_call_after_validation():
+    # validation runs once per signature; ``check`` (values a signature cannot hold) runs on every call, after it
+    seen = []
+
+    def check(x):
+        seen.append("check")
+        if (x < 0).any():
+            raise ValueError("negative")
+
+    op = Op(
+        name="checked",
+        reference=lambda x: x * 2,
+        signature=lambda x: (x.shape, x.dtype),
+        validate=lambda x: seen.append("validate"),
+        check=check,
+    )
+    op.implement("aten")(op.reference)
+    op(torch.ones(3))
+    op(torch.ones(3))
+    assert seen == ["validate", "check", "check"]
+    with pytest.raises(ValueError, match="negative"):
+        op(-torch.ones(3))  # same signature: only the check can catch it

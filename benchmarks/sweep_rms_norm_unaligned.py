@@ -1,10 +1,12 @@
 """Variants of the unaligned-H RMSNorm kernel, timed side by side (GPU), to choose what the shipped kernel does.
 
-The shipped ``_rms_norm_unaligned`` moves each row's 16-byte-aligned interior with vector loads, but its weight slice
-starts at a per-row element offset, so the weight load is scalar, and its tile is ``next_pow2(H)`` wide (8192 lanes
-for H=4097, half of them masked). Variants here:
+``_rms_norm_unaligned`` moves each row's 16-byte-aligned interior with vector loads, but its weight slice starts at a
+per-row element offset, so the weight load is scalar. When this sweep was written its tile was ``next_pow2(H)`` wide
+(8192 lanes for H=4097, half of them masked); ``shipped`` below still times that launch. The sweep chose ``mid``, which
+the launcher now uses (``launch_config``). Variants here:
 
-- ``block``: the tile ``next_pow2(H)`` (shipped) or ``next_pow2(H // VEC * VEC)`` (the interior never needs more).
+- ``block``: the tile ``next_pow2(H)`` (``full``, the launch before) or ``next_pow2(H // VEC * VEC)`` (``mid``: the
+  interior never needs more).
 - ``w``: ``pointer`` (shipped, scalar), ``gather`` (aligned vector load of the weight, shifted in registers with
   ``tl.gather``; full-width tile only), ``table`` (a ``[VEC, HP]`` table of the weight shifted by 0..VEC-1, built
   per call, so each row's slice is an aligned vector load; its build time is included).

@@ -194,8 +194,10 @@ def _build(pl: Any) -> dict[str, type]:
                 self._data_parallel_size = self.world_size
             super().setup_environment()
             module = self.lightning_module
-            ours = getattr(module.__dict__.get("configure_model") if module is not None else None, "_fly_auto", False)
-            if module is not None and (ours or not model_helpers.is_overridden("configure_model", module)):
+            if module is None:
+                return
+            ours = getattr(module.__dict__.get("configure_model"), "_fly_auto", False)
+            if ours or not model_helpers.is_overridden("configure_model", module):
                 # an instance attribute counts as an override for Lightning, and runs at the usual hook point; a
                 # later Trainer replaces ours (it holds this strategy's mesh)
                 def auto_shard() -> None:

@@ -13,6 +13,7 @@ experts with their own gate, router jitter) raises ``ValueError`` naming what is
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -99,7 +100,7 @@ def _check_router_state(module: nn.Module, router: nn.Module) -> None:
     would drop out of the state_dict and out of the routing."""
     extra = {n for n, _ in router.named_parameters()} | {n for n, _ in router.named_buffers()}
     extra -= _ROUTER_STATE
-    if extra or any(True for _ in router.children()):
+    if extra or next(router.children(), None) is not None:
         names = sorted(extra) or [n for n, _ in router.named_children()]
         _reject(module, f"router has state this block does not model: {', '.join(names)}")
 
@@ -109,8 +110,7 @@ def _router_computes_fp32(router: nn.Module) -> bool:
     run on a meta copy in bf16, so neither the weights' current dtype nor their device matters."""
     try:
         with torch.device("meta"):
-            clone = type(router).__new__(type(router))
-            clone.__dict__ = dict(router.__dict__)
+            clone = copy.copy(router)  # its own parameter and buffer dicts below; the original is untouched
             clone._parameters = {n: torch.empty_like(p, device="meta", dtype=torch.bfloat16)
                                  for n, p in router._parameters.items() if p is not None}  # fmt: skip
             clone._buffers = {n: torch.empty_like(b, device="meta", dtype=torch.bfloat16)

@@ -27,6 +27,8 @@ copy): ``(gate_up or gate, up or None, down)``.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import Tensor, nn
 
@@ -99,8 +101,7 @@ class _ExpertView:
         inter = self._experts.gate_up_proj.shape[1] // 2
         gate, up, down = self._experts.names
         gu, dp = self._experts.gate_up_proj[self._i], self._experts.down_proj[self._i]
-        weight = {gate: gu[:inter], up: gu[inter:], down: dp}[name]
-        return type("ExpertWeight", (), {"weight": weight})()
+        return SimpleNamespace(weight={gate: gu[:inter], up: gu[inter:], down: dp}[name])
 
 
 def _list_keys(module: ExpertList, prefix: str, i: int) -> tuple[str, str, str]:

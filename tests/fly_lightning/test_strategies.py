@@ -146,7 +146,7 @@ class _Dense(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def _fit(strategy, steps=2):
+def _fit(strategy, steps=2, model=None):
     data = torch.utils.data.TensorDataset(torch.randn(16, 16), torch.randn(16, 1))
     trainer = L.Trainer(
         strategy=strategy,
@@ -158,7 +158,7 @@ def _fit(strategy, steps=2):
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    model = _Dense()
+    model = model if model is not None else _Dense()
     trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
     return trainer, model
 
@@ -232,18 +232,7 @@ def test_quantization_reaches_modules_built_in_configure_model_once():
         module.fly_test_count = getattr(module, "fly_test_count", 0) + 1
         return module
 
-    data = torch.utils.data.TensorDataset(torch.randn(16, 16), torch.randn(16, 1))
-    trainer = L.Trainer(
-        strategy=fly_lightning.FlySingleDeviceStrategy(quantization=_CountLinear(), report=False),
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    model = _DenseLate()
-    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=8))
+    strategy = fly_lightning.FlySingleDeviceStrategy(quantization=_CountLinear(), report=False)
+    _, model = _fit(strategy, model=_DenseLate())
     counts = {name: getattr(m, "fly_test_count", 0) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert counts == {"net.0": 1, "net.2": 1, "late": 1}

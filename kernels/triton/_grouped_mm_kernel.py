@@ -45,7 +45,7 @@ from fly_lightning.kernels.triton._grouped_mm_config import (
     shape_class,
     tune_candidates,
 )
-from fly_lightning.kernels.triton._support import interpreting
+from fly_lightning.kernels.triton._support import interpreting, on_device
 
 
 @triton.jit
@@ -309,13 +309,25 @@ def launch(
     ``x`` is ``[M, K]`` (``[T, K]`` with ``gather``: row r reads ``x[idx[r] // topk]``); ``w`` ``[E, K, N]`` with
     N or K contiguous; ``idx`` int32 ``[M]`` (gather/scatter only).
     """
+    with on_device(x):
+        return _launch(x, w, offs, out, idx, topk, gather, scatter, config)
+
+
+def _launch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    idx: torch.Tensor | None,
+    topk: int,
+    gather: bool,
+    scatter: bool,
+    config: GroupedMMConfig | None,
+) -> torch.Tensor:
     e, k, n = w.shape
     m = idx.shape[0] if (gather or scatter) else x.shape[0]
     if m == 0 or n == 0:
         return out
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
-        with torch.cuda.device(x.device):  # Triton launches on the current device
-            return launch(x, w, offs, out, idx=idx, topk=topk, gather=gather, scatter=scatter, config=config)
     if k == 0:
         return out.zero_()
     cfg = config or choose_config(x, w, m, gather, scatter)

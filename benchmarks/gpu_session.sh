@@ -50,6 +50,7 @@ for phase in "$@"; do
     probe) run probe 120 python3 -m benchmarks.probe_histogram_mask ;;
     route_sweep) run route_sweep 420 python3 -m benchmarks.bench_moe_route --sweep ;;
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
+    moe_profile) run moe_profile 300 python3 -m benchmarks.profile_moe_layer ;;
     callbacks) run callbacks 240 python3 -m benchmarks.gpu_check_callbacks ;;
     recipe) run recipe 300 python3 -m fly_lightning.recipes.moe_finetune fit --trainer.max_steps 60 \
               --trainer.default_root_dir "$FLY_RESULTS_DIR/recipe" --model.hidden_size 1024 --model.num_layers 4 \

@@ -1,0 +1,115 @@
+"""Where an MoE layer's time goes (GPU): CUDA kernel time per kernel name under ``torch.profiler``, forward and
+forward+backward, for ``FlyMoE`` (fused and plain paths) and transformers' own block with its ``grouped_mm`` experts
+(permute + ``torch._grouped_mm`` + unpermute, the layer users run today), all on the same weights.
+
+    python -m benchmarks.profile_moe_layer            # writes moe_layer_profile.{json,md}
+
+Kernel names are shortened and grouped (GEMM, routing, copies, elementwise) so the table shows which part of the
+layer is not the expert GEMMs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from benchmarks.harness import Results
+from fly_lightning import FlyMoE
+
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8, 8192, True)}  # H, I, E, k, T, renormalise
+
+
+def hf_block(h: int, i: int, e: int, k: int, norm: bool, device: str, dtype: torch.dtype):
+    """transformers' Qwen3-MoE block with the ``grouped_mm`` experts implementation, or None if unavailable."""
+    try:
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    except ImportError:
+        return None
+    cfg = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k,
+                         norm_topk_prob=norm)  # fmt: skip
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(cfg).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    return block
+
+
+def _family(name: str) -> str:
+    n = name.lower()
+    if "grouped" in n or "gemm" in n or "cutlass" in n or "sm90" in n or "_grouped_mm" in n:
+        return "gemm"
+    if "route" in n or "topk" in n or "sort" in n or "histc" in n or "cumsum" in n or "softmax" in n:
+        return "routing"
+    if "index" in n or "gather" in n or "scatter" in n or "copy" in n or "perm" in n:
+        return "copies"
+    return "other"
+
+
+def profile(fn, reps: int = 5) -> list[tuple[str, float, int]]:
+    """(kernel name, total ms per call, launches per call) sorted by time."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = re.sub(r"<.*", "", ev.name)[:80]
+        t = rows.setdefault(name, [0.0, 0])
+        t[0] += ev.device_time_total / 1e3 / reps
+        t[1] += 1 / reps
+    return sorted(((n, t, c) for n, (t, c) in rows.items()), key=lambda r: -r[1])
+
+
+def main() -> None:
+    res = Results("moe_layer_profile")
+    dev, dt = "cuda", torch.bfloat16
+    for model, (h, i, e, k, t, norm) in SHAPES.items():
+        x = torch.randn(1, t, h, device=dev, dtype=dt)  # transformers blocks take [B, S, H]
+        g = torch.randn_like(x)
+        block = hf_block(h, i, e, k, norm, dev, dt)
+        layers = {}
+        if block is not None:
+            layers["hf_grouped_mm"] = block
+            layers["fly_plain"] = FlyMoE.from_module(block, path="plain")
+            layers["fly_fused"] = FlyMoE.from_module(block, path="fused")
+        else:
+            layers["fly_plain"] = FlyMoE(h, i, e, k, norm_topk_prob=norm, path="plain", device=dev, dtype=dt)
+            layers["fly_fused"] = FlyMoE(h, i, e, k, norm_topk_prob=norm, path="fused", device=dev, dtype=dt)
+        for name, layer in layers.items():
+            xg = x.clone().requires_grad_()
+
+            def fwd(layer=layer, x=x):
+                with torch.no_grad():
+                    return layer(x)
+
+            def fwd_bwd(layer=layer, xg=xg, g=g):
+                layer.zero_grad(set_to_none=True)
+                xg.grad = None
+                out = layer(xg)
+                (out[0] if isinstance(out, tuple) else out).backward(g)
+
+            for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
+                kernels = profile(fn)
+                total = sum(r[1] for r in kernels)
+                fam: dict[str, float] = {}
+                for n, ms, _ in kernels:
+                    fam[_family(n)] = fam.get(_family(n), 0.0) + ms
+                res.add(model=model, layer=name, mode=mode, kernel_ms=round(total, 4),
+                        **{f"{f}_ms": round(v, 4) for f, v in sorted(fam.items())},
+                        top=[(n, round(ms, 4), round(c, 1)) for n, ms, c in kernels[:14]])  # fmt: skip
+    res.notes.append("kernel_ms: summed CUDA kernel time per call (profiler), not wall time; families by name")
+    res.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,15 @@
-"""MoE layer benchmark (GPU), run by ``bench_grouped_mm --moe``: ``FlyMoE`` end to end (router, routing, experts,
-combine) on real model shapes, bf16, forward and forward+backward:
+"""MoE layer benchmark (GPU), run by ``bench_grouped_mm --moe``: one MoE block end to end (router, routing, experts,
+combine) on real model shapes, bf16, forward and forward+backward, all variants on the same weights:
 
-- ``fused``: ``moe_grouped_mm`` gathers token rows inside the gate/up GEMM and scatters the down GEMM's rows to
-  their slots (no permuted copies);
-- ``plain``: gather -> ``grouped_mm`` -> SwiGLU -> ``grouped_mm`` -> un-permute, with the Triton kernel;
-- ``plain_aten``: the same with every op on ATen (``torch._grouped_mm``): permute + grouped_mm + unpermute.
+- ``hf_grouped_mm``: transformers' own block (v5) with its ``grouped_mm`` experts implementation: sort, permute,
+  ``torch._grouped_mm``, SwiGLU, ``torch._grouped_mm``, weight, un-permute, sum. The layer users run today, and the
+  baseline of the issue's "permute + grouped_mm + unpermute" (absent where transformers is not installed);
+- ``plain_aten``: ``FlyMoE``'s plain path with every op on ATen (the same dataflow, our ATen composition);
+- ``plain``: ``FlyMoE``'s plain path on the kernels (token rows copied into expert order);
+- ``fused``: ``FlyMoE``'s fused path (token rows gathered inside the gate/up GEMM, no copy).
 
-The routing is the same for all three (a randomly initialised router: uneven, realistic loads). Outputs are first
-compared with each other. About 1 minute on an H200.
+The ``FlyMoE`` variants wrap the transformers block (``FlyMoE.from_module``: shared parameters). Outputs are first
+compared with ``hf_grouped_mm`` (else ``plain_aten``). About 1 minute on an H200.
 """
 
 from __future__ import annotations
@@ -19,49 +21,91 @@ import torch
 from benchmarks.harness import Results, time_ms
 from fly_lightning import FlyMoE, dispatch_config
 
-# hidden H, expert intermediate I, experts E, top-k, tokens T, renormalised top-k weights
+# transformers model type, hidden H, expert intermediate I, experts E, top-k, tokens T, renormalised top-k weights
 MOE_MODELS = {
-    "qwen3-30b-a3b": (2048, 768, 128, 8, 8192, True),
-    "olmoe-1b-7b": (2048, 1024, 64, 8, 8192, False),
-    "mixtral-8x7b": (4096, 14336, 8, 2, 4096, True),
+    "qwen3-30b-a3b": ("qwen3_moe", 2048, 768, 128, 8, 8192, True),
+    "olmoe-1b-7b": ("olmoe", 2048, 1024, 64, 8, 8192, False),
+    "mixtral-8x7b": ("mixtral", 4096, 14336, 8, 2, 4096, True),
 }
-VARIANTS = ("fused", "plain", "plain_aten")
+FLY_VARIANTS = ("fused", "plain", "plain_aten")
 
 
-def _layer(h, i, e, k, norm, path, device, dtype):
+def hf_block(family: str, h: int, i: int, e: int, k: int, norm: bool, device, dtype) -> torch.nn.Module | None:
+    """transformers' MoE block of ``family`` with the ``grouped_mm`` experts, random weights; None if unavailable."""
+    try:
+        import transformers
+    except ImportError:
+        return None
+    if family == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e,
+                                          num_experts_per_tok=k, norm_topk_prob=norm)  # fmt: skip
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as Block
+    elif family == "olmoe":
+        cfg = transformers.OlmoeConfig(hidden_size=h, intermediate_size=i, num_experts=e, num_experts_per_tok=k,
+                                       norm_topk_prob=norm)  # fmt: skip
+        from transformers.models.olmoe.modeling_olmoe import OlmoeSparseMoeBlock as Block
+    else:
+        cfg = transformers.MixtralConfig(hidden_size=h, intermediate_size=i, num_local_experts=e,
+                                         num_experts_per_tok=k)  # fmt: skip
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
+    cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    return FlyMoE(h, i, e, k, norm_topk_prob=norm, path=path, device=device, dtype=dtype)
+    block = Block(cfg).to(device=device, dtype=dtype)
+    if not isinstance(getattr(block.experts, "gate_up_proj", None), torch.Tensor):
+        return None  # transformers v4: per-expert loops, not the grouped_mm layer
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    return block
+
+
+def _layers(family, h, i, e, k, norm, device, dtype) -> dict[str, torch.nn.Module]:
+    block = hf_block(family, h, i, e, k, norm, device, dtype)
+    if block is None:
+        torch.manual_seed(0)
+        make = lambda path: FlyMoE(h, i, e, k, norm_topk_prob=norm, path=path, device=device, dtype=dtype)  # noqa: E731
+        return {v: make("fused" if v == "fused" else "plain") for v in FLY_VARIANTS}
+    layers = {"hf_grouped_mm": block}
+    layers.update({v: FlyMoE.from_module(block, path="fused" if v == "fused" else "plain") for v in FLY_VARIANTS})
+    return layers
+
+
+def _call(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = layer(x)
+    return out[0] if isinstance(out, tuple) else out  # some transformers blocks also return router logits
 
 
 def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype = torch.bfloat16,
             reps: tuple[int, int] = (20, 10)) -> Results:  # fmt: skip
     res = Results("moe_layer")
     models = models or MOE_MODELS
-    for model, (h, i, e, k, t, norm) in models.items():
-        x = torch.randn(t, h, device=device, dtype=dtype)
+    for model, (family, h, i, e, k, t, norm) in models.items():
+        x = torch.randn(1, t, h, device=device, dtype=dtype)  # transformers blocks take [B, S, H]
         grad = torch.randn_like(x)
-        layers = {v: _layer(h, i, e, k, norm, "fused" if v == "fused" else "plain", device, dtype) for v in VARIANTS}
+        layers = _layers(family, h, i, e, k, norm, device, dtype)
         flops = 6.0 * t * k * h * i  # gate/up (2 x 2I x H) + down (2 x H x I) per routed row
         outs = {}
         for v, layer in layers.items():
             with torch.no_grad(), dispatch_config(backends=("aten",)) if v == "plain_aten" else nullcontext():
-                outs[v] = layer(x)
-        base = outs["plain_aten"].float()
+                outs[v] = _call(layer, x)
+        base_name = "hf_grouped_mm" if "hf_grouped_mm" in outs else "plain_aten"
+        base = outs[base_name].float()
         for v, layer in layers.items():
             xg = x.clone().requires_grad_()
 
             def fwd(a, layer=layer):
                 with torch.no_grad():
-                    return layer(a)
+                    return _call(layer, a)
 
             def fwd_bwd(a, layer=layer, g=grad):
                 layer.zero_grad(set_to_none=True)
                 a.grad = None
-                layer(a).backward(g)
+                _call(layer, a).backward(g)
 
-            row = dict(model=model, variant=v, T=t, H=h, I=i, E=e, top_k=k,
-                       max_abs_diff_vs_plain_aten=(outs[v].float() - base).abs().max().item(),
-                       rel_err_vs_plain_aten=((outs[v].float() - base).norm() / base.norm()).item())  # fmt: skip
+            diff = outs[v].float() - base
+            row = dict(model=model, variant=v, T=t, H=h, I=i, E=e, top_k=k, baseline=base_name,
+                       max_abs_diff_vs_baseline=diff.abs().max().item(),
+                       rel_err_vs_baseline=(diff.norm() / base.norm()).item())  # fmt: skip
             with dispatch_config(backends=("aten",)) if v == "plain_aten" else nullcontext():
                 fwd_ms = time_ms(fwd, [(x,)], warmup=3, reps=reps[0])["median_ms"]
                 fb_ms = time_ms(fwd_bwd, [(xg,)], warmup=3, reps=reps[1])["median_ms"]
@@ -73,12 +117,15 @@ def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype
             torch.cuda.empty_cache()
     for model in models:
         r = {row["variant"]: row for row in res.rows if row["model"] == model}
-        res.summary[f"{model}_fused_over_plain_fwd"] = round(r["plain"]["fwd_ms"] / r["fused"]["fwd_ms"], 3)
-        res.summary[f"{model}_fused_over_plain_fwd_bwd"] = round(r["plain"]["fwd_bwd_ms"] / r["fused"]["fwd_bwd_ms"], 3)
-        res.summary[f"{model}_fused_over_aten_fwd"] = round(r["plain_aten"]["fwd_ms"] / r["fused"]["fwd_ms"], 3)
-        res.summary[f"{model}_plain_over_aten_fwd"] = round(r["plain_aten"]["fwd_ms"] / r["plain"]["fwd_ms"], 3)
+        for other in ("hf_grouped_mm", "plain_aten", "plain"):
+            for mode in ("fwd", "fwd_bwd"):
+                if other in r:
+                    res.summary[f"{model}_fused_over_{other}_{mode}"] = round(
+                        r[other][f"{mode}_ms"] / r["fused"][f"{mode}_ms"], 3
+                    )
     res.notes += [
         "x_over_y = y time / x time (> 1: x faster). fwd_bwd TFLOP/s counts 3x the forward GEMM FLOPs.",
+        "hf_grouped_mm: transformers' block with config._experts_implementation='grouped_mm' (the stock layer).",
         "Set fly_lightning.modules.moe.AUTO_PATH to the faster of fused/plain (FlyMoE(path='auto') uses it).",
     ]
     return res

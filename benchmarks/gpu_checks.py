@@ -20,7 +20,9 @@ import torch.nn.functional as F
 import fly_lightning
 from benchmarks.harness import results_dir
 from fly_lightning import DISPATCH_LOG
+from fly_lightning.ops.moe_combine import moe_combine_reference
 from fly_lightning.ops.rms_norm import rms_norm_reference
+from fly_lightning.ops.swiglu import swiglu_reference
 
 CHECKS: list[tuple[str, Callable[[], str | None]]] = []
 
@@ -140,6 +142,79 @@ def _rms_compile() -> str | None:
     if not (_rel(x.grad, xr.grad) < 1e-4 and _rel(w.grad, wr.grad) < 1e-4):
         return "compiled gradients differ"
     return None if _backend("rms_norm") == "triton" else f"compiled call ran on {_backend('rms_norm')}"
+
+
+@check("moe_combine numerics and backend (index / slot order, k 1..8, aligned and odd H, output dtypes)")
+def _combine_numerics() -> str | None:
+    cases = [(8192, 8, 2048, True), (4096, 2, 4096, True), (300, 1, 4097, False), (1000, 6, 1408, True),
+             (1, 8, 8, False)]  # fmt: skip
+    for t, k, h, index in cases:
+        for dtype, out in ((torch.bfloat16, None), (torch.bfloat16, torch.float32), (torch.float16, None),
+                           (torch.float32, None)):  # fmt: skip
+            rows = torch.randn(t * k, h, device="cuda", dtype=dtype)
+            w = torch.rand(t, k, device="cuda")
+            idx = torch.randperm(t * k, device="cuda").int() if index else None
+            y = fly_lightning.moe_combine(rows, w, idx, out_dtype=out)
+            if _backend("moe_combine") != "triton":
+                return f"{(t, k, h, dtype)} ran on {_backend('moe_combine')}"
+            ref = moe_combine_reference(rows.double(), w.double(), idx)
+            err, tol = _rel(y, ref), (1e-6 if (out or dtype) == torch.float32 else 4e-3)
+            if not err < tol or y.dtype != (out or dtype):
+                return f"{(t, k, h, dtype, out)}: rel err {err:.2e} (tol {tol}), dtype {y.dtype}"
+    return None
+
+
+@check("swiglu numerics and backend (fused [S, 2I] and two tensors), one rounding")
+def _swiglu_numerics() -> str | None:
+    for s_, i in ((65536, 768), (4096, 14336), (77, 1000), (5, 3)):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            hid = torch.randn(s_, 2 * i, device="cuda", dtype=dtype) * 3
+            y = fly_lightning.swiglu(hid)
+            y2 = fly_lightning.swiglu(hid[:, :i].contiguous(), hid[:, i:].contiguous())
+            if _backend("swiglu") != "triton" or not torch.equal(y, y2):
+                return f"{(s_, i, dtype)}: backend {_backend('swiglu')}, forms equal {torch.equal(y, y2)}"
+            ref = swiglu_reference(hid, None)  # fp32 math rounded once: equal up to exp's last bit
+            mismatch = (y != ref).float().mean().item()
+            err = _rel(y, swiglu_reference(hid.double(), None))
+            if mismatch > 0.01 or err > (1e-6 if dtype == torch.float32 else 4e-3):
+                return f"{(s_, i, dtype)}: {mismatch:.2%} differ from the fp32 reference, rel err {err:.2e}"
+    return None
+
+
+@check("swiglu + moe_combine under CUDA graph capture and torch.compile(fullgraph=True), gradients vs ATen")
+def _moe_epilogue_graph_compile() -> str | None:
+    t, k, h, i = 512, 4, 1024, 256
+    hid = torch.randn(t * k, 2 * i, device="cuda", dtype=torch.bfloat16)
+    down = torch.randn(i, h, device="cuda", dtype=torch.bfloat16) / 16
+    w = torch.rand(t, k, device="cuda")
+    idx = torch.randperm(t * k, device="cuda").int()
+    f = lambda a, b, c, d: fly_lightning.moe_combine(fly_lightning.swiglu(a) @ b, c, d, out_dtype=torch.float32)  # noqa: E731
+    f(hid, down, w, idx)  # decide + compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = f(hid, down, w, idx)
+    hid.copy_(torch.randn_like(hid))
+    idx.copy_(torch.randperm(t * k, device="cuda").int())
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = moe_combine_reference((swiglu_reference(hid, None) @ down).double(), w.double(), idx)
+    if (err := _rel(y, ref)) > 1e-5:
+        return f"graph replay rel err {err:.2e}"
+    torch._dynamo.reset()
+    grads = {}
+    for name, backends, compiled in (("compiled", ("triton",), True), ("eager", ("triton",), False),
+                                     ("aten", ("aten",), False)):  # fmt: skip
+        a, c = hid.clone().requires_grad_(), w.clone().requires_grad_()
+        with fly_lightning.dispatch_config(backends=backends):
+            fn = torch.compile(f, fullgraph=True) if compiled else f
+            fn(a, down, c, idx).square().sum().backward()
+        grads[name] = (a.grad, c.grad)
+    same = [_rel(x, y) for x, y in zip(grads["compiled"], grads["eager"], strict=True)]
+    near = [_rel(x, y) for x, y in zip(grads["compiled"], grads["aten"], strict=True)]
+    # the kernels round swiglu once, ATen twice: bf16-level differences against ATen, none against eager kernels
+    if max(same) > 1e-5 or max(near) > 2e-2:
+        return f"gradients: compiled vs eager {same}, vs ATen {near}"
+    return None
 
 
 def main() -> int:

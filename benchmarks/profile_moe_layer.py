@@ -1,6 +1,6 @@
 """Where an MoE layer's time goes (GPU): CUDA kernel time per kernel name under ``torch.profiler``, forward and
-forward+backward, for ``FlyMoE`` (fused and plain paths) and transformers' own block with its ``grouped_mm`` experts
-(permute + ``torch._grouped_mm`` + unpermute, the layer users run today), all on the same weights.
+forward+backward, for the variants of ``bench_moe_layer`` (transformers' ``grouped_mm`` block, ``FlyMoE`` plain on
+ATen, plain and fused), all on the same weights.
 
     python -m benchmarks.profile_moe_layer            # writes moe_layer_profile.{json,md}
 
@@ -11,31 +11,15 @@ layer is not the expert GEMMs.
 from __future__ import annotations
 
 import re
+from contextlib import nullcontext
 
 import torch
 
+from benchmarks.bench_moe_layer import MOE_MODELS, _layers
 from benchmarks.harness import Results
-from fly_lightning import FlyMoE
+from fly_lightning import dispatch_config
 
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8, 8192, True)}  # H, I, E, k, T, renormalise
-
-
-def hf_block(h: int, i: int, e: int, k: int, norm: bool, device: str, dtype: torch.dtype):
-    """transformers' Qwen3-MoE block with the ``grouped_mm`` experts implementation, or None if unavailable."""
-    try:
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
-    except ImportError:
-        return None
-    cfg = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k,
-                         norm_topk_prob=norm)  # fmt: skip
-    cfg._experts_implementation = "grouped_mm"
-    torch.manual_seed(0)
-    block = Qwen3MoeSparseMoeBlock(cfg).to(device=device, dtype=dtype)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.02)
-    return block
+SHAPES = {"qwen3-30b-a3b": MOE_MODELS["qwen3-30b-a3b"]}
 
 
 def _family(name: str) -> str:
@@ -73,18 +57,10 @@ def profile(fn, reps: int = 5) -> list[tuple[str, float, int]]:
 def main() -> None:
     res = Results("moe_layer_profile")
     dev, dt = "cuda", torch.bfloat16
-    for model, (h, i, e, k, t, norm) in SHAPES.items():
+    for model, (family, h, i, e, k, t, norm) in SHAPES.items():
         x = torch.randn(1, t, h, device=dev, dtype=dt)  # transformers blocks take [B, S, H]
         g = torch.randn_like(x)
-        block = hf_block(h, i, e, k, norm, dev, dt)
-        layers = {}
-        if block is not None:
-            layers["hf_grouped_mm"] = block
-            layers["fly_plain"] = FlyMoE.from_module(block, path="plain")
-            layers["fly_fused"] = FlyMoE.from_module(block, path="fused")
-        else:
-            layers["fly_plain"] = FlyMoE(h, i, e, k, norm_topk_prob=norm, path="plain", device=dev, dtype=dt)
-            layers["fly_fused"] = FlyMoE(h, i, e, k, norm_topk_prob=norm, path="fused", device=dev, dtype=dt)
+        layers = _layers(family, h, i, e, k, norm, dev, dt)
         for name, layer in layers.items():
             xg = x.clone().requires_grad_()
 
@@ -99,7 +75,8 @@ def main() -> None:
                 (out[0] if isinstance(out, tuple) else out).backward(g)
 
             for mode, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
-                kernels = profile(fn)
+                with dispatch_config(backends=("aten",)) if name == "plain_aten" else nullcontext():
+                    kernels = profile(fn)
                 total = sum(r[1] for r in kernels)
                 fam: dict[str, float] = {}
                 for n, ms, _ in kernels:

@@ -6,7 +6,7 @@
 from fly_lightning.backends import BACKENDS, load_kernels
 from fly_lightning.dispatch_log import DISPATCH_LOG
 from fly_lightning.modules import FlyMoE, FlyRMSNorm
-from fly_lightning.ops import grouped_mm, moe_grouped_mm, moe_route, rms_norm, topk
+from fly_lightning.ops import grouped_mm, moe_combine, moe_grouped_mm, moe_route, rms_norm, swiglu, topk
 from fly_lightning.policy import DispatchConfig, dispatch_config, get_dispatch_config, set_dispatch_config
 from fly_lightning.registry import OPS, get_op
 from fly_lightning.transform import TransformSummary, transform
@@ -39,10 +39,12 @@ __all__ = [
     "get_dispatch_config",
     "get_op",
     "grouped_mm",
+    "moe_combine",
     "moe_grouped_mm",
     "moe_route",
     "rms_norm",
     "set_dispatch_config",
+    "swiglu",
     "topk",
     "transform",
 ]

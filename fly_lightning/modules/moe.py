@@ -1,19 +1,17 @@
 """``FlyMoE``: a token-choice top-k MoE block (router, SwiGLU experts, weighted combine) on grouped GEMMs.
 
-Forward: router logits -> top-k routing (weights, expert ids, group end offsets, stable permutation) -> expert rows
-in expert order -> gate/up grouped GEMM -> SwiGLU -> down grouped GEMM -> each token's k outputs combined.
+Forward: router logits -> top-k routing (weights, expert ids, group end offsets, stable permutation) -> gate/up
+grouped GEMM on the token rows in expert order -> ``swiglu`` -> down grouped GEMM -> ``moe_combine``.
 
 Two data paths, numerically identical:
-- ``plain``: gather the token rows into expert order, ``grouped_mm``, ``grouped_mm``, un-permute;
-- ``fused``: ``moe_grouped_mm`` reads the token rows through the permutation inside the gate/up GEMM and writes the
-  down GEMM's rows straight to their slots (no permuted copies).
+- ``plain``: copy the token rows into expert order, then ``grouped_mm``;
+- ``fused``: ``moe_grouped_mm`` reads the token rows through the permutation inside the gate/up GEMM (no copy).
 
-The combine is deterministic: no atomics; a token's k expert outputs are summed in slot order (a batched ``[1, k] x
-[k, H]`` product in fp32, the routing weights' dtype, as the stock blocks compute it; the result is returned in the
-input's dtype). The scatter writes unweighted rows: the weights are applied in that combine (one pass over the slots
-either way), which keeps the routing-weight gradient a plain ``bmm`` backward. Every permutation is a gather in both
-directions (the plain path computes the inverse permutation once per forward; the fused path's backward computes
-it where it needs it); the backward of the token gather sums each token's k slot gradients in slot order.
+Both leave the down GEMM's rows in expert order: ``moe_combine`` reads each token's k rows through the inverse
+permutation and sums them weighted, in fp32 and slot order (deterministic, no atomics), rounding once to the input's
+dtype as the stock blocks do. (Scattering rows to slot order from the GEMM, which ``moe_grouped_mm`` can do, made the
+GEMM slower than the combine's gather costs.) The backward of the token gather sums each token's k slot gradients in
+slot order.
 """
 
 from __future__ import annotations
@@ -26,8 +24,10 @@ from torch import Tensor, nn
 
 from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts, make_experts
 from fly_lightning.ops.grouped_mm import grouped_mm
+from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import inverse_permutation, moe_grouped_mm
 from fly_lightning.ops.moe_route import moe_route
+from fly_lightning.ops.swiglu import split_gate_up, swiglu
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "plain"
@@ -66,64 +66,6 @@ class _GatherTokens(torch.autograd.Function):
         return slots.view(ctx.tokens, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
 
 
-class _Permute(torch.autograd.Function):
-    """``y = x[index]`` for a permutation ``index``; the gradient is gathered back through ``inverse``."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, index.long())
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse.long()), None, None
-
-
-COMBINE_CHUNK_ELEMENTS = 2**26  # fp32 elements of ``out`` cast at once (256 MB): bounds the transient copies
-
-
-def _token_chunks(t: int, k: int, h: int) -> list[tuple[int, int]]:
-    step = max(1, COMBINE_CHUNK_ELEMENTS // max(1, k * h))
-    return [(s, min(t, s + step)) for s in range(0, t, step)] or [(0, 0)]
-
-
-class _Combine(torch.autograd.Function):
-    """``y[t] = sum_j w[t, j] * out[t, j]`` computed in the weights' dtype (fp32), as the stock blocks do.
-
-    Under bf16-mixed an autocast ``bmm`` would round the router weights and the block's output to bf16. The fp32
-    copies are transient and made a token chunk at a time (a few launches: the step is often host-bound); only ``w``
-    and ``out`` are saved.
-    """
-
-    @staticmethod
-    def forward(ctx, w_Tk: Tensor, out_TkH: Tensor) -> Tensor:
-        t, k, h = out_TkH.shape
-        acc = torch.promote_types(w_Tk.dtype, out_TkH.dtype)
-        ctx.save_for_backward(w_Tk, out_TkH)
-        y_TH = out_TkH.new_empty((t, h), dtype=acc)
-        with torch.autocast(out_TkH.device.type, enabled=False):
-            for s, e in _token_chunks(t, k, h):
-                y_TH[s:e] = torch.bmm(w_Tk[s:e].to(acc).unsqueeze(1), out_TkH[s:e].to(acc)).squeeze(1)
-        return y_TH
-
-    @staticmethod
-    def backward(ctx, grad_TH: Tensor):
-        w_Tk, out_TkH = ctx.saved_tensors
-        t, k, h = out_TkH.shape
-        need_w, need_out = ctx.needs_input_grad
-        grad_w = torch.empty_like(w_Tk) if need_w else None
-        grad_out = torch.empty_like(out_TkH) if need_out else None
-        with torch.autocast(grad_TH.device.type, enabled=False):
-            for s, e in _token_chunks(t, k, h):
-                g = grad_TH[s:e]
-                if grad_out is not None:
-                    grad_out[s:e] = g.unsqueeze(1) * w_Tk[s:e].to(g.dtype).unsqueeze(-1)
-                if grad_w is not None:
-                    grad_w[s:e] = torch.bmm(out_TkH[s:e].to(g.dtype), g.unsqueeze(-1)).squeeze(-1)
-        return grad_w, grad_out
-
-
 def experts_forward(
     x_TH: Tensor,
     weights_Tk: Tensor,
@@ -140,32 +82,22 @@ def experts_forward(
 
     ``gate_up_EHN`` is ``[E, H, 2I]`` (gate columns first) when ``up_EHI`` is None, else the ``[E, H, I]`` gate.
     """
-    t, h = x_TH.shape
     k = weights_Tk.shape[1]
+    inv = inverse_permutation(perm_M)  # slot -> expert-ordered row: the combine gathers through it
     if fused:
         project = lambda w: moe_grouped_mm(x_TH, w, offs_E, perm_M, topk=k, gather=True)  # noqa: E731
     else:
-        inv = inverse_permutation(perm_M)
         xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
         project = lambda w: grouped_mm(xs, w, offs_E)  # noqa: E731
-    if up_EHI is None:
-        hid = project(gate_up_EHN)
-        inter = hid.shape[1] // 2
-        gate, up = hid[:, :inter], hid[:, inter:]
-    else:
-        gate, up = project(gate_up_EHN), project(up_EHI)
+    gate_up = project(gate_up_EHN)
+    up = None if up_EHI is None else project(up_EHI)
     if score_before_experts:  # torchtitan: the score scales the expert input; experts are linear up to SwiGLU
+        gate, up = split_gate_up(gate_up, up)
         s = weights_Tk.reshape(-1).index_select(0, perm_M.long()).unsqueeze(1).to(gate.dtype)
-        gate, up = gate * s, up * s
-    act = F.silu(gate) * up
-    if fused:
-        out_slots = moe_grouped_mm(act, down_EIH, offs_E, perm_M, topk=k, scatter=True)
-    else:
-        out_slots = _Permute.apply(grouped_mm(act, down_EIH, offs_E), inv, perm_M)
-    out = out_slots.view(t, k, h)
-    if score_before_experts:  # summed in fp32 and returned in x's dtype, as without it (not autocast's dtype)
-        return out.float().sum(1).to(x_TH.dtype)
-    return _Combine.apply(weights_Tk, out).to(x_TH.dtype)
+        gate_up, up = gate * s, up * s
+        weights_Tk = torch.ones_like(weights_Tk)  # the combine is then a plain sum (still in fp32)
+    rows = grouped_mm(swiglu(gate_up, up), down_EIH, offs_E)  # expert order
+    return moe_combine(rows, weights_Tk, inv, out_dtype=x_TH.dtype)
 
 
 class FlyMoE(nn.Module):

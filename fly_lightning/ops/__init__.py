@@ -1,9 +1,11 @@
 """Public operators: ``torch.library`` custom ops dispatched per shape signature (see ``fly_lightning.registry``)."""
 
 from fly_lightning.ops.grouped_mm import grouped_mm
+from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import moe_route
 from fly_lightning.ops.rms_norm import rms_norm
+from fly_lightning.ops.swiglu import swiglu
 from fly_lightning.ops.topk import topk
 
-__all__ = ["grouped_mm", "moe_grouped_mm", "moe_route", "rms_norm", "topk"]
+__all__ = ["grouped_mm", "moe_combine", "moe_grouped_mm", "moe_route", "rms_norm", "swiglu", "topk"]

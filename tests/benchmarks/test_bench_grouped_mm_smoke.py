@@ -48,10 +48,11 @@ def test_sweep_runs():
 
 
 def test_moe_benchmark_runs():
-    res = run_moe(device="cpu", models={"tiny": (32, 32, 6, 2, 24, True)}, dtype=torch.float16, reps=(1, 1))
-    assert {r["variant"] for r in res.rows} == {"fused", "plain", "plain_aten"}
-    assert all(r["rel_err_vs_plain_aten"] < 1e-2 for r in res.rows)
-    assert "tiny_fused_over_plain_fwd" in res.summary
+    models = {"tiny": ("qwen3_moe", 32, 32, 6, 2, 24, True)}
+    res = run_moe(device="cpu", models=models, dtype=torch.float32, reps=(1, 1))
+    assert {r["variant"] for r in res.rows} == {"hf_grouped_mm", "fused", "plain", "plain_aten"}
+    assert all(r["baseline"] == "hf_grouped_mm" and r["rel_err_vs_baseline"] < 1e-5 for r in res.rows), res.rows
+    assert "tiny_fused_over_hf_grouped_mm_fwd" in res.summary and "tiny_fused_over_plain_fwd_bwd" in res.summary
 
 
 def test_checks_run():

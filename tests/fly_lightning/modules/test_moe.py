@@ -154,24 +154,6 @@ def test_autocast_combine_keeps_fp32_like_the_stock_blocks(score_before_experts)
     assert moe.router_weight.grad.dtype == torch.float32 and moe.router_weight.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("chunk_elements", [2**26, 12])  # one chunk; chunks of one token
-def test_combine_gradients(chunk_elements, monkeypatch):
-    from fly_lightning.modules import moe as moe_module
-
-    monkeypatch.setattr(moe_module, "COMBINE_CHUNK_ELEMENTS", chunk_elements)
-    w = torch.rand(5, 3, dtype=torch.float64, requires_grad=True)
-    out = torch.randn(5, 3, 4, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(moe_module._Combine.apply, (w, out))
-    torch.testing.assert_close(moe_module._Combine.apply(w, out), torch.einsum("tk,tkh->th", w, out))
-    # bf16 outputs with fp32 weights: fp32 result, gradients in the inputs' dtypes
-    wf, ob = w.detach().float().requires_grad_(), out.detach().bfloat16().requires_grad_()
-    y = moe_module._Combine.apply(wf, ob)
-    assert y.dtype == torch.float32
-    y.sum().backward()
-    assert wf.grad.dtype == torch.float32 and ob.grad.dtype == torch.bfloat16
-    assert moe_module._token_chunks(0, 3, 4) == [(0, 0)]
-
-
 def test_deterministic_and_empty_batch():
     moe = _fresh(torch.float16, path="fused")
     x = torch.randn(16, H).half().requires_grad_()

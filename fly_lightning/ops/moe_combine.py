@@ -1,0 +1,185 @@
+"""Weighted combine of each token's k expert outputs: ``y[t] = sum_j w[t, j] * rows[index[t * k + j]]``.
+
+The last step of an MoE block. ``rows_SH`` are the down projection's outputs, one per routed slot, in expert order
+(``index_S`` maps slot ``t * k + j`` to its row: the inverse of the routing permutation) or already in slot order
+(``index_S=None``). The sum runs in fp32 over j = 0..k-1 in that order (no atomics: deterministic) and is rounded
+once to ``out_dtype``, as the stock blocks' fp32 combine does.
+
+Forward is dispatched (Triton / ATen); backward runs ATen: the row gradient is the token gradient gathered to each
+row and scaled by its weight, the weight gradient the fp32 dot product of row and token gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fly_lightning.ops.grouped_mm import _fake
+from fly_lightning.registry import register_op, tensor_key
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+CHUNK_ELEMENTS = 2**25  # fp32 elements materialised at once by the ATen paths: bounds their transient copies
+
+
+def _validate(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtype | None) -> None:
+    if not isinstance(rows, Tensor) or rows.dim() != 2:
+        raise ValueError(f"moe_combine: rows must be a 2-D [S, H] tensor, got {getattr(rows, 'shape', rows)}")
+    if not isinstance(weights, Tensor) or weights.dim() != 2:
+        raise ValueError(f"moe_combine: weights must be a 2-D [T, k] tensor, got {getattr(weights, 'shape', weights)}")
+    if rows.dtype not in _FLOATS or weights.dtype not in _FLOATS:
+        raise ValueError(f"moe_combine: rows and weights must be floating, got {rows.dtype} and {weights.dtype}")
+    s = weights.shape[0] * weights.shape[1]
+    if rows.shape[0] != s:
+        raise ValueError(f"moe_combine: rows has {rows.shape[0]} rows, weights {list(weights.shape)} need T*k = {s}")
+    if index is not None:
+        if not isinstance(index, Tensor) or index.dtype != torch.int32 or index.shape != (s,):
+            raise ValueError(f"moe_combine: index must be int32 of shape [{s}], got {getattr(index, 'dtype', index)}")
+        if index.device != rows.device:
+            raise ValueError(f"moe_combine: index on {index.device}, rows on {rows.device}")
+    if weights.device != rows.device:
+        raise ValueError(f"moe_combine: weights on {weights.device}, rows on {rows.device}")
+    if out_dtype is not None and out_dtype not in _FLOATS:
+        raise ValueError(f"moe_combine: out_dtype must be a floating dtype, got {out_dtype}")
+
+
+def _check_index(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtype | None) -> None:
+    """CPU-only value check, on every call (a device index is never read by the host)."""
+    if index is None or index.device.type != "cpu" or torch.compiler.is_compiling() or _fake(index):
+        return
+    n = index.numel()
+    if n == 0:
+        return
+    in_range = int(index.min()) >= 0 and int(index.max()) < n
+    if not in_range or not bool(torch.bincount(index.long(), minlength=n).eq(1).all()):
+        raise ValueError(f"moe_combine: index must be a permutation of range({n})")
+
+
+def _acc_dtype(rows: Tensor, weights: Tensor) -> torch.dtype:
+    return torch.promote_types(torch.promote_types(rows.dtype, weights.dtype), torch.float32)
+
+
+def moe_combine_reference(
+    rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """The oracle: gather, widen, weight, sum over k in order, round once."""
+    t, k = weights.shape
+    acc = _acc_dtype(rows, weights)
+    r = rows if index is None else rows.index_select(0, index.long())
+    y = (r.view(t, k, rows.shape[1]).to(acc) * weights.to(acc).unsqueeze(-1)).sum(1)
+    return y.to(out_dtype or rows.dtype)
+
+
+def _chunks(t: int, per_token: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_ELEMENTS // max(1, per_token))
+    return [(s, min(t, s + step)) for s in range(0, t, step)]
+
+
+def _moe_combine_aten(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
+    """ATen path: a batched ``[1, k] x [k, H]`` product in fp32, a token chunk at a time (bounded fp32 copies)."""
+    t, k = weights.shape
+    h = rows.shape[1]
+    acc = _acc_dtype(rows, weights)
+    y = rows.new_empty((t, h), dtype=out_dtype or rows.dtype)
+    for s, e in _chunks(t, k * h):
+        r = rows[s * k : e * k] if index is None else rows.index_select(0, index[s * k : e * k].long())
+        y[s:e] = torch.bmm(weights[s:e].to(acc).unsqueeze(1), r.view(e - s, k, h).to(acc)).squeeze(1)
+    return y
+
+
+def _signature(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtype | None) -> tuple:
+    return (tensor_key(rows), tensor_key(weights), tensor_key(index), out_dtype)
+
+
+MOE_COMBINE = register_op(
+    "moe_combine",
+    reference=moe_combine_reference,
+    aten=_moe_combine_aten,
+    signature=_signature,
+    validate=_validate,
+    check=_check_index,
+    doc="weighted fp32 sum of each token's k expert rows (gathered through an index), in slot order",
+)
+
+
+@torch.library.custom_op("fly::moe_combine", mutates_args=())
+def moe_combine_op(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
+    """Dispatched forward."""
+    return MOE_COMBINE(rows, weights, index, out_dtype)
+
+
+@moe_combine_op.register_fake
+def _(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
+    _validate(rows, weights, index, out_dtype)
+    return rows.new_empty((weights.shape[0], rows.shape[1]), dtype=out_dtype or rows.dtype)
+
+
+def moe_combine_backward(
+    grad: Tensor, rows: Tensor, weights: Tensor, index: Tensor | None, need_rows: bool, need_weights: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """ATen backward, in token chunks: ``d rows[index[s]] = w[s] * grad[s // k]`` (rounded once to the rows' dtype)
+    and ``d w[t, j] = <rows[index[t*k+j]], grad[t]>`` in fp32."""
+    t, k = weights.shape
+    h = rows.shape[1]
+    acc = _acc_dtype(rows, weights)
+    d_rows_slots = rows.new_empty(rows.shape) if need_rows else None  # slot order; gathered to row order below
+    d_w = torch.empty_like(weights) if need_weights else None
+    for s, e in _chunks(t, k * h):
+        g = grad[s:e].to(acc)
+        if d_rows_slots is not None:
+            d_rows_slots[s * k : e * k] = (g.unsqueeze(1) * weights[s:e].to(acc).unsqueeze(-1)).view(-1, h)
+        if d_w is not None:
+            r = rows[s * k : e * k] if index is None else rows.index_select(0, index[s * k : e * k].long())
+            d_w[s:e] = torch.bmm(r.view(e - s, k, h).to(acc), g.unsqueeze(-1)).squeeze(-1)
+    d_rows = d_rows_slots
+    if d_rows is not None and index is not None:  # row index[s] takes slot s: gather by the inverse
+        inv = torch.empty_like(index, dtype=torch.long).scatter_(
+            0, index.long(), torch.arange(index.numel(), device=index.device)
+        )
+        d_rows = d_rows_slots.index_select(0, inv)
+    return d_rows, d_w
+
+
+@torch.library.custom_op("fly::moe_combine_backward", mutates_args=())
+def moe_combine_backward_op(
+    grad: Tensor, rows: Tensor, weights: Tensor, index: Tensor | None, need_rows: bool, need_weights: bool
+) -> tuple[Tensor, Tensor]:
+    """``(d rows, d weights)`` as an opaque op; an unneeded gradient is an empty ``[0]``."""
+    d_rows, d_w = moe_combine_backward(grad, rows, weights, index, need_rows, need_weights)
+    return (rows.new_empty(0) if d_rows is None else d_rows), (weights.new_empty(0) if d_w is None else d_w)
+
+
+@moe_combine_backward_op.register_fake
+def _(
+    grad: Tensor, rows: Tensor, weights: Tensor, index: Tensor | None, need_rows: bool, need_weights: bool
+) -> tuple[Tensor, Tensor]:
+    return rows.new_empty(rows.shape if need_rows else 0), weights.new_empty(weights.shape if need_weights else 0)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    rows, weights, index, _ = inputs
+    ctx.save_for_backward(rows, weights, index)
+
+
+def _backward(ctx, grad: Tensor):
+    rows, weights, index = ctx.saved_tensors
+    need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    d_rows, d_w = moe_combine_backward_op(grad, rows, weights, index, need_rows, need_w)
+    return (d_rows if need_rows else None), (d_w if need_w else None), None, None
+
+
+moe_combine_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def moe_combine(
+    rows_SH: Tensor, weights_Tk: Tensor, index_S: Tensor | None = None, *, out_dtype: torch.dtype | None = None
+) -> Tensor:
+    """Each token's k expert rows, weighted and summed in fp32: ``[T, H]`` in ``out_dtype`` (default: the rows').
+
+    Args:
+        rows_SH: ``[T * k, H]`` expert outputs.
+        weights_Tk: ``[T, k]`` routing weights (any float dtype; the sum runs in fp32 or wider).
+        index_S: int32 ``[T * k]``: the row of slot ``t * k + j`` (a permutation; for expert-ordered rows, the
+            inverse of the routing permutation). None: the rows are in slot order.
+        out_dtype: the result's dtype.
+    """
+    return moe_combine_op(rows_SH, weights_Tk, index_S, out_dtype)

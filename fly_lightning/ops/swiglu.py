@@ -1,0 +1,134 @@
+"""SwiGLU activation of the MoE experts: ``silu(gate) * up``.
+
+``swiglu(gate, up)`` takes two ``[S, I]`` tensors; ``swiglu(hidden)`` takes the fused gate/up projection's output
+``[S, 2I]`` with the gate columns first (transformers v5's ``gate_up_proj``). Rows may be strided (a column slice of
+a wider tensor); the last dim must be the contiguous one for the kernels.
+
+Numerics: the reference computes ``silu(gate) * up`` in fp32 and rounds once. The ATen path runs what the stock
+blocks run (``F.silu(gate) * up`` in the input dtype: two roundings for bf16), so the kernels are at least as close to
+the exact value as stock. Backward runs those stock ATen ops (``silu_backward`` and two products), writing a fused
+input's two gradient halves into one tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fly_lightning.registry import register_op, tensor_key
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _validate(gate: Tensor, up: Tensor | None) -> None:
+    if not isinstance(gate, Tensor) or gate.dim() != 2:
+        raise ValueError(f"swiglu: gate must be a 2-D tensor, got {getattr(gate, 'shape', gate)}")
+    if gate.dtype not in _FLOATS:
+        raise ValueError(f"swiglu: inputs must be floating, got {gate.dtype}")
+    if up is None:
+        if gate.shape[1] % 2:
+            raise ValueError(f"swiglu: a fused gate/up input needs an even last dim, got {gate.shape[1]}")
+        return
+    if not isinstance(up, Tensor) or up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
+        raise ValueError(
+            f"swiglu: up must match gate's shape, dtype and device: {list(gate.shape)} {gate.dtype} {gate.device}, "
+            f"got {getattr(up, 'shape', up)} {getattr(up, 'dtype', '')} {getattr(up, 'device', '')}"
+        )
+
+
+def split_gate_up(gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(gate, up)`` views: a fused input's halves (gate columns first), else the two tensors."""
+    if up is not None:
+        return gate, up
+    i = gate.shape[1] // 2
+    return gate[:, :i], gate[:, i:]
+
+
+def swiglu_reference(gate: Tensor, up: Tensor | None) -> Tensor:
+    """The oracle: ``silu(gate) * up`` in fp32 (fp64 for fp64), rounded once."""
+    g, u = split_gate_up(gate, up)
+    acc = torch.promote_types(g.dtype, torch.float32)
+    return (F.silu(g.to(acc)) * u.to(acc)).to(g.dtype)
+
+
+def _swiglu_aten(gate: Tensor, up: Tensor | None) -> Tensor:
+    """What the stock blocks run."""
+    g, u = split_gate_up(gate, up)
+    return F.silu(g) * u
+
+
+def _signature(gate: Tensor, up: Tensor | None) -> tuple:
+    return (tensor_key(gate), tensor_key(up))
+
+
+SWIGLU = register_op(
+    "swiglu",
+    reference=swiglu_reference,
+    aten=_swiglu_aten,
+    signature=_signature,
+    validate=_validate,
+    doc="silu(gate) * up of the MoE experts, from two tensors or one fused [S, 2I] (gate first)",
+)
+
+
+@torch.library.custom_op("fly::swiglu", mutates_args=())
+def swiglu_op(gate: Tensor, up: Tensor | None) -> Tensor:
+    """Dispatched forward."""
+    return SWIGLU(gate, up)
+
+
+@swiglu_op.register_fake
+def _(gate: Tensor, up: Tensor | None) -> Tensor:
+    _validate(gate, up)
+    g, _ = split_gate_up(gate, up)
+    return g.new_empty(g.shape)
+
+
+def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Stock ATen backward of ``F.silu(g) * u``; a fused input gets one ``[S, 2I]`` gradient (second is empty)."""
+    g, u = split_gate_up(gate, up)
+    grad = grad.to(g.dtype)
+    if up is None:
+        d = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        d_g, d_u = split_gate_up(d, None)
+    else:
+        d_g, d_u = torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(u)
+    torch.mul(grad, F.silu(g), out=d_u)
+    torch.ops.aten.silu_backward.grad_input(grad * u, g, grad_input=d_g)
+    return (d, gate.new_empty(0)) if up is None else (d_g, d_u)
+
+
+@torch.library.custom_op("fly::swiglu_backward", mutates_args=())
+def swiglu_backward_op(grad: Tensor, gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(d gate, d up)`` as an opaque op; for a fused input ``d gate`` is ``[S, 2I]`` and ``d up`` empty."""
+    return swiglu_backward(grad, gate, up)
+
+
+@swiglu_backward_op.register_fake
+def _(grad: Tensor, gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
+    return gate.new_empty(gate.shape), (gate.new_empty(0) if up is None else up.new_empty(up.shape))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _backward(ctx, grad: Tensor):
+    gate, up = ctx.saved_tensors
+    d_gate, d_up = swiglu_backward_op(grad, gate, up)
+    return d_gate, (None if up is None else d_up)
+
+
+swiglu_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def swiglu(gate_SI: Tensor, up_SI: Tensor | None = None) -> Tensor:
+    """``silu(gate) * up``: ``[S, I]`` (contiguous) in the inputs' dtype.
+
+    Args:
+        gate_SI: ``[S, I]`` gate projection, or ``[S, 2I]`` gate and up projections side by side (gate first) when
+            ``up_SI`` is None.
+        up_SI: ``[S, I]`` up projection.
+    """
+    return swiglu_op(gate_SI, up_SI)

@@ -1,0 +1,120 @@
+"""Triton MoE combine, registered as the ``triton`` backend of ``moe_combine``.
+
+One pass: each program owns a ``[BT tokens, BH columns]`` block of the output, reads its tokens' k rows (through the
+index when the rows are in expert order: whole-row gathers, so the reads stay coalesced), accumulates ``w * row`` in
+fp32 registers in slot order and stores the block once in the output dtype. Memory-bound: the rows are read once and
+nothing but the output is written (the ATen path widens and copies them first).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels.triton._select import block_of, cdiv
+from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.ops.moe_combine import MOE_COMBINE
+
+MAX_K = 32  # slots per token, unrolled
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _moe_combine_fwd(
+    ROWS,
+    stride_r,
+    W,
+    stride_wt,
+    stride_wk,
+    IDX,
+    Y,
+    stride_y,
+    T,
+    H,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BH: tl.constexpr,
+    HAS_INDEX: tl.constexpr,
+):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    t_ok = t < T
+    ok = t_ok[:, None] & (h < H)[None, :]
+    t64 = t.to(tl.int64)
+    acc = tl.zeros([BT, BH], tl.float32)
+    for j in tl.static_range(K):
+        slot = t64 * K + j
+        if HAS_INDEX:
+            row = tl.load(IDX + slot, mask=t_ok, other=0).to(tl.int64)
+        else:
+            row = slot
+        w = tl.load(W + t64 * stride_wt + j * stride_wk, mask=t_ok, other=0.0).to(tl.float32)
+        x = tl.load(ROWS + row[:, None] * stride_r + h[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc += w[:, None] * x
+    tl.store(Y + t64[:, None] * stride_y + h[None, :], acc.to(Y.dtype.element_ty), mask=ok)
+
+
+def _supports(
+    rows: torch.Tensor, weights: torch.Tensor, index: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> bool | str:
+    if (reason := device_reason(rows, weights, index)) is not None:
+        return reason
+    if rows.dtype not in _DTYPES or weights.dtype not in _DTYPES or (out_dtype or rows.dtype) not in _DTYPES:
+        return f"dtypes rows {rows.dtype}, weights {weights.dtype}, out {out_dtype or rows.dtype}"
+    if weights.shape[1] > MAX_K:
+        return f"k={weights.shape[1]} > {MAX_K}"
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        return "rows' last dim not contiguous"
+    if index is not None and index.numel() > 1 and index.stride(0) != 1:
+        return "index not contiguous"
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(h: int, itemsize: int) -> tuple[int, int, int]:
+    """(BT, BH, num_warps): about 4096 elements per program, rows read in 16-byte vectors."""
+    bh = min(block_of(h), 4096 // itemsize // 2 * 2)  # 1024 bf16 / 512 fp32 columns: 2 KB of each row
+    bt = max(1, 4096 // bh)
+    return bt, bh, 4
+
+
+@MOE_COMBINE.implement(
+    "triton",
+    supports=_supports,
+    constraints=f"rows [T*k, H] fp32/bf16/fp16 (last dim contiguous), weights fp32/bf16/fp16, k <= {MAX_K}, "
+    "contiguous int32 index or none; one pass, fp32 accumulation in slot order",
+)
+def moe_combine_triton(
+    rows: torch.Tensor, weights: torch.Tensor, index: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    t, k = weights.shape
+    h = rows.shape[1]
+    y = torch.empty((t, h), dtype=out_dtype or rows.dtype, device=rows.device)
+    if y.numel() == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    bt, bh, warps = _plan(h, rows.element_size())
+    grid = (cdiv(t, bt), cdiv(h, bh))
+    with on_device(rows):
+        _moe_combine_fwd[grid](
+            rows,
+            rows.stride(0),
+            weights,
+            weights.stride(0),
+            weights.stride(1),
+            rows if index is None else index,  # unused without an index
+            y,
+            y.stride(0),
+            t,
+            h,
+            K=k,
+            BT=bt,
+            BH=bh,
+            HAS_INDEX=index is not None,
+            num_warps=warps,
+        )
+    return y

@@ -5,8 +5,9 @@ The last step of an MoE block. ``rows_SH`` are the down projection's outputs, on
 (``index_S=None``). The sum runs in fp32 over j = 0..k-1 in that order (no atomics: deterministic) and is rounded
 once to ``out_dtype``, as the stock blocks' fp32 combine does.
 
-Forward is dispatched (Triton / ATen); backward runs ATen: the row gradient is the token gradient gathered to each
-row and scaled by its weight, the weight gradient the fp32 dot product of row and token gradient.
+Forward is dispatched (Triton / ATen); backward runs ATen in the rows' order: the token gradient gathered to each row
+(one gather), scaled by the row's weight (fp32, rounded once), and the weight gradient as the fp32 dot product of row
+and token gradient.
 """
 
 from __future__ import annotations
@@ -113,29 +114,36 @@ def _(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtyp
     return rows.new_empty((weights.shape[0], rows.shape[1]), dtype=out_dtype or rows.dtype)
 
 
+def _row_dots(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
+    """``(a * b).sum(-1)`` row by row in ``acc``, without materialising a widened copy where the GPU allows."""
+    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32:
+        try:  # batched [1, H] x [H, 1] products accumulated and written in fp32
+            return torch.bmm(a.unsqueeze(1), b.unsqueeze(2), out_dtype=torch.float32).view(-1)
+        except (TypeError, RuntimeError, NotImplementedError):  # a torch without bmm(out_dtype=)
+            pass
+    out = a.new_empty(a.shape[0], dtype=acc)
+    for s, e in _chunks(a.shape[0], a.shape[1]):
+        out[s:e] = (a[s:e].to(acc) * b[s:e].to(acc)).sum(-1)
+    return out
+
+
 def moe_combine_backward(
     grad: Tensor, rows: Tensor, weights: Tensor, index: Tensor | None, need_rows: bool, need_weights: bool
 ) -> tuple[Tensor | None, Tensor | None]:
-    """ATen backward, in token chunks: ``d rows[index[s]] = w[s] * grad[s // k]`` (rounded once to the rows' dtype)
-    and ``d w[t, j] = <rows[index[t*k+j]], grad[t]>`` in fp32."""
+    """ATen backward, in the rows' order: each row takes its token's gradient (one gather), then
+    ``d row = w * grad`` (computed in fp32, rounded once to the rows' dtype) and ``d w = <row, grad>`` in fp32."""
     t, k = weights.shape
-    h = rows.shape[1]
     acc = _acc_dtype(rows, weights)
-    d_rows_slots = rows.new_empty(rows.shape) if need_rows else None  # slot order; gathered to row order below
-    d_w = torch.empty_like(weights) if need_weights else None
-    for s, e in _chunks(t, k * h):
-        g = grad[s:e].to(acc)
-        if d_rows_slots is not None:
-            d_rows_slots[s * k : e * k] = (g.unsqueeze(1) * weights[s:e].to(acc).unsqueeze(-1)).view(-1, h)
-        if d_w is not None:
-            r = rows[s * k : e * k] if index is None else rows.index_select(0, index[s * k : e * k].long())
-            d_w[s:e] = torch.bmm(r.view(e - s, k, h).to(acc), g.unsqueeze(-1)).squeeze(-1)
-    d_rows = d_rows_slots
-    if d_rows is not None and index is not None:  # row index[s] takes slot s: gather by the inverse
-        inv = torch.empty_like(index, dtype=torch.long).scatter_(
-            0, index.long(), torch.arange(index.numel(), device=index.device)
-        )
-        d_rows = d_rows_slots.index_select(0, inv)
+    slots = torch.arange(rows.shape[0], device=rows.device)
+    perm = slots if index is None else torch.empty_like(slots).scatter_(0, index.long(), slots)  # row r <- slot
+    g_rows = grad.index_select(0, perm // k)
+    d_rows = d_w = None
+    if need_rows:
+        w_rows = weights.reshape(-1).index_select(0, perm).to(acc).unsqueeze(1)
+        d_rows = torch.mul(g_rows, w_rows, out=rows.new_empty(rows.shape))
+    if need_weights:
+        d_w_rows = _row_dots(rows, g_rows, acc)
+        d_w = (d_w_rows if index is None else d_w_rows.index_select(0, index.long())).view(t, k).to(weights.dtype)
     return d_rows, d_w
 
 

@@ -54,6 +54,21 @@ def profile(fn, reps: int = 5) -> list[tuple[str, float, int]]:
     return sorted(((n, t, c) for n, (t, c) in rows.items()), key=lambda r: -r[1])
 
 
+def op_table(fn, reps: int = 3, top: int = 25) -> list[tuple[str, str, float, float]]:
+    """(ATen op, input shapes, self CUDA ms per call, calls per call): which ops launch the kernel time."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    avgs = [a for a in prof.key_averages(group_by_input_shape=True) if a.self_device_time_total > 0]
+    avgs.sort(key=lambda a: -a.self_device_time_total)
+    return [(a.key, str(a.input_shapes)[:120], round(a.self_device_time_total / 1e3 / reps, 4), a.count / reps)
+            for a in avgs[:top]]  # fmt: skip
+
+
 def main() -> None:
     res = Results("moe_layer_profile")
     dev, dt = "cuda", torch.bfloat16
@@ -84,6 +99,8 @@ def main() -> None:
                 res.add(model=model, layer=name, mode=mode, kernel_ms=round(total, 4),
                         **{f"{f}_ms": round(v, 4) for f, v in sorted(fam.items())},
                         top=[(n, round(ms, 4), round(c, 1)) for n, ms, c in kernels[:14]])  # fmt: skip
+            if name == "fused":  # where the backward's non-GEMM time comes from, op by op
+                res.add(model=model, layer=name, mode="fwd_bwd_ops", ops=op_table(fwd_bwd))
     res.notes.append("kernel_ms: summed CUDA kernel time per call (profiler), not wall time; families by name")
     res.save()
 

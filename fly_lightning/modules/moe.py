@@ -200,6 +200,21 @@ class FlyMoE(nn.Module):
 
         return from_module(cls, module, **options)
 
+    def router_logits(self, x_TH: Tensor) -> Tensor:
+        """``[T, E]`` router logits. A wrapped router module that someone observes (forward hooks: transformers
+        records ``router_logits`` for its auxiliary loss that way) is run itself, so its observers see its outputs;
+        otherwise one ``F.linear`` (the wrapped routers' own scores and top-k would be recomputed by ``moe_route``)."""
+        router = self.router_module
+        if not isinstance(router, RouterWeight) and (router._forward_hooks or router._forward_pre_hooks):
+            out = router(x_TH)
+            logits = out[0] if isinstance(out, tuple) else out
+            if isinstance(logits, Tensor) and logits.shape == (x_TH.shape[0], self.num_experts):
+                return logits
+        router_w = router.weight
+        if self.router_fp32:
+            return F.linear(x_TH.float(), router_w.float())
+        return F.linear(x_TH.to(router_w.dtype), router_w)  # some routers keep fp32 weights
+
     def resolved_path(self) -> Literal["plain", "fused"]:
         return AUTO_PATH if self.path == "auto" else self.path
 
@@ -208,12 +223,7 @@ class FlyMoE(nn.Module):
         if shape[-1] != self.hidden_size:
             raise ValueError(f"FlyMoE: expected last dim {self.hidden_size}, got {shape[-1]}")
         x = hidden_states.reshape(-1, self.hidden_size)
-        router_w = self.router_weight
-        if self.router_fp32:
-            logits = F.linear(x.float(), router_w.float())
-        else:
-            logits = F.linear(x.to(router_w.dtype), router_w)  # some routers keep fp32 weights
-        weights, _, counts, offs, perm = _route(self, logits)
+        weights, _, counts, offs, perm = _route(self, self.router_logits(x))
         if hasattr(self, "tokens_per_expert"):
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)

@@ -7,8 +7,9 @@ Recognised blocks:
   ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` Linear layers;
 - torchtitan ``MoE`` (``router.gate``, ``experts.w1/w2/w3``, optional ``shared_experts`` and ``expert_bias``).
 
-Anything else (biases, non-SiLU activations, group-limited or corrected routers such as DeepSeek-V3's, shared
-experts with their own gate, router jitter) raises ``ValueError`` naming what is not supported.
+DeepSeek-V3-style routers (sigmoid scores, correction bias, node-limited groups) map to ``FlyMoE``'s options.
+Anything else (biases, non-SiLU activations, router state it does not model, router jitter) raises ``ValueError``
+naming what is not supported. transformers v5 blocks keep their router module (``gate``), so hooks on it still fire.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ def _hf_v5(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     kw = dict(layout="hf", norm_topk_prob=norm, router_fp32=_router_computes_fp32(router))
     kw = kw | _deepseek_router_options(module, router) | options
     moe = _new(cls, router.weight, h, two_i // 2, e, k, False, **kw)
-    moe.gate.weight = router.weight
-    if kw.get("score_func") == "sigmoid":
-        moe.gate.register_buffer("e_score_correction_bias", router.e_score_correction_bias)  # same key, shared
+    # the router module itself (its weight, any correction bias: same keys): transformers records router logits with
+    # hooks on its router class, which FlyMoE then runs (see FlyMoE.router_logits)
+    moe.gate = router
     moe.experts.gate_up_proj, moe.experts.down_proj = experts.gate_up_proj, experts.down_proj
     _attach_shared(moe, module)
     return moe

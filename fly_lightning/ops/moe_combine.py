@@ -5,9 +5,8 @@ The last step of an MoE block. ``rows_SH`` are the down projection's outputs, on
 (``index_S=None``). The sum runs in fp32 over j = 0..k-1 in that order (no atomics: deterministic) and is rounded
 once to ``out_dtype``, as the stock blocks' fp32 combine does.
 
-Forward is dispatched (Triton / ATen); backward runs ATen in the rows' order: the token gradient gathered to each row
-(one gather), scaled by the row's weight (fp32, rounded once), and the weight gradient as the fp32 dot product of row
-and token gradient.
+Forward is dispatched (Triton / ATen); backward runs ATen: the token gradient gathered to each row, scaled by the
+row's weight (fp32, rounded once), and the weight gradient as fp32 dot products of rows and token gradient.
 """
 
 from __future__ import annotations
@@ -114,24 +113,27 @@ def _(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtyp
     return rows.new_empty((weights.shape[0], rows.shape[1]), dtype=out_dtype or rows.dtype)
 
 
-def _row_dots(a: Tensor, b: Tensor, acc: torch.dtype) -> Tensor:
-    """``(a * b).sum(-1)`` row by row in ``acc``, without materialising a widened copy where the GPU allows."""
-    if a.is_cuda and a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and acc == torch.float32:
-        try:  # batched [1, H] x [H, 1] products accumulated and written in fp32
-            return torch.bmm(a.unsqueeze(1), b.unsqueeze(2), out_dtype=torch.float32).view(-1)
-        except (TypeError, RuntimeError, NotImplementedError):  # a torch without bmm(out_dtype=)
-            pass
-    out = a.new_empty(a.shape[0], dtype=acc)
-    for s, e in _chunks(a.shape[0], a.shape[1]):
-        out[s:e] = (a[s:e].to(acc) * b[s:e].to(acc)).sum(-1)
+def _token_dots(r_TkH: Tensor, g_TH: Tensor, acc: torch.dtype) -> Tensor:
+    """``d w[t, j] = <r[t, j], g[t]>`` in ``acc``: a batched ``[k, H] x [H, 1]`` product per token, without a widened
+    copy of ``r`` where the GPU allows (bf16/fp16 in, fp32 out), else a token chunk at a time in ``acc``."""
+    if r_TkH.is_cuda and r_TkH.dtype == g_TH.dtype and r_TkH.dtype in (torch.bfloat16, torch.float16):
+        if acc == torch.float32:
+            try:
+                return torch.bmm(r_TkH, g_TH.unsqueeze(-1), out_dtype=torch.float32).squeeze(-1)
+            except (TypeError, RuntimeError, NotImplementedError):  # a torch without bmm(out_dtype=)
+                pass
+    t, k, h = r_TkH.shape
+    out = r_TkH.new_empty((t, k), dtype=acc)
+    for s, e in _chunks(t, k * h):
+        out[s:e] = torch.bmm(r_TkH[s:e].to(acc), g_TH[s:e].to(acc).unsqueeze(-1)).squeeze(-1)
     return out
 
 
 def moe_combine_backward(
     grad: Tensor, rows: Tensor, weights: Tensor, index: Tensor | None, need_rows: bool, need_weights: bool
 ) -> tuple[Tensor | None, Tensor | None]:
-    """ATen backward, in the rows' order: each row takes its token's gradient (one gather), then
-    ``d row = w * grad`` (computed in fp32, rounded once to the rows' dtype) and ``d w = <row, grad>`` in fp32."""
+    """ATen backward: each row takes its token's gradient (one gather) and ``d row = w * grad`` is computed in fp32
+    and rounded once to the rows' dtype; ``d w = <row, grad>`` in fp32 on the rows gathered to slot order."""
     t, k = weights.shape
     acc = _acc_dtype(rows, weights)
     slots = torch.arange(rows.shape[0], device=rows.device)
@@ -141,9 +143,9 @@ def moe_combine_backward(
     if need_rows:
         w_rows = weights.reshape(-1).index_select(0, perm).to(acc).unsqueeze(1)
         d_rows = torch.mul(g_rows, w_rows, out=rows.new_empty(rows.shape))
-    if need_weights:
-        d_w_rows = _row_dots(rows, g_rows, acc)
-        d_w = (d_w_rows if index is None else d_w_rows.index_select(0, index.long())).view(t, k).to(weights.dtype)
+    if need_weights:  # in slot order: one [k, H] x [H, 1] product per token (per-row dots batch badly)
+        r_slots = rows if index is None else rows.index_select(0, index.long())
+        d_w = _token_dots(r_slots.view(t, k, rows.shape[1]), grad, acc).to(weights.dtype)
     return d_rows, d_w
 
 

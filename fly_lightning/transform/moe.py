@@ -32,16 +32,7 @@ def _match(module: nn.Module) -> str | None:
     return None
 
 
-def _records_router_logits(root: nn.Module) -> bool:
-    """Whether a model config under ``root`` asks for router logits: ``root`` may hold the Hugging Face model as an
-    attribute (a LightningModule's ``self.model``), so every submodule's ``config`` counts, not only the root's."""
-    return any(getattr(getattr(m, "config", None), "output_router_logits", False) for m in root.modules())
-
-
 def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
-    if _records_router_logits(root):
-        # the HF auxiliary load-balancing loss records the original router module's outputs
-        raise Unsupported("model records router logits (output_router_logits=True) for its auxiliary loss")
     try:
         new = FlyMoE.from_module(module)
     except ValueError as exc:

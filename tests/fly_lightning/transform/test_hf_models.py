@@ -153,26 +153,44 @@ def test_unknown_family_is_an_error(hf):
         fly_lightning.transform(hf.build("llama"), ops=["rms_norm", "layer_norm"])
 
 
-@pytest.mark.parametrize("wrapped", [False, True], ids=["hf_model", "wrapped"])
-def test_router_logits_keep_the_original_moe_block(hf, moe_model_name, wrapped):
-    # the HF auxiliary loss records the outputs of the original router class: swapping the block would lose them
-    ref, model = _pair(hf, moe_model_name, output_router_logits=True)
-    # wrapped: the HF model as an attribute of the module handed to transform (as in a LightningModule)
-    root = nn.ModuleDict({"model": model}) if wrapped else model
-    summary = fly_lightning.transform(root)
-    moe_kinds = [k for k in hf.expected_swaps(moe_model_name) if "-> moe:" in k]
-    assert [cls for _, cls, _ in summary.left] == [k.split(" -> ")[0] for k in moe_kinds]
-    for _, _, reason in summary.left:
-        assert "output_router_logits=True" in reason
-    assert all(m.startswith("rms_norm:") for _, _, m in summary.swapped)
-    assert not any(isinstance(m, FlyMoE) for m in model.modules())
+@pytest.mark.parametrize("per_call", [False, True], ids=["config", "per_call"])
+def test_router_logits_and_aux_loss_from_swapped_blocks(hf, moe_model_name, per_call):
+    # transformers records router logits (for the auxiliary load-balancing loss) with hooks on its router class: the
+    # swapped blocks keep that router module and run it while it is observed, so the aux loss and its gradients stay
+    ref, model = _pair(hf, moe_model_name, output_router_logits=not per_call)
+    summary = fly_lightning.transform(nn.ModuleDict({"model": model}))  # wrapped, as in a LightningModule
+    assert _kinds(summary.swapped) == hf.expected_swaps(moe_model_name) and summary.left == []
     ids = hf.tokens()
-    out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+    kw = dict(output_router_logits=True) if per_call else {}
+    out, out_ref = model(ids, labels=ids, **kw), ref(ids, labels=ids, **kw)
     torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
-    aux, aux_ref = getattr(out, "aux_loss", None), getattr(out_ref, "aux_loss", None)
-    assert (aux is None) == (aux_ref is None)
-    if aux_ref is not None:
-        torch.testing.assert_close(aux, aux_ref)
+    assert len(out.router_logits) == len(out_ref.router_logits) > 0
+    for got, expected in zip(out.router_logits, out_ref.router_logits, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if out_ref.aux_loss is not None:  # models without the loss still return the logits
+        torch.testing.assert_close(out.aux_loss, out_ref.aux_loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    out_ref.loss.backward()
+    grads = dict(model.named_parameters())
+    for name, p in ref.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_router_module_runs_only_while_observed(hf):
+    model = hf.build("qwen3_moe")
+    fly_lightning.transform(model)
+    blocks = [m for m in model.modules() if isinstance(m, FlyMoE)]
+    calls = []
+    for b in blocks:
+        original = b.gate.forward
+        b.gate.forward = lambda x, original=original: calls.append(1) or original(x)
+    ids = hf.tokens()
+    with torch.no_grad():
+        model(ids)
+        assert calls == []  # nobody observes the routers: FlyMoE computes the logits itself
+        model(ids, output_router_logits=True)
+    assert len(calls) == len(blocks) > 0  # transformers' recording hooks are now on them
 
 
 @pytest.mark.parametrize("name", ["mixtral", "deepseek_v3"])

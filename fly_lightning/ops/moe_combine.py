@@ -75,14 +75,17 @@ def _chunks(t: int, per_token: int) -> list[tuple[int, int]]:
 
 
 def _moe_combine_aten(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: torch.dtype | None) -> Tensor:
-    """ATen path: a batched ``[1, k] x [k, H]`` product in fp32, a token chunk at a time (bounded fp32 copies)."""
+    """ATen path: a batched ``[1, k] x [k, H]`` product in fp32, a token chunk at a time (bounded fp32 copies).
+
+    Autocast is off: it reaches ATen calls inside a custom op and would run this ``bmm`` in bf16."""
     t, k = weights.shape
     h = rows.shape[1]
     acc = _acc_dtype(rows, weights)
     y = rows.new_empty((t, h), dtype=out_dtype or rows.dtype)
-    for s, e in _chunks(t, k * h):
-        r = rows[s * k : e * k] if index is None else rows.index_select(0, index[s * k : e * k].long())
-        y[s:e] = torch.bmm(weights[s:e].to(acc).unsqueeze(1), r.view(e - s, k, h).to(acc)).squeeze(1)
+    with torch.autocast(rows.device.type, enabled=False):
+        for s, e in _chunks(t, k * h):
+            r = rows[s * k : e * k] if index is None else rows.index_select(0, index[s * k : e * k].long())
+            y[s:e] = torch.bmm(weights[s:e].to(acc).unsqueeze(1), r.view(e - s, k, h).to(acc)).squeeze(1)
     return y
 
 
@@ -153,8 +156,9 @@ def moe_combine_backward(
 def moe_combine_backward_op(
     grad: Tensor, rows: Tensor, weights: Tensor, index: Tensor | None, need_rows: bool, need_weights: bool
 ) -> tuple[Tensor, Tensor]:
-    """``(d rows, d weights)`` as an opaque op; an unneeded gradient is an empty ``[0]``."""
-    d_rows, d_w = moe_combine_backward(grad, rows, weights, index, need_rows, need_weights)
+    """``(d rows, d weights)`` as an opaque op; an unneeded gradient is an empty ``[0]``. Autocast off (fp32 sums)."""
+    with torch.autocast(rows.device.type, enabled=False):
+        d_rows, d_w = moe_combine_backward(grad, rows, weights, index, need_rows, need_weights)
     return (rows.new_empty(0) if d_rows is None else d_rows), (weights.new_empty(0) if d_w is None else d_w)
 
 

@@ -49,13 +49,13 @@ def swiglu_reference(gate: Tensor, up: Tensor | None) -> Tensor:
     """The oracle: ``silu(gate) * up`` in fp32 (fp64 for fp64), rounded once."""
     g, u = split_gate_up(gate, up)
     acc = torch.promote_types(g.dtype, torch.float32)
-    return (F.silu(g.to(acc)) * u.to(acc)).to(g.dtype)
+    return (F.silu(g.to(acc)) * u.to(acc)).to(g.dtype).contiguous()
 
 
 def _swiglu_aten(gate: Tensor, up: Tensor | None) -> Tensor:
-    """What the stock blocks run."""
+    """What the stock blocks run, into a contiguous result (as the fake and the kernels give, whatever the layout)."""
     g, u = split_gate_up(gate, up)
-    return F.silu(g) * u
+    return torch.mul(F.silu(g), u, out=torch.empty(g.shape, dtype=g.dtype, device=g.device))
 
 
 def _signature(gate: Tensor, up: Tensor | None) -> tuple:
@@ -93,7 +93,8 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor | None) -> tuple[Tens
         d = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         d_g, d_u = split_gate_up(d, None)
     else:
-        d_g, d_u = torch.empty_like(g, memory_format=torch.contiguous_format), torch.empty_like(u)
+        d_g = torch.empty_like(g, memory_format=torch.contiguous_format)
+        d_u = torch.empty_like(u, memory_format=torch.contiguous_format)
     torch.mul(grad, F.silu(g), out=d_u)
     torch.ops.aten.silu_backward.grad_input(grad * u, g, grad_input=d_g)
     return (d, gate.new_empty(0)) if up is None else (d_g, d_u)

@@ -32,7 +32,19 @@ def _match(module: nn.Module) -> str | None:
     return None
 
 
+def _records_router_logits(root: nn.Module) -> bool:
+    """Whether a model config under ``root`` asks for router logits: ``root`` may hold the Hugging Face model as an
+    attribute (a LightningModule's ``self.model``), so every submodule's ``config`` counts, not only the root's."""
+    return any(getattr(getattr(m, "config", None), "output_router_logits", False) for m in root.modules())
+
+
 def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
+    if variant != "hf_v5":  # only transformers v5 blocks keep their router module, so only their router's hooks fire
+        router = module.router.gate if variant == "torchtitan" else module.gate
+        if router._forward_hooks or router._forward_pre_hooks:
+            raise Unsupported("router has forward hooks, which the swapped block (router not kept) would not fire")
+        if _records_router_logits(root):
+            raise Unsupported("model records router logits (output_router_logits=True); this router is not kept")
     try:
         new = FlyMoE.from_module(module)
     except ValueError as exc:

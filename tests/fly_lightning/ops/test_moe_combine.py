@@ -65,6 +65,27 @@ def test_bf16_rows_fp32_weights_keep_fp32_sums_and_weight_gradients():
     torch.testing.assert_close(rb.grad, exact.index_select(0, inv).bfloat16(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backends", [("aten",), ("triton",)])
+def test_autocast_does_not_reach_the_fp32_sums(backends):
+    # autocast reaches ATen calls inside a custom op: left on, the ATen path's bmm would run in bf16
+    rows, w, idx = _case(t=32, k=4, h=64, dtype=torch.float32)
+    rb = rows.bfloat16().requires_grad_()
+    wf = w.clone().requires_grad_()
+    with fl.dispatch_config(backends=backends), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = fl.moe_combine(rb, wf, idx, out_dtype=torch.float32)
+        y.square().sum().backward()
+    torch.testing.assert_close(y.double(), _loop(rb.detach(), w, idx), rtol=1e-6, atol=1e-6)
+    g = 2 * y.detach().double()
+    rg = rb.detach().double().index_select(0, idx.long()).view(32, 4, 64)
+    torch.testing.assert_close(wf.grad.double(), torch.einsum("tkh,th->tk", rg, g), rtol=1e-5, atol=1e-5)
+
+
+def test_opcheck():
+    rows, w, idx = _case(dtype=torch.float32)
+    for args in ((rows, w, idx, None), (rows.bfloat16(), w, None, torch.float32), (rows[:, ::2], w, idx, None)):
+        torch.library.opcheck(mc.moe_combine_op, args)
+
+
 def test_default_output_dtype_is_the_rows_and_empty_shapes():
     rows, w, idx = _case(dtype=torch.float32)
     assert fl.moe_combine(rows.half(), w, idx).dtype == torch.float16

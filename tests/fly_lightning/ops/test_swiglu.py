@@ -56,6 +56,20 @@ def test_invalid_arguments_raise(args, match):
         fl.swiglu(*args)
 
 
+def test_results_are_contiguous_whatever_the_input_layout():
+    # the fake promises contiguous results: every path must give them (column-major inputs run on ATen)
+    from fly_lightning.ops.swiglu import swiglu_backward_op, swiglu_op
+
+    a, b = torch.randn(6, 4).t(), torch.randn(6, 4).t()
+    y = fl.swiglu(a, b)
+    assert y.is_contiguous()
+    torch.testing.assert_close(y, swiglu_reference(a, b))
+    torch.library.opcheck(swiglu_op, (a, b))
+    torch.library.opcheck(swiglu_op, (torch.randn(5, 8), None))
+    torch.library.opcheck(swiglu_backward_op, (torch.randn(4, 6), a, b))
+    torch.library.opcheck(swiglu_backward_op, (torch.randn(5, 4), torch.randn(5, 8), None))
+
+
 def test_compiles_fullgraph():
     hid = torch.randn(8, 12)
     fn = torch.compile(fl.swiglu, fullgraph=True, backend="aot_eager")

@@ -216,6 +216,36 @@ def test_a_module_whose_conversion_fails_is_left_with_the_error():
     assert summary.left == [("1", "BrokenRMSNorm", "conversion failed (AttributeError: no attribute 'weight_scale')")]
 
 
+class _Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(H, 8, bias=False), nn.Linear(H, 8, bias=False)
+        self.w2 = nn.Linear(8, H, bias=False)
+        self.act_fn = nn.SiLU()
+
+
+class ListMoE(nn.Module):
+    """transformers-4 style: a Linear router and per-expert Linear MLPs (restacked when swapped: no router module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.top_k, self.gate = 2, nn.Linear(H, 4, bias=False)
+        self.experts = nn.ModuleList(_Expert() for _ in range(4))
+
+
+def test_list_moe_whose_router_is_observed_is_left_with_reason():
+    from types import SimpleNamespace
+
+    assert [m for _, _, m in fly_lightning.transform(nn.Sequential(ListMoE())).swapped] == ["moe:expert_list"]
+    hooked = nn.Sequential(ListMoE())
+    hooked[0].gate.register_forward_hook(lambda *a: None)
+    assert "forward hooks" in fly_lightning.transform(hooked).left[0][2]
+    recording = nn.Sequential(ListMoE())
+    recording.config = SimpleNamespace(output_router_logits=True)  # as a transformers model's config
+    assert "output_router_logits=True" in fly_lightning.transform(recording).left[0][2]
+    assert not any(isinstance(m, fly_lightning.FlyMoE) for m in (*hooked.modules(), *recording.modules()))
+
+
 def test_our_own_module_is_not_matched():
     model = nn.Sequential(nn.Linear(H, H), FlyRMSNorm(H))
     summary = fly_lightning.transform(model)

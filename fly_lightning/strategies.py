@@ -28,6 +28,7 @@ from torch import nn
 from fly_lightning.dispatch_log import DISPATCH_LOG
 from fly_lightning.policy import DispatchConfig, set_dispatch_config
 from fly_lightning.transform import TransformSummary, transform
+from fly_lightning.transform.optimizer_state import from_original_layout, to_original_layout
 
 
 class _FlyStrategyMixin:
@@ -87,6 +88,24 @@ class _FlyStrategyMixin:
             self._fly_previous_config = None
         super().teardown()
 
+    def optimizer_state(self, optimizer: Any) -> dict:
+        """The optimizer's state_dict in the original model's layout (see ``transform.optimizer_state``), so a
+        checkpoint written here resumes under Lightning's own strategies too."""
+        state = super().optimizer_state(optimizer)
+        if self.lightning_module is None or not _index_based(state):
+            return state  # FSDP2 / model parallel: keyed by parameter name, left as Lightning writes it
+        return to_original_layout(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), state)
+
+    def load_optimizer_state_dict(self, checkpoint: dict) -> None:
+        """Accepts optimizer states in the original model's layout (any checkpoint of it) or in the swapped one."""
+        states = checkpoint.get("optimizer_states")
+        if states is not None and self.lightning_module is not None:
+            checkpoint["optimizer_states"] = [
+                from_original_layout(self.lightning_module, opt, st) if _index_based(st) else st
+                for opt, st in zip(self.optimizers, states, strict=False)
+            ] + list(states[len(self.optimizers) :])
+        super().load_optimizer_state_dict(checkpoint)
+
     def _fly_apply(self, model: nn.Module | None) -> None:
         if model is None:
             return
@@ -121,6 +140,12 @@ class _FlyStrategyMixin:
         for m in model.modules():
             m._fly_quantize_seen = True
         self.transform_summary.left += sharded
+
+
+def _index_based(state: Any) -> bool:
+    """A ``torch.optim`` state_dict that lists parameters by position (not a distributed checkpoint's names)."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    return isinstance(groups, list) and all(isinstance(i, int) for g in groups for i in g.get("params", ()))
 
 
 def _auto_fully_shard(strategy: Any, model: nn.Module) -> None:

@@ -179,6 +179,7 @@ def _expert_list(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     moe = _new(cls, getattr(first, gate_n).weight, h, i, len(experts), k, True, **kw)
     moe.gate.weight = router.weight
     assert isinstance(moe.experts, ExpertList)
+    moe.experts.stock_order = tuple(n for n, _ in first.named_children() if n in (gate_n, up_n, down_n))
     with torch.no_grad():
         for j, ex in enumerate(experts):
             moe.experts.gate_up_proj[j, :i].copy_(getattr(ex, gate_n).weight)

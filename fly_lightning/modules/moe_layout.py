@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 LAYOUTS = ("hf", "mixtral", "qwen", "torchtitan", "torchtitan_legacy")
 LIST_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
+STOCK_ORDER = {("w1", "w3", "w2"): ("w1", "w2", "w3")}  # transformers 4's Mixtral expert defines w1, w2, w3
 
 
 class RouterWeight(nn.Module):
@@ -71,6 +72,8 @@ class ExpertList(FusedExperts):
     ) -> None:
         super().__init__(num_experts, hidden_size, intermediate_size, device, dtype)
         self.names = tuple(names)  # (gate, up, down)
+        # the per-expert parameter order of the original module (how its optimizer listed them); conversion sets it
+        self.stock_order = STOCK_ORDER.get(self.names, self.names)
         self.register_state_dict_post_hook(_list_state_dict_hook)
         self.register_load_state_dict_pre_hook(_list_load_hook)
 

@@ -236,3 +236,42 @@ def test_quantization_reaches_modules_built_in_configure_model_once():
     _, model = _fit(strategy, model=_DenseLate())
     counts = {name: getattr(m, "fly_test_count", 0) for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert counts == {"net.0": 1, "net.2": 1, "late": 1}
+
+
+class _ListMoEModule(L.LightningModule):
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def training_step(self, batch, _):
+        return nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_checkpoints_resume_across_strategies_with_restacked_experts(list_moe_model, tmp_path):
+    # per-expert Linear lists are restacked by the swap; the optimizer state in the checkpoint stays in the original
+    # layout, so a stock checkpoint resumes under "flydsl" and a "flydsl" one under the stock strategy
+    torch.manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(16, list_moe_model.H), torch.randn(16, 1))
+
+    def fit(strategy, steps, ckpt_in=None, ckpt_out=None):
+        module = _ListMoEModule(list_moe_model())
+        flags = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, **flags)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8), ckpt_path=ckpt_in)
+        if ckpt_out:
+            trainer.save_checkpoint(ckpt_out)
+        return {k: v.detach().clone() for k, v in module.net.state_dict().items()}
+
+    fit("auto", 2, ckpt_out=tmp_path / "stock.ckpt")
+    fit("flydsl", 2, ckpt_out=tmp_path / "fly.ckpt")
+    saved = torch.load(tmp_path / "fly.ckpt", weights_only=False)["optimizer_states"][0]
+    assert len(saved["state"]) == 2 + 1 + 3 * list_moe_model.E + 2  # per-expert pieces, as the stock model has
+    reference = fit("auto", 4, ckpt_in=tmp_path / "stock.ckpt")
+    for ckpt, strategy in (("stock.ckpt", "flydsl"), ("fly.ckpt", "auto"), ("fly.ckpt", "flydsl")):
+        resumed = fit(strategy, 4, ckpt_in=tmp_path / ckpt)
+        assert resumed.keys() == reference.keys()
+        for k in reference:
+            torch.testing.assert_close(resumed[k], reference[k], rtol=1e-4, atol=1e-5, msg=f"{ckpt} -> {strategy}: {k}")

@@ -216,31 +216,15 @@ def test_a_module_whose_conversion_fails_is_left_with_the_error():
     assert summary.left == [("1", "BrokenRMSNorm", "conversion failed (AttributeError: no attribute 'weight_scale')")]
 
 
-class _Expert(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w1, self.w3 = nn.Linear(H, 8, bias=False), nn.Linear(H, 8, bias=False)
-        self.w2 = nn.Linear(8, H, bias=False)
-        self.act_fn = nn.SiLU()
-
-
-class ListMoE(nn.Module):
-    """transformers-4 style: a Linear router and per-expert Linear MLPs (restacked when swapped: no router module)."""
-
-    def __init__(self):
-        super().__init__()
-        self.top_k, self.gate = 2, nn.Linear(H, 4, bias=False)
-        self.experts = nn.ModuleList(_Expert() for _ in range(4))
-
-
-def test_list_moe_whose_router_is_observed_is_left_with_reason():
+def test_list_moe_whose_router_is_observed_is_left_with_reason(list_moe_model):
     from types import SimpleNamespace
 
-    assert [m for _, _, m in fly_lightning.transform(nn.Sequential(ListMoE())).swapped] == ["moe:expert_list"]
-    hooked = nn.Sequential(ListMoE())
-    hooked[0].gate.register_forward_hook(lambda *a: None)
+    # per-expert lists are restacked (no router module kept): an observed router must keep its block
+    assert [m for _, _, m in fly_lightning.transform(list_moe_model()).swapped] == ["moe:expert_list"]
+    hooked = list_moe_model()
+    hooked[1].gate.register_forward_hook(lambda *a: None)
     assert "forward hooks" in fly_lightning.transform(hooked).left[0][2]
-    recording = nn.Sequential(ListMoE())
+    recording = list_moe_model()
     recording.config = SimpleNamespace(output_router_logits=True)  # as a transformers model's config
     assert "output_router_logits=True" in fly_lightning.transform(recording).left[0][2]
     assert not any(isinstance(m, fly_lightning.FlyMoE) for m in (*hooked.modules(), *recording.modules()))

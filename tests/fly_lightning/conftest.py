@@ -32,6 +32,8 @@ class ListMoE(nn.Module):
         y = torch.zeros_like(x)
         for e, expert in enumerate(self.experts):
             tok, slot = torch.where(ids == e)
+            if tok.numel() == 0:  # as transformers 4 does: an expert without tokens gets no gradient
+                continue
             y = y.index_add(0, tok, expert(x[tok]) * w[tok, slot, None])
         return y
 

@@ -70,11 +70,47 @@ def test_named_parameters_keep_their_names(list_moe_model):
     opt_ours = torch.optim.AdamW(ours.named_parameters(), lr=1e-2)
     _steps(stock, opt_stock)
     _steps(ours, opt_ours)
-    as_stock = to_original_layout(ours, opt_ours, opt_ours.state_dict())
+    # the names are the optimizer's (relative to what it was given), not the FQNs in the module handed in
+    as_stock = to_original_layout(torch.nn.ModuleDict({"net": ours}), opt_ours, opt_ours.state_dict())
     assert as_stock["param_groups"][0]["param_names"] == opt_stock.state_dict()["param_groups"][0]["param_names"]
     fresh = torch.optim.AdamW(ours.named_parameters(), lr=1e-2)
     fresh.load_state_dict(from_original_layout(ours, fresh, opt_stock.state_dict()))
     _assert_state_close(fresh.state_dict(), opt_ours.state_dict())
+
+
+def test_stock_state_of_experts_that_missed_tokens_loads_with_warnings(list_moe_model):
+    # the original model skips experts without tokens: their state is missing or their step count lags
+    stock, ours = list_moe_model(), list_moe_model()
+    fly_lightning.transform(ours)
+    opt_stock = torch.optim.AdamW(stock.parameters(), lr=1e-2)
+    torch.manual_seed(14)
+    for _ in range(4):  # one token per step, two experts per step: w2 steps [none, 4, 1, 3]
+        opt_stock.zero_grad()
+        stock(torch.randn(1, stock[0].in_features)).square().sum().backward()
+        opt_stock.step()
+    sd = opt_stock.state_dict()
+    fresh = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    with pytest.warns(UserWarning) as record:
+        fresh.load_state_dict(from_original_layout(ours, fresh, sd))
+    messages = " ".join(str(w.message) for w in record)
+    assert "takes the largest" in messages and "no saved optimizer state" in messages
+    experts = ours[1].experts
+    st = fresh.state[experts.down_proj]
+    w2 = [p for n, p in stock.named_parameters() if n.endswith(".w2.weight")]
+    for i, p in enumerate(w2):  # each expert's moments where it had any, zeros where it had none
+        expected = opt_stock.state[p]["exp_avg"] if p in opt_stock.state else torch.zeros_like(p)
+        torch.testing.assert_close(st["exp_avg"][i], expected)
+    assert float(st["step"]) == 4 == max(float(opt_stock.state[p]["step"]) for p in w2 if p in opt_stock.state)
+
+
+def test_factored_state_is_left_with_a_warning(list_moe_model):
+    ours = list_moe_model()
+    fly_lightning.transform(ours)
+    opt = torch.optim.Adafactor(ours.parameters(), lr=1e-2)  # row/column factors: not sliceable per expert
+    _steps(ours, opt, n=1)
+    sd = opt.state_dict()
+    with pytest.warns(UserWarning, match="has shape"):
+        assert to_original_layout(ours, opt, sd) is sd
 
 
 def test_state_before_any_step_and_split_groups(list_moe_model):

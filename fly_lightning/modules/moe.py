@@ -31,8 +31,8 @@ from fly_lightning.ops.swiglu import split_gate_up, swiglu
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "fused"
-"""What ``path="auto"`` runs, from ``python -m benchmarks.bench_grouped_mm --moe`` on the H200 (``moe_layer.md``):
-fused is 1.02-1.09x faster in the forward, 0.98-1.08x in forward+backward, and keeps no permuted token copy."""
+"""What ``path="auto"`` runs, from ``python -m benchmarks.bench_grouped_mm --moe`` on the H200 (``moe_layer*.md``,
+three runs): fused vs plain 0.98-1.18x in the forward, 0.98-1.11x in forward+backward, and no permuted token copy."""
 
 
 def _route(moe: FlyMoE, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from fly_lightning.ops.grouped_mm import _fake
+from fly_lightning.ops.moe_grouped_mm import check_permutation, inverse_permutation
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -46,12 +47,7 @@ def _check_index(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype:
     """CPU-only value check, on every call (a device index is never read by the host)."""
     if index is None or index.device.type != "cpu" or torch.compiler.is_compiling() or _fake(index):
         return
-    n = index.numel()
-    if n == 0:
-        return
-    in_range = int(index.min()) >= 0 and int(index.max()) < n
-    if not in_range or not bool(torch.bincount(index.long(), minlength=n).eq(1).all()):
-        raise ValueError(f"moe_combine: index must be a permutation of range({n})")
+    check_permutation(index, "moe_combine: index")
 
 
 def _acc_dtype(rows: Tensor, weights: Tensor) -> torch.dtype:
@@ -140,7 +136,7 @@ def moe_combine_backward(
     t, k = weights.shape
     acc = _acc_dtype(rows, weights)
     slots = torch.arange(rows.shape[0], device=rows.device)
-    perm = slots if index is None else torch.empty_like(slots).scatter_(0, index.long(), slots)  # row r <- slot
+    perm = slots if index is None else inverse_permutation(index).long()  # row r holds slot perm[r]
     g_rows = grad.index_select(0, perm // k)
     d_rows = d_w = None
     if need_rows:

@@ -99,10 +99,16 @@ def _check_perm(
     _check_offsets(offs, m, "moe_grouped_mm")
     if offs.numel() and int(offs[-1]) != m:
         raise ValueError(f"moe_grouped_mm: offs[-1]={int(offs[-1])} must equal the number of rows M={m}")
-    if m and (int(perm.min()) < 0 or int(perm.max()) >= m):
-        raise ValueError(f"moe_grouped_mm: perm values must lie in [0, {m})")
-    if m and not bool(torch.bincount(perm.long(), minlength=m).eq(1).all()):
-        raise ValueError(f"moe_grouped_mm: perm must be a permutation of range({m}) (a value repeats)")
+    check_permutation(perm, "moe_grouped_mm: perm")
+
+
+def check_permutation(t: Tensor, what: str) -> None:
+    """Raise unless the (CPU) values of ``t`` are a permutation of ``range(len(t))``."""
+    n = t.shape[0]
+    if n and (int(t.min()) < 0 or int(t.max()) >= n):
+        raise ValueError(f"{what} values must lie in [0, {n}) (a permutation of range({n}))")
+    if n and not bool(torch.bincount(t.long(), minlength=n).eq(1).all()):
+        raise ValueError(f"{what} must be a permutation of range({n}) (a value repeats)")
 
 
 def inverse_permutation(perm: Tensor) -> Tensor:

@@ -73,12 +73,14 @@ def _supports(
     return True
 
 
+NUM_WARPS = 4
+
+
 @functools.lru_cache(maxsize=256)
-def _plan(h: int, itemsize: int) -> tuple[int, int, int]:
-    """(BT, BH, num_warps): about 4096 elements per program, rows read in 16-byte vectors."""
-    bh = min(block_of(h), 4096 // itemsize // 2 * 2)  # 1024 bf16 / 512 fp32 columns: 2 KB of each row
-    bt = max(1, 4096 // bh)
-    return bt, bh, 4
+def _plan(h: int, itemsize: int) -> tuple[int, int]:
+    """(BT, BH): up to 4 KB of each row (2048 bf16 / 1024 fp32 columns), about 4096 elements per program."""
+    bh = min(block_of(h), 4096 // itemsize)
+    return max(1, 4096 // bh), bh
 
 
 @MOE_COMBINE.implement(
@@ -97,7 +99,7 @@ def moe_combine_triton(
         return y
     if k == 0:
         return y.zero_()
-    bt, bh, warps = _plan(h, rows.element_size())
+    bt, bh = _plan(h, rows.element_size())
     grid = (cdiv(t, bt), cdiv(h, bh))
     with on_device(rows):
         _moe_combine_fwd[grid](
@@ -115,6 +117,6 @@ def moe_combine_triton(
             BT=bt,
             BH=bh,
             HAS_INDEX=index is not None,
-            num_warps=warps,
+            num_warps=NUM_WARPS,
         )
     return y

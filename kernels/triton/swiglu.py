@@ -7,8 +7,6 @@ kernels on strided views (``silu``, then the product) and rounds twice.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
@@ -43,8 +41,7 @@ def _supports(gate: torch.Tensor, up: torch.Tensor | None) -> bool | str:
     return True
 
 
-@functools.lru_cache(maxsize=256)
-def _plan(i: int, itemsize: int) -> tuple[int, int]:
+def _plan(i: int) -> tuple[int, int]:
     """(BT, BI): about 2048 outputs per program, 16-byte vectors along the row."""
     bi = min(block_of(i), 2048)
     return max(1, 2048 // bi), bi
@@ -62,7 +59,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
     y = torch.empty((s, i), dtype=g.dtype, device=g.device)
     if y.numel() == 0:
         return y
-    bt, bi = _plan(i, g.element_size())
+    bt, bi = _plan(i)
     with on_device(g):
         _swiglu_fwd[(cdiv(s, bt), cdiv(i, bi))](g, g.stride(0), u, u.stride(0), y, s, i, BT=bt, BI=bi, num_warps=4)
     return y

@@ -113,6 +113,24 @@ def test_factored_state_is_left_with_a_warning(list_moe_model):
         assert to_original_layout(ours, opt, sd) is sd
 
 
+def test_flattened_state_is_left_with_a_warning(list_moe_model):
+    ours = list_moe_model()
+    fly_lightning.transform(ours)
+    opt = torch.optim.LBFGS(ours.parameters(), max_iter=2)  # one search direction over all parameters, flattened
+    x = torch.randn(8, ours[0].in_features)
+
+    def closure():
+        opt.zero_grad()
+        loss = ours(x).square().mean()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    sd = opt.state_dict()
+    with pytest.warns(UserWarning, match="has shape"):
+        assert to_original_layout(ours, opt, sd) is sd
+
+
 def test_state_before_any_step_and_split_groups(list_moe_model):
     ours = list_moe_model()
     fly_lightning.transform(ours)

@@ -4,16 +4,16 @@ import re
 
 from _sm90 import compile_sm90, report
 
-from fly_lightning.kernels.triton.moe_combine import _moe_combine_fwd, _plan
+from fly_lightning.kernels.triton.moe_combine import NUM_WARPS, _moe_combine_fwd, _plan
 
 
 def variant(h: int, k: int, index: bool, rows: str = "bf16", out: str = "bf16") -> dict:
-    bt, bh, warps = _plan(h, 2 if rows != "fp32" else 4)
+    bt, bh = _plan(h, 2 if rows != "fp32" else 4)
     sig = dict(ROWS=f"*{rows}", stride_r="i32", W="*fp32", stride_wt="i32", stride_wk="i32", IDX="*i32",
                Y=f"*{out}", stride_y="i32", T="i32", H="i32")  # fmt: skip
     const = dict(K=k, BT=bt, BH=bh, HAS_INDEX=index)
     kernel, spill = compile_sm90(_moe_combine_fwd, sig, const, ("ROWS", "W", "IDX", "Y", "stride_r", "stride_y", "H"),
-                                 num_warps=warps)  # fmt: skip
+                                 num_warps=NUM_WARPS)  # fmt: skip
     ptx = kernel.asm["ptx"]
     return dict(spill_bytes=spill, vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[248]\.", ptx)))
 

@@ -17,7 +17,16 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+def _ptxas() -> str:
+    """The ptxas Triton itself picks for sm_90: the PTX version it emits follows that one (Triton 3.9 emits PTX 9.x,
+    which the older bundled ``ptxas`` rejects)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(90).path
+    except (ImportError, AttributeError):  # older Triton: one bundled ptxas
+        return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
 def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options):
@@ -29,10 +38,16 @@ def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(kernel.asm["ptx"])
-        info = subprocess.run(
-            [PTXAS, "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True
-        ).stderr
-    return kernel, max((int(m) for m in re.findall(r"(\d+) bytes spill stores", info)), default=0)
+        proc = subprocess.run(
+            [_ptxas(), "-arch=sm_90a", "-v", path, "-o", os.path.join(tmp, "k.cubin")], capture_output=True, text=True
+        )
+    # a failed or silent ptxas must fail the check, not read as "no spills"
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {proc.stderr[-1000:]}")
+    spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
+    if not spills:
+        raise RuntimeError(f"ptxas -v printed no spill line: {proc.stderr[-1000:]}")
+    return kernel, max(spills)
 
 
 def report(variants: dict[str, Callable[[], dict]]) -> None:

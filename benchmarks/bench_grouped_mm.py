@@ -45,6 +45,11 @@ def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
     return ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+def _ratio(num_ms: float, den_ms: float) -> float:
+    """Four significant digits: a fixed number of decimals rounds the interpreter's tiny ratios to 0."""
+    return float(f"{num_ms / den_ms:.4g}")
+
+
 def loop_fn(case: Case) -> Callable:
     """One ``torch.mm`` per expert into slices of one output (group sizes known on the host: no sync timed)."""
     bounds, start = [], 0
@@ -177,10 +182,10 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
             my_ms = row.get(f"{mine}_ms")
             for name in ("aten", "peer", "loop"):
                 if my_ms and row.get(f"{name}_ms"):
-                    row[f"{prefix}_{name}"] = round(row[f"{name}_ms"] / my_ms, 3)
+                    row[f"{prefix}_{name}"] = _ratio(row[f"{name}_ms"], my_ms)
             best = min((row[k] for k in ("aten_ms", "peer_ms") if row.get(k)), default=None)
             if my_ms and best:
-                row[f"{prefix}_best"] = round(best / my_ms, 3)
+                row[f"{prefix}_best"] = _ratio(best, my_ms)
         res.add(**row)
         del x, w, offs, sets
         if device == "cuda":

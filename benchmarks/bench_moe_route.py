@@ -356,20 +356,32 @@ def sweep_configs(case: Case):
     return list(dict.fromkeys(variants))
 
 
-def run_sweep() -> None:
-    from fly_lightning.kernels.triton.moe_route import moe_route_triton, tile_shape
+def pipeline_configs(case: Case):
+    """The launcher's configuration, then the next tile prefetched (with a few grid sizes: prefetching pays with more
+    tiles per program) and the other form of the winner-key store."""
+    from fly_lightning.kernels.triton.moe_route import DIRECT_STORE, launch_config
+
+    base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None)
+    variants = [base, replace(base, direct_store=not DIRECT_STORE)]
+    for pps in (base.programs_per_sm, 1, 2, 3):
+        variants.append(replace(base, prefetch=True, programs_per_sm=pps))
+    return list(dict.fromkeys(variants))
+
+
+def run_sweep(pipeline: bool = False) -> None:
+    from fly_lightning.kernels.triton.moe_route import DIRECT_STORE, moe_route_triton, tile_shape
     from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
 
     start = time.perf_counter()
     dev = torch.device("cuda")
     copy_gbps = copy_bandwidth_gbps(dev)
-    res = Results("moe_route_sweep")
+    res = Results("moe_route_sweep_pipeline" if pipeline else "moe_route_sweep")
     for case in CASES:
         inputs, bias = _inputs(case, dev)
         args = (*_args(case, bias), False)
         ref_ids = moe_route_reference(inputs[0][0], *args)[1]
         timings = []
-        for cfg in sweep_configs(case):
+        for cfg in (pipeline_configs if pipeline else sweep_configs)(case):
             shape = tile_shape(case.experts, case.n_groups, case.experts, torch.finfo(case.dtype).bits // 8, cfg)
             row = dict(
                 case=case.name,
@@ -381,6 +393,8 @@ def run_sweep() -> None:
                 warps=cfg.num_warps,
                 pps=cfg.programs_per_sm,
                 stages=cfg.num_stages,
+                prefetch=cfg.prefetch,
+                direct_store=DIRECT_STORE if cfg.direct_store is None else cfg.direct_store,
                 tile=f"{shape.G}x{shape.LG}x{shape.ROWS}x{shape.C}x{shape.VEC}",
             )
             try:
@@ -401,7 +415,8 @@ def run_sweep() -> None:
             default_ms = timings[0][0]
             res.summary[case.name] = (
                 f"best {best_ms * 1e3:.1f} us (ept={best['ept']} rpt={best['rpt']} "
-                f"warps={best['warps']} pps={best['pps']} stages={best['stages']}), "
+                f"warps={best['warps']} pps={best['pps']} stages={best['stages']} prefetch={best['prefetch']} "
+                f"direct_store={best['direct_store']}), "
                 f"default {default_ms * 1e3:.1f} us"
             )
     res.summary["sweep_seconds"] = round(time.perf_counter() - start, 1)
@@ -411,11 +426,12 @@ def run_sweep() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time launch configurations per case instead")
+    parser.add_argument("--pipeline", action="store_true", help="with --sweep: prefetch and store-form variants")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     a = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    run_sweep() if a.sweep else run_suite(compile_baseline=not a.no_compile)
+    run_sweep(a.pipeline) if a.sweep else run_suite(compile_baseline=not a.no_compile)
 
 
 if __name__ == "__main__":

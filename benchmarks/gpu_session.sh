@@ -49,6 +49,8 @@ for phase in "$@"; do
     route) run route 300 python3 -m benchmarks.bench_moe_route ;;
     probe) run probe 120 python3 -m benchmarks.probe_histogram_mask ;;
     route_sweep) run route_sweep 420 python3 -m benchmarks.bench_moe_route --sweep ;;
+    route_pipeline) run route_pipeline 300 python3 -m benchmarks.bench_moe_route --sweep --pipeline ;;
+    route_floor) run route_floor 240 python3 -m benchmarks.probe_route_floor ;;
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
     moe_profile) run moe_profile 300 python3 -m benchmarks.profile_moe_layer ;;
     callbacks) run callbacks 240 python3 -m benchmarks.gpu_check_callbacks ;;

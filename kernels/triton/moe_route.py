@@ -56,6 +56,7 @@ from fly_lightning.kernels.triton._support import device_reason, interpreting, o
 from fly_lightning.ops.moe_route import MOE_ROUTE, RENORM_EPS
 
 MAX_E = 1024
+DIRECT_STORE = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EPS = tl.constexpr(RENORM_EPS)
 
@@ -115,8 +116,19 @@ def _exact_values(
 
 
 @triton.jit
+def _load_tile(tile, last, X, stride_x, T, col, valid, ROWS: tl.constexpr):
+    """The logits of tile ``tile`` as a ``[G, LG, ROWS, C, VEC]`` tile (nothing is read for a tile at or past
+    ``last``: the prefetch past a program's range)."""
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = (rows < T) & (rows < last * ROWS)
+    x_row = X + rows.to(tl.int64) * stride_x
+    return tl.load(rows5(x_row) + col, mask=rows5(row_ok) & valid, other=0.0)
+
+
+@triton.jit
 def _route_tile(
     tile,
+    x,
     X,
     stride_x,
     bias,
@@ -143,8 +155,9 @@ def _route_tile(
     INF16: tl.constexpr,
     TOPK_G: tl.constexpr,
     PERM: tl.constexpr,
+    DIRECT_STORE: tl.constexpr,
 ):
-    """One tile of ROWS tokens; returns the updated per-expert tallies.
+    """One tile of ROWS tokens (``x``: its logits); returns the updated per-expert tallies.
 
     The selection runs on the wide tile and stores only each step's winning key; the weights and ids are then computed
     in a compact ``[ROWS, KP]`` layout from those keys, so per-row work is not replicated across a row's lanes.
@@ -154,7 +167,6 @@ def _route_tile(
     row_ok = rows < T
     rows64 = rows.to(tl.int64)
     x_row = X + rows64 * stride_x
-    x = tl.load(rows5(x_row) + col, mask=rows5(row_ok) & valid, other=0.0)
     if HALF_KEYS:  # 16-bit logits ranked directly: exact packed keys
         key = packed_keys(x, col, valid, INF16, CB)
     else:
@@ -173,8 +185,13 @@ def _route_tile(
             key, m = marked_step(key, j)
         else:
             m = descent_step(key, m, j)
-        # the winner's key, for the epilogue: stored by the thread holding column 0 (no layout conversion)
-        tl.store(rows5(out_j + j) + col * 0, rows5(m) + col * 0, mask=rows5(row_ok) & (col == 0))
+        # the winner's key, for the epilogue. Triton 3.6 stores the broadcast form from the threads holding column 0
+        # without a layout conversion; Triton 3.9 cannot fold that mask and emits a predicated store per element
+        # (232 registers instead of 128 for Qwen3's shape), so there the row vector is stored directly
+        if DIRECT_STORE:
+            tl.store(out_j + j, m, mask=row_ok)
+        else:
+            tl.store(rows5(out_j + j) + col * 0, rows5(m) + col * 0, mask=rows5(row_ok) & (col == 0))
         if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
             _, mx = packed_decode(m, INF16, X.dtype.element_ty, CB)
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
@@ -185,11 +202,14 @@ def _route_tile(
             for j in tl.static_range(K):
                 key, idx, _ = exact_step(key, col, j, CB)
                 # stored in packed form with the column in the low bits (the epilogue only reads the column)
-                tl.store(
-                    rows5(out_j + j) + col * 0,
-                    rows5((CB - 1) - idx) + col * 0,
-                    mask=rows5(row_ok) & (col == 0),
-                )
+                if DIRECT_STORE:
+                    tl.store(out_j + j, (CB - 1) - idx, mask=row_ok)
+                else:
+                    tl.store(
+                        rows5(out_j + j) + col * 0,
+                        rows5((CB - 1) - idx) + col * 0,
+                        mask=rows5(row_ok) & (col == 0),
+                    )
             chosen = key < INT_MIN + K
     chosen = chosen & rows5(row_ok)
     if PERM:
@@ -270,6 +290,8 @@ def _moe_route_fwd(
     INF16: tl.constexpr,
     TOPK_G: tl.constexpr,
     PERM: tl.constexpr,
+    DIRECT_STORE: tl.constexpr,
+    PREFETCH: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -284,10 +306,18 @@ def _moe_route_fwd(
     carry = tl.zeros([G, LG, C, VEC], tl.int32)  # PERM: this program's slots per expert so far
     tile = pid * tiles_per_prog
     last = tl.minimum(tile + tiles_per_prog, n_tiles)
+    if PREFETCH:
+        x = _load_tile(tile, last, X, stride_x, T, col, valid, ROWS)
     if INTERPRET:  # the interpreter cannot take runtime scalars as range() bounds
         while tile < last:
+            if PREFETCH:
+                x_cur = x
+                x = _load_tile(tile + 1, last, X, stride_x, T, col, valid, ROWS)
+            else:
+                x_cur = _load_tile(tile, last, X, stride_x, T, col, valid, ROWS)
             sel_count, carry = _route_tile(
                 tile,
+                x_cur,
                 X,
                 stride_x,
                 bias,
@@ -314,12 +344,19 @@ def _moe_route_fwd(
                 INF16,
                 TOPK_G,
                 PERM,
+                DIRECT_STORE,
             )
             tile += 1
     else:
         for t in tl.range(tile, last, num_stages=NUM_STAGES):
+            if PREFETCH:  # the next tile's loads are in flight while this one is ranked
+                x_cur = x
+                x = _load_tile(t + 1, last, X, stride_x, T, col, valid, ROWS)
+            else:
+                x_cur = _load_tile(t, last, X, stride_x, T, col, valid, ROWS)
             sel_count, carry = _route_tile(
                 t,
+                x_cur,
                 X,
                 stride_x,
                 bias,
@@ -346,6 +383,7 @@ def _moe_route_fwd(
                 INF16,
                 TOPK_G,
                 PERM,
+                DIRECT_STORE,
             )
     # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
     # program reads the totals (release by every thread, barrier, acq_rel ticket).
@@ -405,6 +443,8 @@ class LaunchConfig:
     num_warps: int = 4
     programs_per_sm: int = 4  # persistent grid: SMs * programs_per_sm programs (fewer when there are fewer tiles)
     num_stages: int = 1  # software pipelining of the tile loop
+    prefetch: bool = False  # load the next tile into registers before ranking this one
+    direct_store: bool | None = None  # see _route_tile; None: by the Triton version
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -609,6 +649,8 @@ def _plan(
         INF16=FP16_INF if dtype == torch.float16 else BF16_INF,
         TOPK_G=topk_groups or 0,
         PERM=perm,
+        DIRECT_STORE=DIRECT_STORE if cfg.direct_store is None else cfg.direct_store,
+        PREFETCH=cfg.prefetch,
         NUM_STAGES=cfg.num_stages,
         INTERPRET=interpret,
         num_warps=cfg.num_warps,

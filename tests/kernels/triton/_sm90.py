@@ -30,7 +30,8 @@ def _ptxas() -> str:
 
 
 def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options):
-    """``(compiled kernel, spill bytes)``: ``sig`` types the runtime arguments, ``aligned`` are 16-divisible ones."""
+    """``(compiled kernel, spill bytes, registers per thread)``: ``sig`` types the runtime arguments, ``aligned`` are
+    16-divisible ones."""
     sig = {a: "constexpr" if a in const else sig[a] for a in fn.arg_names}
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned if a not in const}
     kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=options)
@@ -47,7 +48,7 @@ def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options
     spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
     if not spills:
         raise RuntimeError(f"ptxas -v printed no spill line: {proc.stderr[-1000:]}")
-    return kernel, max(spills)
+    return kernel, max(spills), max(int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr))
 
 
 def report(variants: dict[str, Callable[[], dict]]) -> None:

@@ -12,8 +12,8 @@ def variant(h: int, k: int, index: bool, rows: str = "bf16", out: str = "bf16") 
     sig = dict(ROWS=f"*{rows}", stride_r="i32", W="*fp32", stride_wt="i32", stride_wk="i32", IDX="*i32",
                Y=f"*{out}", stride_y="i32", T="i32", H="i32")  # fmt: skip
     const = dict(K=k, BT=bt, BH=bh, HAS_INDEX=index)
-    kernel, spill = compile_sm90(_moe_combine_fwd, sig, const, ("ROWS", "W", "IDX", "Y", "stride_r", "stride_y", "H"),
-                                 num_warps=NUM_WARPS)  # fmt: skip
+    aligned = ("ROWS", "W", "IDX", "Y", "stride_r", "stride_y", "H")
+    kernel, spill, _ = compile_sm90(_moe_combine_fwd, sig, const, aligned, num_warps=NUM_WARPS)
     ptx = kernel.asm["ptx"]
     return dict(spill_bytes=spill, vector_loads=len(re.findall(r"ld\.global(?:\.\w+)*\.v[248]\.", ptx)))
 

@@ -16,8 +16,8 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
 
 def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
     options = dict(num_warps=const.pop("num_warps"), num_stages=const.pop("num_stages", 3))
-    kernel, spill_bytes = compile_sm90(fn, sig, const, aligned, **options)
-    return dict(spill_bytes=spill_bytes, shared=kernel.metadata.shared)
+    kernel, spill_bytes, registers = compile_sm90(fn, sig, const, aligned, **options)
+    return dict(spill_bytes=spill_bytes, registers=registers, shared=kernel.metadata.shared)
 
 
 def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False) -> dict:

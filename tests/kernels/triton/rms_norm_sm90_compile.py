@@ -13,7 +13,7 @@ from fly_lightning.kernels.triton.rms_norm import _rms_norm_rows, _rms_norm_unal
 
 
 def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...], num_warps: int) -> dict:
-    kernel, spill_bytes = compile_sm90(fn, sig, const, aligned, num_warps=num_warps)
+    kernel, spill_bytes, _ = compile_sm90(fn, sig, const, aligned, num_warps=num_warps)
     ptx = kernel.asm["ptx"]
     return dict(
         spill_bytes=spill_bytes,

@@ -27,7 +27,7 @@ def compile_sm90(cfg: GroupedMMConfig, k_major=True, gather=False, scatter=False
     sig = {a: "*i32" if a in ("OFFS", "IDX", "TILE_END") else "i32" for a in fn.arg_names}
     sig.update(X="*bf16", W="*bf16", OUT=f"*{out}")
     aligned = ("X", "W", "OUT", "OFFS", "IDX", "TILE_END", "N", "K", "stride_xm", "stride_we", "stride_om")
-    kernel, spill_bytes = _compile(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    kernel, spill_bytes, _ = _compile(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ttgir = kernel.asm["ttgir"]
     return dict(
         shared=kernel.metadata.shared, warps=kernel.metadata.num_warps, spill_bytes=spill_bytes,

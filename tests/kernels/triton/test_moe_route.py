@@ -47,6 +47,10 @@ def _check(out, ref, n_experts, perm=True):
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5)),
         (13, torch.float32, LaunchConfig(num_warps=1, programs=2)),  # odd width: 4-byte loads
         (1024, torch.bfloat16, LaunchConfig(num_warps=1, programs=2)),  # widest supported row
+        # the next tile prefetched (3 programs share 2 tiles: one loads nothing), both winner-key store forms
+        (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=3, prefetch=True, direct_store=True)),
+        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, prefetch=True)),
+        (60, torch.float16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True)),
     ],
 )
 @pytest.mark.parametrize("perm", [False, True])
@@ -77,7 +81,8 @@ def test_non_power_of_two_groups():
 
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_exact_fallback_for_wide_dynamic_range(perm, bias):
+@pytest.mark.parametrize("direct_store", [False, True])
+def test_exact_fallback_for_wide_dynamic_range(perm, bias, direct_store):
     """fp32 values are ranked relative to the row max; a chosen value far below it (here 1e30 vs ~1) makes the tile
     redo the selection with exact keys."""
     logits = torch.randn(40, 32)
@@ -85,7 +90,8 @@ def test_exact_fallback_for_wide_dynamic_range(perm, bias):
     logits[20, :4] = torch.tensor([1e25, -1e25, 1e-30, 0.0])
     b = torch.zeros(32) if bias else None
     score = "sigmoid" if bias else "softmax"
-    out, ref = _run(logits, 5, LaunchConfig(num_warps=1, programs=2), score=score, bias=b, perm=perm)
+    cfg = LaunchConfig(num_warps=1, programs=2, direct_store=direct_store)
+    out, ref = _run(logits, 5, cfg, score=score, bias=b, perm=perm)
     _check(out, ref, 32, perm)
 
 
@@ -106,9 +112,12 @@ def test_ties_inside_a_relative_key_tile():
     programs=st.sampled_from([None, 1, 3]),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     perm=st.booleans(),
+    prefetch=st.booleans(),
+    direct_store=st.sampled_from([None, False, True]),
 )
-def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm):
-    cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs)
+def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store):
+    cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs,
+                       prefetch=prefetch, direct_store=direct_store)  # fmt: skip
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)

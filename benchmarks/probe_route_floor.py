@@ -1,0 +1,127 @@
+"""How fast can one routing launch be? Floors for the ``moe_route`` suite, timed the way the suite times (CUDA-graph
+replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
+
+- ``empty``: a kernel that does nothing, on the grid our launcher uses (launch and graph-node cost);
+- ``copy``: reads the logits and writes outputs of the routing's size ([T, k] fp32 weights and int32 ids), one
+  row max per token so every byte is used: the memory floor of any single-launch router;
+- ``copy_counts``: ``copy`` plus our kernel's global tail (per-program integer atomics, a ticket, the last program
+  writes counts and offsets and re-zeroes the workspace): the floor of a single launch that also counts.
+
+``ceiling_vs_aten`` = ATen sequence / floor: the speedup no single-launch kernel with this output could beat in this
+measurement. ``ours_over_copy_counts``: how far our kernel is from that floor.
+
+    python -m benchmarks.probe_route_floor
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from benchmarks.bench_moe_route import CASES, _args, _bytes, _inputs, aten_route
+from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, time_graph_ms
+
+
+@triton.jit
+def _empty(X):
+    pass
+
+
+@triton.jit
+def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.constexpr, K: tl.constexpr,
+                KP: tl.constexpr, BE: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    e = tl.arange(0, BE)
+    kk = tl.arange(0, KP)
+    for tile in range(pid, n_tiles, tl.num_programs(0)):
+        rows = tile * ROWS + tl.arange(0, ROWS)
+        ok = rows < T
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + e[None, :], mask=ok[:, None] & (e < E)[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        m = tl.max(x, axis=1)
+        out = rows[:, None].to(tl.int64) * K + kk[None, :]
+        out_ok = ok[:, None] & (kk < K)[None, :]
+        tl.store(W + out, m[:, None] + kk[None, :], mask=out_ok)
+        tl.store(ID + out, m[:, None].to(tl.int32) + kk[None, :], mask=out_ok)
+    if COUNT:  # the tail of our kernel: tallies by atomics, a ticket, the last program publishes and re-zeroes
+        tl.atomic_add(WS + 1 + e, (e + pid) & 1, mask=e < E, sem="release")
+        tl.debug_barrier()
+        ticket = tl.atomic_add(WS, 1, sem="acq_rel")
+        if ticket == tl.num_programs(0) - 1:
+            tl.debug_barrier()
+            counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e < E)
+            tl.store(COUNTS + e, counts, mask=e < E)
+            tl.store(OFFSETS + e, tl.cumsum(tl.where(e < E, counts, 0), axis=0), mask=e < E)
+            tl.atomic_xchg(WS, 0)
+
+
+@functools.cache
+def _sm_count() -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count
+
+
+def _floor_fn(case, count: bool, ws: torch.Tensor):
+    be = triton.next_power_of_2(case.experts)
+    rows = max(1, 4096 // be)
+    n_tiles = triton.cdiv(case.tokens, rows)
+    progs = min(n_tiles, _sm_count() * 4)
+    kp = triton.next_power_of_2(case.k)
+
+    def fn(x):
+        w = torch.empty((case.tokens, case.k), dtype=torch.float32, device=x.device)
+        ids = torch.empty((case.tokens, case.k), dtype=torch.int32, device=x.device)
+        counts = torch.empty(case.experts, dtype=torch.int32, device=x.device)
+        offsets = torch.empty_like(counts)
+        _copy_floor[(progs,)](x, x.stride(0), w, ids, ws, counts, offsets, case.tokens, n_tiles, E=case.experts,
+                              K=case.k, KP=kp, BE=be, ROWS=rows, COUNT=count, num_warps=4)  # fmt: skip
+        return w, ids, counts, offsets
+
+    return fn
+
+
+def main() -> None:
+    from fly_lightning.kernels.triton.moe_route import _plan, moe_route_triton
+
+    dev = torch.device("cuda")
+    copy_gbps = copy_bandwidth_gbps(dev)
+    res = Results("moe_route_floor")
+    ws = torch.zeros(1 + 1024, dtype=torch.int32, device=dev)
+    ceil = {"copy": [], "copy_counts": []}
+    ours_vs_aten = []
+    for case in CASES:
+        inputs, bias = _inputs(case, dev)
+        args = _args(case, bias)
+        plan = _plan(case.tokens, case.experts, case.k, case.dtype, case.experts, case.score, case.renormalize,
+                     bias is not None, case.n_groups, case.topk_groups, False, dev, None, False)  # fmt: skip
+        fns = {
+            "empty": lambda x, p=plan.programs: _empty[(p,)](x),
+            "copy": _floor_fn(case, False, ws),
+            "copy_counts": _floor_fn(case, True, ws),
+            "ours": lambda x, a=args: moe_route_triton(x, *a, False),
+            "aten": lambda x, a=args: aten_route(x, *a),
+        }
+        row = dict(case=case.name, T=case.tokens, E=case.experts, k=case.k, dtype=str(case.dtype).split(".")[-1],
+                   programs=plan.programs)  # fmt: skip
+        for name, fn in fns.items():
+            row[f"{name}_us"] = round(1e3 * time_graph_ms(fn, inputs, calls_per_graph=20, replays=20)["median_ms"], 2)
+        row["copy_pct_copy_bw"] = round(100 * _bytes(case) / (row["copy_us"] * 1e3) / copy_gbps, 1)
+        for name in ceil:
+            row[f"ceiling_vs_aten_{name}"] = round(row["aten_us"] / row[f"{name}_us"], 1)
+            ceil[name].append(row["aten_us"] / row[f"{name}_us"])
+        row["ours_vs_aten"] = round(row["aten_us"] / row["ours_us"], 1)
+        row["ours_over_copy_counts"] = round(row["ours_us"] / row["copy_counts_us"], 2)
+        ours_vs_aten.append(row["aten_us"] / row["ours_us"])
+        res.add(**row)
+    res.summary = {f"geomean_ceiling_vs_aten_{k}": round(geomean(v), 1) for k, v in ceil.items()}
+    res.summary["geomean_ours_vs_aten"] = round(geomean(ours_vs_aten), 1)
+    res.notes.append(f"copy bandwidth {copy_gbps:.0f} GB/s; graph replay, 20 calls per graph; deterministic off")
+    print(res.save())
+
+
+if __name__ == "__main__":
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device")
+    main()

@@ -341,7 +341,7 @@ def sweep_configs(case: Case):
     """The launcher's configuration, then one factor changed at a time."""
     from fly_lightning.kernels.triton.moe_route import launch_config
 
-    base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None)
+    base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None, case.bias)
     variants = [base]
     for ept in (base.elems_per_thread // 2, base.elems_per_thread * 2):
         variants.append(replace(base, elems_per_thread=ept))
@@ -357,14 +357,14 @@ def sweep_configs(case: Case):
 
 
 def pipeline_configs(case: Case):
-    """The launcher's configuration, then the next tile prefetched (with a few grid sizes: prefetching pays with more
-    tiles per program) and the other form of the winner-key store."""
+    """The launcher's configuration, then with the prefetch flipped, the other form of the winner-key store, and a few
+    grid sizes (prefetching pays with more tiles per program)."""
     from fly_lightning.kernels.triton.moe_route import DIRECT_STORE, launch_config
 
-    base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None)
-    variants = [base, replace(base, direct_store=not DIRECT_STORE)]
-    for pps in (base.programs_per_sm, 1, 2, 3):
-        variants.append(replace(base, prefetch=True, programs_per_sm=pps))
+    base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None, case.bias)
+    variants = [base, replace(base, prefetch=not base.prefetch), replace(base, direct_store=not DIRECT_STORE)]
+    for pps in (1, 2, 3, 4):
+        variants.append(replace(base, programs_per_sm=pps))
     return list(dict.fromkeys(variants))
 
 

@@ -477,15 +477,22 @@ def tile_shape(n_experts: int, n_groups: int | None, row_stride: int, itemsize: 
     )
 
 
-def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool) -> LaunchConfig:
-    """Heuristic, from the H200 sweep (``benchmarks/bench_moe_route.py --sweep``, ``moe_route_sweep.md``): 32 row
-    elements per thread and tiles of about 4096 elements, except where one change measured faster:
+def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: bool = False) -> LaunchConfig:
+    """Heuristic, from the H200 sweeps (``benchmarks/bench_moe_route.py --sweep [--pipeline]``,
+    ``moe_route_sweep.md``, ``moe_route_sweep_pipeline.md``): 32 row elements per thread and tiles of about 4096
+    elements, except where one change measured faster:
 
     - 16-bit rows of 128+ experts, ungrouped: 64 elements per thread (fewer lanes per row, fewer shuffle stages;
       GLM-4.5's 160 experts 32.0 -> 26.1 us, Qwen3's 128 9.7 -> 8.5 us).
     - fp32 rows of up to 64 experts: 16 elements per thread (DeepSeek-V2-Lite 19.9 -> 15.6 us).
     - expert groups: two rows per thread (DeepSeek-V3 65k tokens 67.7 -> 57.3 us, fp32 16k 25.6 -> 23.2 us).
     - up to 8 experts: one row per thread, so a 16k-token batch spreads over 128 programs (Mixtral 4.6 -> 4.2 us).
+    - the next tile prefetched, except for 16-bit rows of up to 64 experts (one tile per program at the suite's
+      sizes; prefetching cost Mixtral 3.9 -> 4.1 us, OLMoE 7.1 -> 7.3): DeepSeek-V2-Lite 14.7 -> 13.6 us,
+      Qwen3 65k 16.5 -> 16.0.
+    - biased or grouped scores: 2 programs per SM. Those kernels take 255 registers, so only two programs of 4 warps
+      fit on an SM and a 4-per-SM grid runs in two waves (GLM-4.5 26.3 -> 20.6 us, DeepSeek-V3 65k 58.4 -> 54.7, fp32
+      16k 25.6 -> 21.7, with the prefetch).
     """
     width = block_of(n_experts)
     per_row = min(32, width)
@@ -500,7 +507,13 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool) -> Launc
         rows = 1
     else:
         rows = max(1, 32 // per_row)
-    return LaunchConfig(elems_per_thread=ept, rows_per_thread=rows, num_warps=4)
+    return LaunchConfig(
+        elems_per_thread=ept,
+        rows_per_thread=rows,
+        num_warps=4,
+        programs_per_sm=2 if grouped or biased else 4,
+        prefetch=not (itemsize == 2 and width <= 64),
+    )
 
 
 @functools.cache
@@ -622,7 +635,7 @@ def _plan(
 ) -> _Plan:
     """Everything about a launch that depends only on the call's signature (cached: the eager path is host-bound)."""
     itemsize = torch.finfo(dtype).bits // 8
-    cfg = config or launch_config(n_experts, k, itemsize, n_groups is not None)
+    cfg = config or launch_config(n_experts, k, itemsize, n_groups is not None, has_bias)
     shape = tile_shape(n_experts, n_groups, row_stride, itemsize, cfg)
     tiles = cdiv(n_tokens, shape.ROWS)
     programs, per_program = _grid(device, cfg, tiles)

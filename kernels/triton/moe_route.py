@@ -56,7 +56,11 @@ from fly_lightning.kernels.triton._support import device_reason, interpreting, o
 from fly_lightning.ops.moe_route import MOE_ROUTE, RENORM_EPS
 
 MAX_E = 1024
-DIRECT_STORE = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
+# Triton 3.9 lowers this kernel differently from 3.6 (the H200 image's, where every timing here was taken): the
+# winner-key store needs the direct form there, and the prefetch takes Qwen3's shape to 166 registers, past the 128
+# that 4 programs of 4 warps per SM allow (tests/kernels/triton/test_moe_route_sm90.py), so it stays off there
+TRITON_3_9 = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
+DIRECT_STORE = TRITON_3_9
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EPS = tl.constexpr(RENORM_EPS)
 
@@ -489,7 +493,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     - up to 8 experts: one row per thread, so a 16k-token batch spreads over 128 programs (Mixtral 4.6 -> 4.2 us).
     - the next tile prefetched, except for 16-bit rows of up to 64 experts (one tile per program at the suite's
       sizes; prefetching cost Mixtral 3.9 -> 4.1 us, OLMoE 7.1 -> 7.3): DeepSeek-V2-Lite 14.7 -> 13.6 us,
-      Qwen3 65k 16.5 -> 16.0.
+      Qwen3 65k 16.5 -> 16.0 (Triton 3.6; off with Triton 3.9, see ``TRITON_3_9``).
     - biased or grouped scores: 2 programs per SM. Those kernels take 255 registers, so only two programs of 4 warps
       fit on an SM and a 4-per-SM grid runs in two waves (GLM-4.5 26.3 -> 20.6 us, DeepSeek-V3 65k 58.4 -> 54.7, fp32
       16k 25.6 -> 21.7, with the prefetch).
@@ -512,7 +516,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
         rows_per_thread=rows,
         num_warps=4,
         programs_per_sm=2 if grouped or biased else 4,
-        prefetch=not (itemsize == 2 and width <= 64),
+        prefetch=not (itemsize == 2 and width <= 64) and not TRITON_3_9,
     )
 
 

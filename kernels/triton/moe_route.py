@@ -296,6 +296,7 @@ def _moe_route_fwd(
     PERM: tl.constexpr,
     DIRECT_STORE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    RELAXED_TAIL: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -390,25 +391,41 @@ def _moe_route_fwd(
                 DIRECT_STORE,
             )
     # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
-    # program reads the totals (release by every thread, barrier, acq_rel ticket).
+    # program reads the totals. RELAXED_TAIL: relaxed tallies, barrier, one acq_rel ticket by one thread (the pattern
+    # of cooperative groups' grid sync: the barrier makes the block's tallies precede that thread's release), relaxed
+    # reads and re-zeroing after the acquire; otherwise every tally is a release (a fence per thread, which also
+    # waits for the tile's output stores) and the reads are acq_rel.
     if PERM:
         col4 = tl.max(col, axis=2)
         valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
         tl.store(HIST + pid * E + col4, carry, mask=valid4)
-        tl.atomic_add(WS + 1 + col4, carry, mask=valid4 & (carry != 0), sem="release")
+        if RELAXED_TAIL:
+            tl.atomic_add(WS + 1 + col4, carry, mask=valid4 & (carry != 0), sem="relaxed")
+        else:
+            tl.atomic_add(WS + 1 + col4, carry, mask=valid4 & (carry != 0), sem="release")
     else:
         e = tl.arange(0, BLOCK_E)
-        tl.atomic_add(WS + 1 + e, sel_count, mask=(e < E) & (sel_count != 0), sem="release")
+        if RELAXED_TAIL:
+            tl.atomic_add(WS + 1 + e, sel_count, mask=(e < E) & (sel_count != 0), sem="relaxed")
+        else:
+            tl.atomic_add(WS + 1 + e, sel_count, mask=(e < E) & (sel_count != 0), sem="release")
     tl.debug_barrier()
     ticket = tl.atomic_add(WS, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:
         tl.debug_barrier()
         e = tl.arange(0, BLOCK_E)
         e_ok = e < E
-        counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e_ok)  # read the totals and re-zero for the next launch
+        # read the totals and re-zero for the next launch (the next launch is ordered by the kernel boundary)
+        if RELAXED_TAIL:
+            counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e_ok, sem="relaxed")
+        else:
+            counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e_ok)
         tl.store(COUNTS + e, counts, mask=e_ok)
         tl.store(OFFSETS + e, tl.cumsum(tl.where(e_ok, counts, 0), axis=0), mask=e_ok)
-        tl.atomic_xchg(WS, 0)
+        if RELAXED_TAIL:
+            tl.atomic_xchg(WS, 0, sem="relaxed")
+        else:
+            tl.atomic_xchg(WS, 0)
 
 
 @triton.jit
@@ -449,6 +466,7 @@ class LaunchConfig:
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
     direct_store: bool | None = None  # see _route_tile; None: by the Triton version
+    relaxed_tail: bool = False  # see the end of _moe_route_fwd
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -512,6 +530,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     else:
         rows = max(1, 32 // per_row)
     return LaunchConfig(
+        relaxed_tail=True,
         elems_per_thread=ept,
         rows_per_thread=rows,
         num_warps=4,
@@ -668,6 +687,7 @@ def _plan(
         PERM=perm,
         DIRECT_STORE=DIRECT_STORE if cfg.direct_store is None else cfg.direct_store,
         PREFETCH=cfg.prefetch,
+        RELAXED_TAIL=cfg.relaxed_tail,
         NUM_STAGES=cfg.num_stages,
         INTERPRET=interpret,
         num_warps=cfg.num_warps,

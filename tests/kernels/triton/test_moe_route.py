@@ -51,6 +51,7 @@ def _check(out, ref, n_experts, perm=True):
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=3, prefetch=True, direct_store=True)),
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, prefetch=True)),
         (60, torch.float16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True)),
+        (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, relaxed_tail=True)),
     ],
 )
 @pytest.mark.parametrize("perm", [False, True])
@@ -114,10 +115,11 @@ def test_ties_inside_a_relative_key_tile():
     perm=st.booleans(),
     prefetch=st.booleans(),
     direct_store=st.sampled_from([None, False, True]),
+    relaxed_tail=st.booleans(),
 )
-def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store):
+def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail):
     cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs,
-                       prefetch=prefetch, direct_store=direct_store)  # fmt: skip
+                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail)  # fmt: skip
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)

@@ -4,8 +4,9 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 - ``empty``: a kernel that does nothing, on the grid our launcher uses (launch and graph-node cost);
 - ``copy``: reads the logits and writes outputs of the routing's size ([T, k] fp32 weights and int32 ids), one
   row max per token so every byte is used: the memory floor of any single-launch router;
-- ``copy_counts``: ``copy`` plus our kernel's global tail (per-program integer atomics, a ticket, the last program
-  writes counts and offsets and re-zeroes the workspace): the floor of a single launch that also counts.
+- ``copy_counts``: ``copy`` plus our kernel's global tail in its default form (per-program relaxed integer atomics, a
+  barrier, one acq_rel ticket, the last program writes counts and offsets and re-zeroes the workspace): the floor of
+  a single launch that also counts this way.
 
 ``ceiling_vs_aten`` = ATen sequence / floor: the speedup no single-launch kernel with this output could beat in this
 measurement. ``ours_over_copy_counts``: how far our kernel is from that floor.
@@ -46,16 +47,17 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
         out_ok = ok[:, None] & (kk < K)[None, :]
         tl.store(W + out, m[:, None] + kk[None, :], mask=out_ok)
         tl.store(ID + out, m[:, None].to(tl.int32) + kk[None, :], mask=out_ok)
-    if COUNT:  # the tail of our kernel: tallies by atomics, a ticket, the last program publishes and re-zeroes
-        tl.atomic_add(WS + 1 + e, (e + pid) & 1, mask=e < E, sem="release")
+    if COUNT:  # the tail of our kernel (its default, relaxed form): tallies by atomics, a ticket, the last program
+        # publishes and re-zeroes
+        tl.atomic_add(WS + 1 + e, (e + pid) & 1, mask=(e < E) & (((e + pid) & 1) != 0), sem="relaxed")
         tl.debug_barrier()
         ticket = tl.atomic_add(WS, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             tl.debug_barrier()
-            counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e < E)
+            counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e < E, sem="relaxed")
             tl.store(COUNTS + e, counts, mask=e < E)
             tl.store(OFFSETS + e, tl.cumsum(tl.where(e < E, counts, 0), axis=0), mask=e < E)
-            tl.atomic_xchg(WS, 0)
+            tl.atomic_xchg(WS, 0, sem="relaxed")
 
 
 @functools.cache

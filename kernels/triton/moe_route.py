@@ -233,7 +233,7 @@ def _route_tile(
         # padding slots (k < KP, rows past T) go to bin 0 and are taken off again, instead of tl.histogram's mask:
         # with the mask, this kernel's counts came out wrong on the H200 for k=6 (KP=8) in every launch configuration
         # (moe_route_sweep_register_epilogue.md), while the interpreter and a standalone masked histogram
-        # (benchmarks/probe_histogram_mask.py) were right; this form measured right everywhere (moe_route_sweep.md)
+        # (benchmarks/probe_histogram_mask.py) were right; this form measured right everywhere (moe_route_sweep*.md)
         flat_ok = tl.reshape(out_ok, [ROWS * kk.shape[0]])
         flat = tl.where(flat_ok, tl.reshape(idx, [ROWS * kk.shape[0]]), 0)
         n_pad = ROWS * kk.shape[0] - tl.sum(flat_ok.to(tl.int32))
@@ -501,8 +501,10 @@ def tile_shape(n_experts: int, n_groups: int | None, row_stride: int, itemsize: 
 
 def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: bool = False) -> LaunchConfig:
     """Heuristic, from the H200 sweeps (``benchmarks/bench_moe_route.py --sweep [--pipeline]``,
-    ``moe_route_sweep.md``, ``moe_route_sweep_pipeline.md``): 32 row elements per thread and tiles of about 4096
-    elements, except where one change measured faster:
+    ``moe_route_sweep_dcd9d8f.md``, then ``moe_route_sweep_pipeline.md``): 32 row elements per thread and tiles of
+    about 4096 elements, except where one change measured faster. A full sweep around the result (bfbab72,
+    ``moe_route_sweep.md``) finds every case within 3% of its best configuration but Llama-4's 16 experts (4.3 vs
+    4.0 us with 64 elements per thread):
 
     - 16-bit rows of 128+ experts, ungrouped: 64 elements per thread (fewer lanes per row, fewer shuffle stages;
       GLM-4.5's 160 experts 32.0 -> 26.1 us, Qwen3's 128 9.7 -> 8.5 us).

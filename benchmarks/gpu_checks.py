@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fly_lightning
-from benchmarks.harness import results_dir
+from benchmarks.harness import environment, results_dir
 from fly_lightning import DISPATCH_LOG
 from fly_lightning.ops.moe_combine import moe_combine_reference
 from fly_lightning.ops.rms_norm import rms_norm_reference
@@ -244,7 +244,7 @@ def main() -> int:
     out = results_dir()
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_checks.json").write_text(
-        json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "checks": results}, indent=1)
+        json.dumps({"environment": environment(), "checks": results}, indent=1, default=str)
     )
     return 0 if all(r["ok"] for r in results) else 1
 

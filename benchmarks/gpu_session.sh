@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh checks rms route callbacks recipe     # phases, in order
 #
 # Needs .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along.
+# Pass the revision literally (FLY_GIT_REV=<rev> bash benchmarks/gpu_session.sh ...): on the device copy of the tree,
+# `git rev-parse HEAD` once reported an older commit than the one whose files ran.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -24,6 +24,7 @@ uses no atomics: ranks follow token order inside a program and program order acr
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -56,11 +57,13 @@ from fly_lightning.kernels.triton._support import device_reason, interpreting, o
 from fly_lightning.ops.moe_route import MOE_ROUTE, RENORM_EPS
 
 MAX_E = 1024
-# Triton 3.9 lowers this kernel differently from 3.6 (the H200 image's, where every timing here was taken): the
-# winner-key store needs the direct form there, and the prefetch takes Qwen3's shape to 166 registers, past the 128
-# that 4 programs of 4 warps per SM allow (tests/kernels/triton/test_moe_route_sm90.py), so it stays off there
-TRITON_3_9 = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9)
-DIRECT_STORE = TRITON_3_9
+# Triton after 3.6 (the H200 image's, where every timing here was taken) lowers this kernel differently. Compiled for
+# sm_90 with 3.7.1 (torch 2.13's), 3.8.0 and 3.9.0, the broadcast winner-key store takes Qwen3's shape to 229-255
+# registers (with spills on 3.7/3.8), so those use the direct store; the prefetch then still takes it to 166, past the
+# 128 that 4 programs of 4 warps per SM allow (tests/kernels/triton/test_moe_route_sm90.py), so it stays off there.
+# Both choices are untimed on those versions.
+NEWER_TRITON = tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", triton.__version__).groups()) >= (3, 7)
+DIRECT_STORE = NEWER_TRITON
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EPS = tl.constexpr(RENORM_EPS)
 
@@ -190,8 +193,8 @@ def _route_tile(
         else:
             m = descent_step(key, m, j)
         # the winner's key, for the epilogue. Triton 3.6 stores the broadcast form from the threads holding column 0
-        # without a layout conversion; Triton 3.9 cannot fold that mask and emits a predicated store per element
-        # (232 registers instead of 128 for Qwen3's shape), so there the row vector is stored directly
+        # without a layout conversion; later versions cannot fold that mask and emit a predicated store per element
+        # (229-255 registers instead of 128 for Qwen3's shape), so there the row vector is stored directly
         if DIRECT_STORE:
             tl.store(out_j + j, m, mask=row_ok)
         else:
@@ -513,7 +516,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     - up to 8 experts: one row per thread, so a 16k-token batch spreads over 128 programs (Mixtral 4.6 -> 4.2 us).
     - the next tile prefetched, except for 16-bit rows of up to 64 experts (one tile per program at the suite's
       sizes; prefetching cost Mixtral 3.9 -> 4.1 us, OLMoE 7.1 -> 7.3): DeepSeek-V2-Lite 14.7 -> 13.6 us,
-      Qwen3 65k 16.5 -> 16.0 (Triton 3.6; off with Triton 3.9, see ``TRITON_3_9``).
+      Qwen3 65k 16.5 -> 16.0 (Triton 3.6; off with later versions, see ``NEWER_TRITON``).
     - biased or grouped scores: 2 programs per SM. Those kernels take 255 registers, so only two programs of 4 warps
       fit on an SM and a 4-per-SM grid runs in two waves (GLM-4.5 26.3 -> 20.6 us, DeepSeek-V3 65k 58.4 -> 54.7, fp32
       16k 25.6 -> 21.7, with the prefetch).
@@ -539,7 +542,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
         rows_per_thread=rows,
         num_warps=4,
         programs_per_sm=2 if grouped or biased else 4,
-        prefetch=not (itemsize == 2 and width <= 64) and not TRITON_3_9,
+        prefetch=not (itemsize == 2 and width <= 64) and not NEWER_TRITON,
     )
 
 

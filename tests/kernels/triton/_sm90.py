@@ -25,7 +25,7 @@ def _ptxas() -> str:
         from triton.backends.nvidia.compiler import get_ptxas
 
         return get_ptxas(90).path
-    except (ImportError, AttributeError):  # older Triton: one bundled ptxas
+    except (ImportError, AttributeError, TypeError):  # older Triton: one bundled ptxas
         return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
@@ -48,7 +48,10 @@ def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options
     spills = [int(m) for m in re.findall(r"(\d+) bytes spill stores", proc.stderr)]
     if not spills:
         raise RuntimeError(f"ptxas -v printed no spill line: {proc.stderr[-1000:]}")
-    return kernel, max(spills), max(int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr))
+    registers = [int(m) for m in re.findall(r"Used (\d+) registers", proc.stderr)]
+    if not registers:
+        raise RuntimeError(f"ptxas -v printed no register line: {proc.stderr[-1000:]}")
+    return kernel, max(spills), max(registers)
 
 
 def report(variants: dict[str, Callable[[], dict]]) -> None:

@@ -6,6 +6,10 @@ GPU behaviour (it keeps NaN payloads that a GPU float op may canonicalise), so t
 check; this one keeps the kernels compiling, spill-free, in CI.
 """
 
+import re
+from collections import Counter
+from dataclasses import replace
+
 import torch
 from _sm90 import compile_sm90, report
 
@@ -17,17 +21,26 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
 def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
     options = dict(num_warps=const.pop("num_warps"), num_stages=const.pop("num_stages", 3))
     kernel, spill_bytes, registers = compile_sm90(fn, sig, const, aligned, **options)
-    return dict(spill_bytes=spill_bytes, registers=registers, shared=kernel.metadata.shared)
+    # global atomics by kind and memory order, e.g. "atom.acq_rel.add": the counting tail's ordering, as compiled
+    ops = re.findall(r"\b(atom|red)\.global\.gpu\.(\w+)\.(\w+)\.", kernel.asm["ptx"])
+    atomics = Counter(f"{op}.{sem}.{kind}" for op, sem, kind in ops)
+    return dict(spill_bytes=spill_bytes, registers=registers, shared=kernel.metadata.shared, global_atomics=atomics)
 
 
-def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False) -> dict:
+def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False, **config) -> dict:
+    """``config``: LaunchConfig fields changed from the launcher's own choice (then ``launcher_default`` is False)."""
+    cfg = moe_route.launch_config(e, k, torch.finfo(dtype).bits // 8, groups is not None, bias)
+    cfg = replace(cfg, **config)
     plan = moe_route._plan(t, e, k, dtype, e, score, renorm, bias, *(groups or (None, None)), perm,
-                           torch.device("cpu"), None, False)  # fmt: skip
+                           torch.device("cpu"), cfg, False)  # fmt: skip
     sig = dict(X=TYPES[dtype], stride_x="i32", BIAS="*fp32" if bias else TYPES[dtype], W_OUT="*fp32",
                ID_OUT="*i32", POS_OUT="*i32", HIST="*i32", COUNTS="*i32", OFFSETS="*i32", WS="*i32", T="i32",
                n_tiles="i32", tiles_per_prog="i32", route_scale="fp32")  # fmt: skip
     aligned = ("X", "W_OUT", "ID_OUT", "POS_OUT", "HIST", "COUNTS", "OFFSETS", "WS")
-    return _compile(moe_route._moe_route_fwd, sig, dict(plan.constexprs), aligned)
+    out = _compile(moe_route._moe_route_fwd, sig, dict(plan.constexprs), aligned)
+    # registers per thread that let the launcher's programs per SM be resident at once (65536 per SM)
+    out["register_budget"] = 65536 // (cfg.programs_per_sm * cfg.num_warps * 32)
+    return dict(out, launcher_default=not config, relaxed_tail=cfg.relaxed_tail)
 
 
 def top(n, k, dtype) -> dict:
@@ -43,6 +56,11 @@ VARIANTS = {
     "route-deepseek-v3-fp32-groups": lambda: route(16384, 256, 8, torch.float32, "sigmoid", True, True, (8, 4)),
     "route-glm-bias": lambda: route(32768, 160, 8, torch.bfloat16, "sigmoid", True, True),
     "route-v2-lite-fp32": lambda: route(65536, 64, 6, torch.float32, renorm=False),
+    "route-fp16-sigmoid": lambda: route(16384, 64, 4, torch.float16, "sigmoid", False),
+    # forms the launcher picks only with another Triton version: they must still compile without spills
+    "route-qwen3-prefetch": lambda: route(65536, 128, 8, torch.bfloat16, prefetch=True),
+    "route-qwen3-broadcast-store": lambda: route(65536, 128, 8, torch.bfloat16, direct_store=False),
+    "route-mixtral-release-tail": lambda: route(16384, 8, 2, torch.bfloat16, relaxed_tail=False),
     "topk-128-8-bf16": lambda: top(128, 8, torch.bfloat16),
     "topk-1000-5-fp32": lambda: top(1000, 5, torch.float32),
 }

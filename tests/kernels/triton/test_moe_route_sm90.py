@@ -1,7 +1,7 @@
 """The routing and top-k kernels compile for the H200 (sm_90) with the constexprs their launchers use (bf16/fp32
 logits, softmax/sigmoid, bias, expert groups, the permutation variant, E not a power of two), without register
-spills, and within the registers the launcher's grid assumes. Runs Triton's compiler and bundled ptxas on the CPU
-(no GPU), in a subprocess without the interpreter."""
+spills, within the registers the launcher's grid assumes, and with the counting tail's memory orders as intended.
+Runs Triton's compiler and its ptxas on the CPU (no GPU), in a subprocess without the interpreter."""
 
 
 def test_kernels_compile_for_sm90(compiled_variants):
@@ -9,7 +9,18 @@ def test_kernels_compile_for_sm90(compiled_variants):
     for name, r in results.items():
         assert r["spill_bytes"] == 0, (name, r)
         assert r["shared"] <= 232448, (name, r)
-        if "groups" not in name and "bias" not in name:
-            # the launcher puts 4 programs of 4 warps on each SM: at most 128 registers per thread. Triton 3.9 once
-            # compiled Qwen3's shape to 232 (a store form it could not fold; see _route_tile)
-            assert r["registers"] <= 128, (name, r)
+        if r.get("launcher_default"):
+            # the launcher's programs per SM must fit at once (4 programs of 4 warps: 128 registers, 2: 256). Triton
+            # 3.7-3.9 compiled Qwen3's shape to 229-255 with 3.6's store form (see _route_tile)
+            assert r["registers"] <= r["register_budget"], (name, r)
+        if name.startswith("route"):
+            # the counting tail: one acq_rel ticket (one thread), the tallies and the last program's reads relaxed
+            # (the default) or release / acq_rel, and no other global atomic
+            atomics = r["global_atomics"]
+            tally, read = (
+                ("red.relaxed.add", "atom.relaxed.exch")
+                if r["relaxed_tail"]
+                else ("red.release.add", "atom.acq_rel.exch")
+            )
+            assert atomics["atom.acq_rel.add"] == 1 and atomics[tally] >= 1 and atomics[read] >= 2, (name, atomics)
+            assert set(atomics) == {"atom.acq_rel.add", tally, read}, (name, atomics)

@@ -365,10 +365,10 @@ def sweep_configs(case: Case):
 def pipeline_configs(case: Case):
     """The launcher's configuration, then with the prefetch flipped, the other form of the winner-key store, and a few
     grid sizes (prefetching pays with more tiles per program)."""
-    from fly_lightning.kernels.triton.moe_route import DIRECT_STORE, launch_config
+    from fly_lightning.kernels.triton.moe_route import NEWER_TRITON, launch_config
 
     base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None, case.bias)
-    variants = [base, replace(base, prefetch=not base.prefetch), replace(base, direct_store=not DIRECT_STORE)]
+    variants = [base, replace(base, prefetch=not base.prefetch), replace(base, direct_store=not NEWER_TRITON)]
     variants.append(replace(base, relaxed_tail=not base.relaxed_tail))
     for pps in (1, 2, 3, 4):
         variants.append(replace(base, programs_per_sm=pps))
@@ -376,7 +376,7 @@ def pipeline_configs(case: Case):
 
 
 def run_sweep(pipeline: bool = False) -> None:
-    from fly_lightning.kernels.triton.moe_route import DIRECT_STORE, moe_route_triton, tile_shape
+    from fly_lightning.kernels.triton.moe_route import NEWER_TRITON, moe_route_triton, tile_shape
     from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
 
     start = time.perf_counter()
@@ -402,7 +402,7 @@ def run_sweep(pipeline: bool = False) -> None:
                 stages=cfg.num_stages,
                 prefetch=cfg.prefetch,
                 relaxed_tail=cfg.relaxed_tail,
-                direct_store=DIRECT_STORE if cfg.direct_store is None else cfg.direct_store,
+                direct_store=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
                 tile=f"{shape.G}x{shape.LG}x{shape.ROWS}x{shape.C}x{shape.VEC}",
             )
             try:

@@ -63,7 +63,6 @@ MAX_E = 1024
 # 128 that 4 programs of 4 warps per SM allow (tests/kernels/triton/test_moe_route_sm90.py), so it stays off there.
 # Both choices are untimed on those versions.
 NEWER_TRITON = tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", triton.__version__).groups()) >= (3, 7)
-DIRECT_STORE = NEWER_TRITON
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EPS = tl.constexpr(RENORM_EPS)
 
@@ -299,7 +298,8 @@ def _moe_route_fwd(
     PERM: tl.constexpr,
     DIRECT_STORE: tl.constexpr,
     PREFETCH: tl.constexpr,
-    RELAXED_TAIL: tl.constexpr,
+    TALLY_SEM: tl.constexpr,
+    READ_SEM: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -394,24 +394,18 @@ def _moe_route_fwd(
                 DIRECT_STORE,
             )
     # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
-    # program reads the totals. RELAXED_TAIL: relaxed tallies, barrier, one acq_rel ticket by one thread (the pattern
-    # of cooperative groups' grid sync: the barrier makes the block's tallies precede that thread's release), relaxed
-    # reads and re-zeroing after the acquire; otherwise every tally is a release (a fence per thread, which also
-    # waits for the tile's output stores) and the reads are acq_rel.
+    # program reads the totals. Relaxed tail (TALLY_SEM "relaxed", READ_SEM "relaxed"): relaxed tallies, barrier, one
+    # acq_rel ticket by one thread (the pattern of cooperative groups' grid sync: the barrier makes the block's tallies
+    # precede that thread's release), relaxed reads and re-zeroing after the acquire. Otherwise every tally is a
+    # release (a fence per thread, which also waits for the tile's output stores) and the reads are acq_rel.
     if PERM:
         col4 = tl.max(col, axis=2)
         valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
         tl.store(HIST + pid * E + col4, carry, mask=valid4)
-        if RELAXED_TAIL:
-            tl.atomic_add(WS + 1 + col4, carry, mask=valid4 & (carry != 0), sem="relaxed")
-        else:
-            tl.atomic_add(WS + 1 + col4, carry, mask=valid4 & (carry != 0), sem="release")
+        tl.atomic_add(WS + 1 + col4, carry, mask=valid4 & (carry != 0), sem=TALLY_SEM)
     else:
         e = tl.arange(0, BLOCK_E)
-        if RELAXED_TAIL:
-            tl.atomic_add(WS + 1 + e, sel_count, mask=(e < E) & (sel_count != 0), sem="relaxed")
-        else:
-            tl.atomic_add(WS + 1 + e, sel_count, mask=(e < E) & (sel_count != 0), sem="release")
+        tl.atomic_add(WS + 1 + e, sel_count, mask=(e < E) & (sel_count != 0), sem=TALLY_SEM)
     tl.debug_barrier()
     ticket = tl.atomic_add(WS, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:
@@ -419,16 +413,10 @@ def _moe_route_fwd(
         e = tl.arange(0, BLOCK_E)
         e_ok = e < E
         # read the totals and re-zero for the next launch (the next launch is ordered by the kernel boundary)
-        if RELAXED_TAIL:
-            counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e_ok, sem="relaxed")
-        else:
-            counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e_ok)
+        counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e_ok, sem=READ_SEM)
         tl.store(COUNTS + e, counts, mask=e_ok)
         tl.store(OFFSETS + e, tl.cumsum(tl.where(e_ok, counts, 0), axis=0), mask=e_ok)
-        if RELAXED_TAIL:
-            tl.atomic_xchg(WS, 0, sem="relaxed")
-        else:
-            tl.atomic_xchg(WS, 0)
+        tl.atomic_xchg(WS, 0, sem=READ_SEM)
 
 
 @triton.jit
@@ -516,10 +504,11 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     - up to 8 experts: one row per thread, so a 16k-token batch spreads over 128 programs (Mixtral 4.6 -> 4.2 us).
     - the next tile prefetched, except for 16-bit rows of up to 64 experts (one tile per program at the suite's
       sizes; prefetching cost Mixtral 3.9 -> 4.1 us, OLMoE 7.1 -> 7.3): DeepSeek-V2-Lite 14.7 -> 13.6 us,
-      Qwen3 65k 16.5 -> 16.0 (Triton 3.6; off with later versions, see ``NEWER_TRITON``).
+      Qwen3 65k 16.5 -> 16.0 (``moe_route_sweep_pipeline_explore.md``; Triton 3.6, off with later versions, see
+      ``NEWER_TRITON``).
     - biased or grouped scores: 2 programs per SM. Those kernels take 255 registers, so only two programs of 4 warps
       fit on an SM and a 4-per-SM grid runs in two waves (GLM-4.5 26.3 -> 20.6 us, DeepSeek-V3 65k 58.4 -> 54.7, fp32
-      16k 25.6 -> 21.7, with the prefetch).
+      16k 25.6 -> 21.7, with the prefetch; ``moe_route_sweep_pipeline_explore.md``).
     - the relaxed counting tail (the end of ``_moe_route_fwd``): 1.04-1.35x on every case, most on the small ones
       (Mixtral 4.10 -> 3.03 us, Qwen3 65k 15.8 -> 14.8; ``moe_route_sweep_pipeline.md``).
     """
@@ -692,9 +681,10 @@ def _plan(
         INF16=FP16_INF if dtype == torch.float16 else BF16_INF,
         TOPK_G=topk_groups or 0,
         PERM=perm,
-        DIRECT_STORE=DIRECT_STORE if cfg.direct_store is None else cfg.direct_store,
+        DIRECT_STORE=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
         PREFETCH=cfg.prefetch,
-        RELAXED_TAIL=cfg.relaxed_tail,
+        TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
+        READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
         NUM_STAGES=cfg.num_stages,
         INTERPRET=interpret,
         num_warps=cfg.num_warps,

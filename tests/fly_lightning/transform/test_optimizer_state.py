@@ -103,14 +103,18 @@ def test_stock_state_of_experts_that_missed_tokens_loads_with_warnings(list_moe_
     assert float(st["step"]) == 4 == max(float(opt_stock.state[p]["step"]) for p in w2 if p in opt_stock.state)
 
 
+def _assert_left_with_a_warning(model, opt):
+    sd = opt.state_dict()
+    with pytest.warns(UserWarning, match="has shape"):
+        assert to_original_layout(model, opt, sd) is sd
+
+
 def test_factored_state_is_left_with_a_warning(list_moe_model):
     ours = list_moe_model()
     fly_lightning.transform(ours)
     opt = torch.optim.Adafactor(ours.parameters(), lr=1e-2)  # row/column factors: not sliceable per expert
     _steps(ours, opt, n=1)
-    sd = opt.state_dict()
-    with pytest.warns(UserWarning, match="has shape"):
-        assert to_original_layout(ours, opt, sd) is sd
+    _assert_left_with_a_warning(ours, opt)
 
 
 def test_flattened_state_is_left_with_a_warning(list_moe_model):
@@ -126,9 +130,7 @@ def test_flattened_state_is_left_with_a_warning(list_moe_model):
         return loss
 
     opt.step(closure)
-    sd = opt.state_dict()
-    with pytest.warns(UserWarning, match="has shape"):
-        assert to_original_layout(ours, opt, sd) is sd
+    _assert_left_with_a_warning(ours, opt)
 
 
 def test_state_before_any_step_and_split_groups(list_moe_model):

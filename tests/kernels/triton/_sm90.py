@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable
 
 import triton
@@ -27,6 +28,25 @@ def _ptxas() -> str:
         return get_ptxas(90).path
     except (ImportError, AttributeError, TypeError):  # older Triton: one bundled ptxas
         return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def sass_loop(kernel) -> dict:
+    """The kernel's main loop (its longest backward branch) in the SASS of the cubin Triton built: instruction count
+    and the most frequent opcodes. Static counts, per thread and loop iteration."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        cuobjdump = os.path.join(os.path.dirname(_ptxas()), "cuobjdump")
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    ins = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][\w.]*)", sass)]
+    branches = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\S*\s+(?:`\()?\S*?0x([0-9a-f]+)", sass)
+    loops = [(int(t, 16), int(a, 16)) for a, t in branches if int(t, 16) < int(a, 16)]
+    if not loops:
+        return dict(loop_instructions=0, loop_opcodes={})
+    lo, hi = max(loops, key=lambda b: b[1] - b[0])
+    body = [op.split(".")[0] for a, op in ins if lo <= a <= hi]
+    return dict(loop_instructions=len(body), loop_opcodes=dict(Counter(body).most_common(12)))
 
 
 def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options):

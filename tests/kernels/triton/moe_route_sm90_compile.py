@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import replace
 
 import torch
-from _sm90 import compile_sm90, report
+from _sm90 import compile_sm90, report, sass_loop
 
 from fly_lightning.kernels.triton import moe_route, topk
 
@@ -21,10 +21,12 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
 def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
     options = dict(num_warps=const.pop("num_warps"), num_stages=const.pop("num_stages", 3))
     kernel, spill_bytes, registers = compile_sm90(fn, sig, const, aligned, **options)
-    # global atomics by kind and memory order, e.g. "atom.acq_rel.add": the counting tail's ordering, as compiled
-    ops = re.findall(r"\b(atom|red)\.global\.gpu\.(\w+)\.(\w+)\.", kernel.asm["ptx"])
-    atomics = Counter(f"{op}.{sem}.{kind}" for op, sem, kind in ops)
-    return dict(spill_bytes=spill_bytes, registers=registers, shared=kernel.metadata.shared, global_atomics=atomics)
+    # global atomics by memory order and kind, e.g. "acq_rel.add": the counting tail's ordering, as compiled (Triton 3.6
+    # emits the tallies as atom, later versions as red: the same operation without the returned value)
+    ops = re.findall(r"\b(?:atom|red)\.global\.gpu\.(\w+)\.(\w+)\.", kernel.asm["ptx"])
+    atomics = Counter(f"{sem}.{kind}" for sem, kind in ops)
+    return dict(spill_bytes=spill_bytes, registers=registers, shared=kernel.metadata.shared, global_atomics=atomics,
+                **sass_loop(kernel))  # fmt: skip
 
 
 def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False, **config) -> dict:

@@ -52,8 +52,9 @@ for phase in "$@"; do
     probe) run probe 120 python3 -m benchmarks.probe_histogram_mask ;;
     route_sweep) run route_sweep 420 python3 -m benchmarks.bench_moe_route --sweep ;;
     route_pipeline) run route_pipeline 300 python3 -m benchmarks.bench_moe_route --sweep --pipeline ;;
-    route_floor) run route_floor 240 python3 -m benchmarks.probe_route_floor ;;
+    route_floor) run route_floor 420 python3 -m benchmarks.probe_route_floor ;;
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
+    grouped_sweep) run grouped_sweep 540 python3 -m benchmarks.bench_grouped_mm --sweep ;;
     moe_profile) run moe_profile 300 python3 -m benchmarks.profile_moe_layer ;;
     callbacks) run callbacks 240 python3 -m benchmarks.gpu_check_callbacks ;;
     recipe) run recipe 300 python3 -m fly_lightning.recipes.moe_finetune fit --trainer.max_steps 60 \

@@ -157,7 +157,6 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
                 row[f"{name}_err"] = rel_err(fn(x, w, offs), ref)
             except Exception as exc:
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-        del ref
         row["fly_backend"] = backend_of("grouped_mm", x, w, offs, None)
         for name, fn in run.items():
             if f"{name}_error" in row or row.get(f"{name}_err", 1.0) > 2e-2:
@@ -172,12 +171,19 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
                 )
                 row["fly_tuned_config"] = best_cfg.label()
                 fn = impls["fly"]
+                row["fly_tuned_err"] = rel_err(fn(x, w, offs), ref)
+                if gk.REJECTED:
+                    row["fly_tuned_rejected"] = sorted(label for r in gk.REJECTED.values() for label in r)
+                if row["fly_tuned_err"] > 2e-2:
+                    raise RuntimeError(f"tuned configuration wrong: err {row['fly_tuned_err']:.2e}")
                 ms = time_ms(fn, sets, warmup=3, reps=reps or _reps(fn, sets[0]))["median_ms"]
                 row["fly_tuned_ms"], row["fly_tuned_tflops"] = round(ms, 4), round(case.flops / ms / 1e9, 1)
             except Exception as exc:
                 row["fly_tuned_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
             finally:
                 gk.MEASURED.clear()  # the next case starts from the table again
+                gk.REJECTED.clear()
+        del ref
         for mine, prefix in (("fly", "x_vs"), ("fly_tuned", "tuned_x_vs")):
             my_ms = row.get(f"{mine}_ms")
             for name in ("aten", "peer", "loop"):
@@ -209,6 +215,7 @@ def _summarise(res: Results, peer: Peer | None) -> None:
     tflops = [r["fly_tflops"] for r in rows if "fly_tflops" in r]
     res.summary["fly_tflops_range"] = (min(tflops), max(tflops)) if tflops else None
     res.summary["failed_checks"] = [r["case"] for r in rows if r.get("fly_err", 1.0) > 2e-2]
+    res.summary["tuned_errors"] = {r["case"]: r["fly_tuned_error"] for r in rows if "fly_tuned_error" in r}
     res.summary["fly_not_on_triton"] = [r["case"] for r in rows if r.get("fly_backend") != "triton"]
     if peer is not None:
         res.summary["peer_shapes_compiled"] = len(peer.compile_s)

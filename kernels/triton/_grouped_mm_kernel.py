@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import warnings
 from dataclasses import replace
 
 import torch
@@ -39,10 +40,12 @@ import triton.language as tl
 from fly_lightning.kernels.triton._grouped_mm_config import (
     INTERPRETER_PROGRAMS,
     MEASURED,
+    REJECTED,
     GroupedMMConfig,
     choose_config,
     measure_key,
     shape_class,
+    table_config,
     tune_candidates,
 )
 from fly_lightning.kernels.triton._support import interpreting, on_device
@@ -292,6 +295,16 @@ def tma_available(t: torch.Tensor) -> bool:
     return hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 
+def _effective_config(cfg: GroupedMMConfig, tma_a: bool, tma_w: bool, tma_store: bool, interp: bool) -> GroupedMMConfig:
+    """Warp specialisation only with TMA loads and the TMA store, else the same tiles unspecialised. Triton's Hopper
+    warp specialisation takes TMA loads only; with the pointer store it computed wrong results on the H200 (Triton
+    3.6) whenever a group spans several row tiles (relative error 0.5-0.8 on 7 of the 9 cases of
+    ``grouped_mm_sweep.md``, 3090b87; right on all 9 with the TMA store)."""
+    if cfg.warp_specialize and not (tma_a and tma_w and tma_store) and not interp:
+        return replace(cfg, warp_specialize="", num_warps=8)
+    return cfg
+
+
 def launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -340,9 +353,7 @@ def _launch(
     interp = x.device.type == "cpu"
     if cfg.tma and not tma_w and not interp and cfg.block_m * cfg.block_n > 128 * 128:
         cfg = replace(cfg, block_n=128)  # the pointer path spills registers with larger tiles
-    if cfg.warp_specialize and not (tma_a and tma_w) and not interp:
-        # Triton's Hopper warp specialisation takes TMA loads only: pointer loads (gather, unaligned) run unspecialised
-        cfg = replace(cfg, warp_specialize="", num_warps=8)
+    cfg = _effective_config(cfg, tma_a, tma_w, tma_store, interp)
     if (tma_a or tma_w or tma_store) and x.is_cuda:
         triton.set_allocator(_tma_allocator)
     bm, bn = cfg.block_m, cfg.block_n
@@ -403,6 +414,9 @@ def _launch(
     return out
 
 
+TUNE_TOLERANCE = 1e-2  # every configuration accumulates in fp32: they differ by output rounding only
+
+
 def tune(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -416,23 +430,42 @@ def tune(
     reps: int = 10,
 ) -> GroupedMMConfig:
     """Time ``candidates`` (default: ``tune_candidates`` of the shape class) on these inputs and remember the fastest
-    for their shape class (``MEASURED``, consulted by ``choose_config``)."""
+    for their shape class (``MEASURED``, consulted by ``choose_config``).
+
+    Each candidate's output is first compared with the table configuration's on the same inputs: one that differs
+    by more than ``TUNE_TOLERANCE`` (relative), or does not compile or launch, is never chosen; it is recorded in
+    ``REJECTED`` with the reason and a warning names it. A fast wrong kernel must not win."""
     m = idx.shape[0] if (gather or scatter) else x.shape[0]
+    key = measure_key(x, w, m, gather, scatter)
+    index = dict(idx=idx, topk=topk, gather=gather, scatter=scatter)
+    # zero-filled: rows no configuration writes (past the last offset) then compare equal
+    expected = launch(x, w, offs, torch.zeros(m, w.shape[2], dtype=x.dtype, device=x.device), **index,
+                      config=table_config(x, w, m)).float()  # fmt: skip
+    scale = expected.norm().clamp_min(1e-30)
     out = torch.empty(m, w.shape[2], dtype=x.dtype, device=x.device)
     if candidates is None:
         candidates = tune_candidates(shape_class(m, w.shape[2], w.shape[1], w.shape[0])[0])
     best, best_ms = None, float("inf")
     for cfg in candidates:
         try:
-            run = lambda: launch(x, w, offs, out, idx=idx, topk=topk, gather=gather, scatter=scatter, config=cfg)  # noqa: B023, E731
+            run = lambda: launch(x, w, offs, out, **index, config=cfg)  # noqa: B023, E731
+            out.zero_()
+            run()
+            err = ((out.float() - expected).norm() / scale).item()
+            if not err <= TUNE_TOLERANCE:  # also NaN
+                raise ValueError(
+                    f"relative error {err:.2e} against the table configuration {table_config(x, w, m).label()}"
+                )
             ms = _elapsed_ms(run, reps, x.is_cuda)
-        except Exception:  # a configuration that does not compile or fit is skipped
+        except Exception as exc:  # a configuration that is wrong, does not compile or does not fit
+            REJECTED.setdefault(key, {})[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            warnings.warn(f"grouped_mm tuning skipped {cfg.label()}: {REJECTED[key][cfg.label()]}", stacklevel=2)
             continue
         if ms < best_ms:
             best, best_ms = cfg, ms
     if best is None:
-        raise RuntimeError("no grouped_mm configuration ran")
-    MEASURED[measure_key(x, w, m, gather, scatter)] = best
+        raise RuntimeError(f"no grouped_mm configuration ran correctly: {REJECTED.get(key)}")
+    MEASURED[key] = best
     return best
 
 

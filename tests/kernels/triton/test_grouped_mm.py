@@ -130,6 +130,63 @@ def test_configuration_choice():
     assert len(labels) == len(gc.candidate_configs())
 
 
+def test_warp_specialisation_needs_tma_loads_and_the_tma_store():
+    ws = gc.GroupedMMConfig(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles")
+    assert gk._effective_config(ws, True, True, True, interp=False) == ws
+    for loads_and_store in ((True, True, False), (False, True, True), (True, False, True)):
+        cfg = gk._effective_config(ws, *loads_and_store, interp=False)
+        assert cfg.warp_specialize == "" and (cfg.block_m, cfg.block_n, cfg.schedule) == (128, 256, "table")
+    assert gk._effective_config(ws, False, False, False, interp=True) == ws  # the interpreter ignores it
+    plain = gc.GroupedMMConfig()
+    assert gk._effective_config(plain, False, False, False, interp=False) == plain
+    # what tuning and the sweep try is warp-specialised only with the TMA store
+    for cfg in gc.candidate_configs() + gc.tune_candidates("small") + gc.tune_candidates("large"):
+        assert not cfg.warp_specialize or (cfg.tma and cfg.tma_store), cfg.label()
+
+
+@pytest.fixture
+def clean_tuning():
+    gc.MEASURED.clear()
+    gc.REJECTED.clear()
+    yield
+    gc.MEASURED.clear()
+    gc.REJECTED.clear()
+
+
+def test_tune_never_chooses_a_configuration_whose_result_is_wrong(monkeypatch, clean_tuning):
+    x, w, offs = _problem([5, 0, 20, 9], k=24, n=40, tail=3)
+    good, wrong = BASE, replace(BASE, block_n=64, block_k=16)
+    real_launch = gk.launch
+
+    def launch(*args, config=None, **kwargs):  # the "wrong" configuration corrupts one element, as a bad kernel would
+        out = real_launch(*args, config=config, **kwargs)
+        if config == wrong:
+            out[7, 3] += 100.0
+        return out
+
+    monkeypatch.setattr(gk, "launch", launch)
+    with pytest.warns(UserWarning, match="skipped .*relative error"):
+        best = gk.tune(x, w, offs, candidates=[wrong, good], reps=1)
+    key = gc.measure_key(x, w, x.shape[0], False, False)
+    assert best == good and gc.MEASURED[key] == good
+    assert list(gc.REJECTED[key]) == [wrong.label()] and "relative error" in gc.REJECTED[key][wrong.label()]
+    # no correct candidate: an error naming the rejections, nothing remembered
+    gc.MEASURED.clear()
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="no grouped_mm configuration ran correctly"):
+        gk.tune(x, w, offs, candidates=[wrong], reps=1)
+    assert key not in gc.MEASURED
+
+
+def test_measured_choice_overrides_the_table_and_table_config_ignores_it(monkeypatch, clean_tuning):
+    monkeypatch.setattr(gc, "interpreting", lambda: False)  # as on a GPU (CPU tensors take the table's path too)
+    x, w, _ = _problem([4, 4], k=16, n=16)
+    table = gc.CONFIG_TABLE[gc.shape_class(8, 16, 16, 2)]
+    assert gc.choose_config(x, w, 8) == gc.table_config(x, w, 8) == table
+    gc.MEASURED[gc.measure_key(x, w, 8, False, False)] = BASE
+    assert gc.choose_config(x, w, 8) == BASE and gc.table_config(x, w, 8) == table
+    assert gc.choose_config(x, w, 8, gather=True) == table  # another key
+
+
 def test_support_reasons(monkeypatch):
     x, w, offs = _problem([4, 4], k=16, n=16)
     assert layout_reason(x, w, offs) is None

@@ -299,7 +299,7 @@ def _effective_config(cfg: GroupedMMConfig, tma_a: bool, tma_w: bool, tma_store:
     """Warp specialisation only with TMA loads and the TMA store, else the same tiles unspecialised. Triton's Hopper
     warp specialisation takes TMA loads only; with the pointer store it computed wrong results on the H200 (Triton
     3.6) whenever a group spans several row tiles (relative error 0.5-0.8 on 7 of the 9 cases of
-    ``grouped_mm_sweep.md``, 3090b87; right on all 9 with the TMA store)."""
+    ``grouped_mm_sweep_3090b87.md``; right on all 9 with the TMA store)."""
     if cfg.warp_specialize and not (tma_a and tma_w and tma_store) and not interp:
         return replace(cfg, warp_specialize="", num_warps=8)
     return cfg

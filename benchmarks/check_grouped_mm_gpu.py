@@ -226,27 +226,40 @@ def run_checks(device: str = "cuda") -> Results:
     def warp_specialized():  # informational: whether triton's Hopper warp specialisation takes this loop
         x, w, offs = _problem(COUNTS, 512, 512)
         out = torch.empty(x.shape[0], w.shape[2], device=DEV, dtype=x.dtype)
-        gk.launch(x, w, offs, out, config=GroupedMMConfig(128, 128, 64, 8, 3, 4, warp_specialize="k"))
+        cfg = GroupedMMConfig(128, 128, 64, 8, 3, 4, tma_store=True, warp_specialize="k")  # on the scan schedule
+        gk.launch(x, w, offs, out, config=cfg)
         err = _err(out, x, w, offs)
         return err < 1e-2, f"err={err:.2e}"
 
     check("warp_specialize='k' compiles and is correct (informational)", warp_specialized)
 
-    def tuned():
-        x, w, offs = _problem(COUNTS, 768, 640, tail=5)
-        gk.MEASURED.clear()
-        gk.REJECTED.clear()
-        try:
-            best = gk.tune(x, w, offs)
-            y = fly_lightning.grouped_mm(x, w, offs)  # through the dispatcher, with the measured choice
-            rejected = {label: why for r in gk.REJECTED.values() for label, why in r.items()}
-        finally:
+    for mode in ("plain", "gather", "scatter"):
+
+        def tuned(mode=mode):
+            x, w, offs = _problem(COUNTS, 768, 640)
+            m = x.shape[0]
+            index = {}
+            if mode != "plain":  # routed slots: a permutation of the rows, read (gather) or written (scatter) by it
+                index = dict(idx=torch.randperm(m, device=DEV).to(torch.int32), topk=1, **{mode: True})
             gk.MEASURED.clear()
             gk.REJECTED.clear()
-        err = _err(y, x, w, offs)
-        return err < 1e-2 and not rejected, f"chose {best.label()} err={err:.2e} rejected={rejected}"
+            try:
+                best = gk.tune(x, w, offs, reps=10 if DEV == "cuda" else 1, **index)
+                rejected = {label: why for r in gk.REJECTED.values() for label, why in r.items()}
+            finally:
+                gk.MEASURED.clear()
+                gk.REJECTED.clear()
+            out = torch.zeros(m, w.shape[2], device=DEV, dtype=x.dtype)
+            gk.launch(x, w, offs, out, config=best, **index)
+            ref = grouped_mm_reference(x.float(), w.float(), offs)
+            if mode == "gather":
+                ref = grouped_mm_reference(x[index["idx"].long()].float(), w.float(), offs)
+            elif mode == "scatter":
+                ref = torch.zeros_like(ref).index_copy_(0, index["idx"].long(), ref)
+            err = _rel(out, ref)
+            return err < 1e-2 and not rejected, f"chose {best.label()} err={err:.2e} rejected={rejected}"
 
-    check("tune: every candidate agrees with the table, the choice is correct", tuned)
+        check(f"tune ({mode}): every candidate agrees with the table, the choice is correct", tuned)
 
     for offsets in ([400, 200, 900], [100, 5000, 6000], [-50, 400, 900]):  # last: a fault would end the process
 

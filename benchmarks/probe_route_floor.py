@@ -8,8 +8,9 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
   barrier, one acq_rel ticket, the last program writes counts and offsets and re-zeroes the workspace): the floor of
   a single launch that also counts this way.
 
-A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (rows per
-tile x programs per SM, ``SHAPES``) and the fastest is reported with its shape. (The first version used one shape,
+A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (``ROWS`` x
+``PROGRAMS_PER_SM``: 24, fewer for wide rows, whose tiles stay within 16384 logits) and the fastest is reported with
+its shape. (The first version used one shape,
 4096-element tiles on 4 programs per SM; on the small cases that was slower than our whole kernel.)
 
 ``ceiling_vs_aten`` = ATen sequence / floor: the speedup no single-launch kernel with this output could beat in this
@@ -99,7 +100,7 @@ def _best_floor(case, count: bool, ws: torch.Tensor, inputs) -> tuple[float, str
     """(fastest time in us, its launch shape) over ``ROWS`` x ``PROGRAMS_PER_SM``."""
     be = triton.next_power_of_2(case.experts)
     times = {}
-    for rows in (r for r in ROWS if r * be <= 16384):
+    for rows in [r for r in ROWS if r * be <= 16384] or ROWS[:1]:
         for pps in PROGRAMS_PER_SM:
             times[f"{rows}r_{pps}pps"] = _time_us(_floor_fn(case, count, ws, rows, pps), inputs)
     shape = min(times, key=times.get)

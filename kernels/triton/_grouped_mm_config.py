@@ -125,8 +125,8 @@ def candidate_configs() -> list[GroupedMMConfig]:
         C(64, 128, 128, 8, 3, 4),
         C(256, 128, 64, 8, 3, 8),
     ]
-    # warp specialisation: 4 warps per partition; only with the TMA store (see launch), whose buffer leaves no room
-    # for a fourth 128x256 stage
+    # warp specialisation: 4 warps per partition; only with the TMA store (_grouped_mm_kernel._effective_config),
+    # whose buffer leaves no room for a fourth 128x256 stage
     specialised = [
         C(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles", tma_store=True),
         C(128, 128, 64, 8, 4, 4, schedule="table", warp_specialize="tiles", tma_store=True),

@@ -414,7 +414,27 @@ def _launch(
     return out
 
 
-TUNE_TOLERANCE = 1e-2  # every configuration accumulates in fp32: they differ by output rounding only
+# Every configuration accumulates in fp32, so two right ones differ by output rounding (under 1% of an element) and
+# summation order; a wrong tile shows up as elements far outside that.
+TUNE_RTOL = 1e-2
+TUNE_ATOL = 1e-3  # times the output's RMS: elements near zero
+
+
+def _mismatch(out: torch.Tensor, expected: torch.Tensor, rows: int = 4096) -> str | None:
+    """Why ``out`` is not ``expected`` element by element (None when it is), in row chunks to bound the memory."""
+    chunks = [(r0, slice(r0, r0 + rows)) for r0 in range(0, out.shape[0], rows)]
+    sq = sum(float(torch.nan_to_num(expected[sl].float(), 0.0, 0.0, 0.0).square().sum()) for _, sl in chunks)
+    atol = TUNE_ATOL * (sq / max(1, expected.numel())) ** 0.5
+    for r0, sl in chunks:
+        o, e = out[sl].float(), expected[sl].float()
+        same = (o == e) | (o.isnan() & e.isnan())  # equal infinities and NaNs both match
+        tol = atol + TUNE_RTOL * torch.where(e.isfinite(), e.abs(), 0.0)
+        bad = ~same & ~((o - e).abs() <= tol)
+        if bool(bad.any()):
+            i = int(bad.flatten().nonzero()[0])
+            first = f"row {r0 + i // out.shape[1]}: {o.flatten()[i].item():.4g} vs {e.flatten()[i].item():.4g}"
+            return f"{int(bad.sum())} elements differ from the table configuration's output, first in {first}"
+    return None
 
 
 def tune(
@@ -432,30 +452,29 @@ def tune(
     """Time ``candidates`` (default: ``tune_candidates`` of the shape class) on these inputs and remember the fastest
     for their shape class (``MEASURED``, consulted by ``choose_config``).
 
-    Each candidate's output is first compared with the table configuration's on the same inputs: one that differs
-    by more than ``TUNE_TOLERANCE`` (relative), or does not compile or launch, is never chosen; it is recorded in
-    ``REJECTED`` with the reason and a warning names it. A fast wrong kernel must not win."""
+    Each candidate's output is first compared element by element with the table configuration's on the same inputs
+    (``_mismatch``): one that differs, or does not compile or launch, is never chosen; it is recorded in ``REJECTED``
+    with the reason and a warning names it. A fast wrong kernel must not win. If no candidate is right, the table
+    configuration is remembered (with a warning), so the caller keeps running on it."""
     m = idx.shape[0] if (gather or scatter) else x.shape[0]
     key = measure_key(x, w, m, gather, scatter)
     index = dict(idx=idx, topk=topk, gather=gather, scatter=scatter)
-    # zero-filled: rows no configuration writes (past the last offset) then compare equal
-    expected = launch(x, w, offs, torch.zeros(m, w.shape[2], dtype=x.dtype, device=x.device), **index,
-                      config=table_config(x, w, m)).float()  # fmt: skip
-    scale = expected.norm().clamp_min(1e-30)
-    out = torch.empty(m, w.shape[2], dtype=x.dtype, device=x.device)
+    table = table_config(x, w, m)
+    # zero-filled: rows no configuration writes (past the last offset, unrouted slots) then compare equal
+    expected = launch(x, w, offs, torch.zeros(m, w.shape[2], dtype=x.dtype, device=x.device), **index, config=table)
+    out = torch.empty_like(expected)
     if candidates is None:
         candidates = tune_candidates(shape_class(m, w.shape[2], w.shape[1], w.shape[0])[0])
+    if gather or scatter:  # gathered rows (no TMA for them) or a scattered store: warp specialisation never runs
+        candidates = [c for c in candidates if not c.warp_specialize]
     best, best_ms = None, float("inf")
     for cfg in candidates:
         try:
             run = lambda: launch(x, w, offs, out, **index, config=cfg)  # noqa: B023, E731
             out.zero_()
             run()
-            err = ((out.float() - expected).norm() / scale).item()
-            if not err <= TUNE_TOLERANCE:  # also NaN
-                raise ValueError(
-                    f"relative error {err:.2e} against the table configuration {table_config(x, w, m).label()}"
-                )
+            if (why := _mismatch(out, expected)) is not None:
+                raise ValueError(f"{why} ({table.label()})")
             ms = _elapsed_ms(run, reps, x.is_cuda)
         except Exception as exc:  # a configuration that is wrong, does not compile or does not fit
             REJECTED.setdefault(key, {})[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:200]}"
@@ -464,7 +483,8 @@ def tune(
         if ms < best_ms:
             best, best_ms = cfg, ms
     if best is None:
-        raise RuntimeError(f"no grouped_mm configuration ran correctly: {REJECTED.get(key)}")
+        warnings.warn(f"grouped_mm tuning: no candidate ran correctly, keeping {table.label()}", stacklevel=2)
+        best = table
     MEASURED[key] = best
     return best
 

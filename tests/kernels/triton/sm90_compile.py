@@ -10,18 +10,20 @@ from _sm90 import compile_sm90 as _compile
 from _sm90 import report
 
 from fly_lightning.kernels.triton._grouped_mm_config import CONFIG_TABLE, GroupedMMConfig, tune_candidates
-from fly_lightning.kernels.triton._grouped_mm_kernel import _grouped_mm_kernel
+from fly_lightning.kernels.triton._grouped_mm_kernel import _effective_config, _grouped_mm_kernel
 
 
 def compile_sm90(cfg: GroupedMMConfig, k_major=True, gather=False, scatter=False, tma=None, out="bf16"):
+    """Compile as the launcher would run ``cfg`` (its TMA choices and ``_effective_config``)."""
     fn = _grouped_mm_kernel
     tma = cfg.tma if tma is None else tma
+    tma_a, tma_store = tma and not gather, tma and cfg.tma_store and not scatter
+    cfg = _effective_config(cfg, tma_a, tma, tma_store, interp=False)
     const = dict(
         E_POW2=1024, TABLE=cfg.schedule == "table", LOG2_E=8, TOPK=8 if (gather or scatter) else 1,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, W_K_MAJOR=k_major,
-        TMA_A=tma and not gather, TMA_W=tma, TMA_STORE=tma and cfg.tma_store and not scatter, GATHER=gather,
-        SCATTER=scatter, UPCAST=False, WS_K=cfg.warp_specialize == "k", WS_TILES=cfg.warp_specialize == "tiles",
-        FLATTEN=cfg.flatten, INTERPRET=False,
+        TMA_A=tma_a, TMA_W=tma, TMA_STORE=tma_store, GATHER=gather, SCATTER=scatter, UPCAST=False,
+        WS_K=cfg.warp_specialize == "k", WS_TILES=cfg.warp_specialize == "tiles", FLATTEN=cfg.flatten, INTERPRET=False,
     )  # fmt: skip
     const["stride_wk" if k_major else "stride_wn"] = 1  # the launcher's unit stride, specialised by Triton
     sig = {a: "*i32" if a in ("OFFS", "IDX", "TILE_END") else "i32" for a in fn.arg_names}
@@ -30,7 +32,8 @@ def compile_sm90(cfg: GroupedMMConfig, k_major=True, gather=False, scatter=False
     kernel, spill_bytes, _ = _compile(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ttgir = kernel.asm["ttgir"]
     return dict(
-        shared=kernel.metadata.shared, warps=kernel.metadata.num_warps, spill_bytes=spill_bytes,
+        ws_effective=bool(cfg.warp_specialize), shared=kernel.metadata.shared, warps=kernel.metadata.num_warps,
+        spill_bytes=spill_bytes,
         specialised=ttgir.count("ttg.warp_specialize") > 0, tma_loads=ttgir.count("async_tma_copy_global_to_local"),
         wgmma=kernel.asm["ptx"].count("wgmma.mma_async"),
     )  # fmt: skip
@@ -40,6 +43,9 @@ def variants():
     table = list(dict.fromkeys([*CONFIG_TABLE.values(), *tune_candidates("large"), *tune_candidates("small")]))
     wide = GroupedMMConfig(128, 256, 64, 8, 3, 8)
     out = [(c.label(), c, {}) for c in table]
+    # the MoE layer runs the table's configurations with gathered rows (gate/up) and scattered output (down)
+    out += [(f"{c.label()}-{mode}", c, {mode: True}) for c in dict.fromkeys(CONFIG_TABLE.values())
+            for mode in ("gather", "scatter")]  # fmt: skip
     out += [
         ("N-major", wide, dict(k_major=False)),
         ("gather", wide, dict(gather=True)),
@@ -47,8 +53,10 @@ def variants():
         ("pointer-128x128", GroupedMMConfig(128, 128, 64, 8, 4, 8), dict(tma=False)),
         ("tma-store", replace(wide, tma_store=True), {}),
         ("fp32-out", wide, dict(out="fp32")),
-        ("ws-scatter", GroupedMMConfig(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles"),
-         dict(scatter=True)),
+        # warp specialisation asked where the launcher drops it: no TMA store (scatter, or not asked for)
+        ("ws-scatter", GroupedMMConfig(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles",
+                                       tma_store=True), dict(scatter=True)),
+        ("ws-pointer-store", GroupedMMConfig(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles"), {}),
     ]  # fmt: skip
     return out
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import os
+import statistics
 import time
 import warnings
 from dataclasses import replace
@@ -418,6 +419,7 @@ def _launch(
 # summation order; a wrong tile shows up as elements far outside that.
 TUNE_RTOL = 1e-2
 TUNE_ATOL = 1e-3  # times the output's RMS: elements near zero
+TUNE_MARGIN = 0.02  # a measured choice replaces the table only when this much faster
 
 
 def _mismatch(out: torch.Tensor, expected: torch.Tensor, rows: int = 4096) -> str | None:
@@ -448,14 +450,18 @@ def tune(
     scatter: bool = False,
     candidates: list[GroupedMMConfig] | None = None,
     reps: int = 10,
+    rounds: int = 3,
+    margin: float = TUNE_MARGIN,
 ) -> GroupedMMConfig:
-    """Time ``candidates`` (default: ``tune_candidates`` of the shape class) on these inputs and remember the fastest
-    for their shape class (``MEASURED``, consulted by ``choose_config``).
+    """Time ``candidates`` (default: ``tune_candidates`` of the shape class) against the table configuration on
+    these inputs and remember the choice for their shape class (``MEASURED``, consulted by ``choose_config``).
 
     Each candidate's output is first compared element by element with the table configuration's on the same inputs
     (``_mismatch``): one that differs, or does not compile or launch, is never chosen; it is recorded in ``REJECTED``
-    with the reason and a warning names it. A fast wrong kernel must not win. If no candidate is right, the table
-    configuration is remembered (with a warning), so the caller keeps running on it."""
+    with the reason and a warning names it. A fast wrong kernel must not win. The right ones are timed in ``rounds``
+    interleaved rounds of ``reps`` launches (the median counts, so a drifting clock hits every candidate alike), and
+    one replaces the table configuration only if it is faster by more than ``margin``: single timings differ by more
+    than the candidates do (``grouped_mm_suite.md``), and a choice made on noise would be slower as often as not."""
     m = idx.shape[0] if (gather or scatter) else x.shape[0]
     key = measure_key(x, w, m, gather, scatter)
     index = dict(idx=idx, topk=topk, gather=gather, scatter=scatter)
@@ -467,24 +473,32 @@ def tune(
         candidates = tune_candidates(shape_class(m, w.shape[2], w.shape[1], w.shape[0])[0])
     if gather or scatter:  # gathered rows (no TMA for them) or a scattered store: warp specialisation never runs
         candidates = [c for c in candidates if not c.warp_specialize]
-    best, best_ms = None, float("inf")
-    for cfg in candidates:
+    runs = {table: lambda: launch(x, w, offs, out, **index, config=table)}
+    for cfg in dict.fromkeys(candidates):
+        if cfg in runs:
+            continue
         try:
-            run = lambda: launch(x, w, offs, out, **index, config=cfg)  # noqa: B023, E731
+            run = lambda cfg=cfg: launch(x, w, offs, out, **index, config=cfg)  # noqa: E731
             out.zero_()
             run()
             if (why := _mismatch(out, expected)) is not None:
                 raise ValueError(f"{why} ({table.label()})")
-            ms = _elapsed_ms(run, reps, x.is_cuda)
+            runs[cfg] = run
         except Exception as exc:  # a configuration that is wrong, does not compile or does not fit
             REJECTED.setdefault(key, {})[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:200]}"
             warnings.warn(f"grouped_mm tuning skipped {cfg.label()}: {REJECTED[key][cfg.label()]}", stacklevel=2)
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    if best is None:
+    times: dict[GroupedMMConfig, list[float]] = {cfg: [] for cfg in runs}
+    for _ in range(rounds if len(runs) > 1 else 0):
+        for cfg, run in runs.items():
+            times[cfg].append(_elapsed_ms(run, reps, x.is_cuda))
+    best = table
+    if len(runs) > 1:
+        median = {cfg: statistics.median(t) for cfg, t in times.items()}
+        fastest = min(median, key=median.get)
+        if median[fastest] < (1 - margin) * median[table]:
+            best = fastest
+    elif not any(c in runs for c in candidates):
         warnings.warn(f"grouped_mm tuning: no candidate ran correctly, keeping {table.label()}", stacklevel=2)
-        best = table
     MEASURED[key] = best
     return best
 

@@ -186,6 +186,32 @@ def test_tune_never_chooses_a_configuration_whose_result_is_wrong(monkeypatch, c
     assert gc.MEASURED[key] == gc.table_config(x, w, x.shape[0])
 
 
+def test_tune_replaces_the_table_only_when_clearly_faster(monkeypatch, clean_tuning):
+    x, w, offs = _problem([5, 0, 20, 9], k=24, n=40)
+    table = gc.table_config(x, w, x.shape[0])
+    near, fast = replace(BASE, block_n=64, block_k=16), replace(BASE, block_m=16, group_m=1)
+    speed = {table: [1.0, 1.3, 1.0], near: [0.99, 0.99, 2.0], fast: [0.9, 0.8, 5.0]}  # ms per round, one outlier each
+    launched, calls = [], []
+    real_launch = gk.launch
+
+    def launch(*args, config=None, **kwargs):
+        launched.append(config)
+        return real_launch(*args, config=config, **kwargs)
+
+    def elapsed_ms(run, reps, cuda):  # which configuration: the one the timed function launches
+        run()
+        calls.append(launched[-1])
+        return speed[launched[-1]][(sum(c == launched[-1] for c in calls) - 1) % 3]
+
+    monkeypatch.setattr(gk, "launch", launch)
+    monkeypatch.setattr(gk, "_elapsed_ms", elapsed_ms)
+    assert gk.tune(x, w, offs, candidates=[near], reps=1) == table  # 1% faster: within the margin, noise
+    calls.clear()
+    assert gk.tune(x, w, offs, candidates=[near, fast], reps=1) == fast  # medians 0.9 vs 1.0
+    assert calls == [table, near, fast] * 3  # rounds interleave the candidates
+    assert gk.tune(x, w, offs, candidates=[fast], reps=1, margin=0.2) == table
+
+
 def test_tune_mismatch_is_elementwise():
     e = torch.randn(3000, 64).to(torch.bfloat16)
     assert gk._mismatch(e.clone(), e) is None

@@ -251,10 +251,9 @@ def run_checks(device: str = "cuda") -> Results:
                 gk.REJECTED.clear()
             out = torch.zeros(m, w.shape[2], device=DEV, dtype=x.dtype)
             gk.launch(x, w, offs, out, config=best, **index)
-            ref = grouped_mm_reference(x.float(), w.float(), offs)
-            if mode == "gather":
-                ref = grouped_mm_reference(x[index["idx"].long()].float(), w.float(), offs)
-            elif mode == "scatter":
+            rows = x[index["idx"].long()] if mode == "gather" else x
+            ref = grouped_mm_reference(rows.float(), w.float(), offs)
+            if mode == "scatter":
                 ref = torch.zeros_like(ref).index_copy_(0, index["idx"].long(), ref)
             err = _rel(out, ref)
             return err < 1e-2 and not rejected, f"chose {best.label()} err={err:.2e} rejected={rejected}"

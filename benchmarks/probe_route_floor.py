@@ -10,8 +10,8 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 
 A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (``ROWS`` x
 ``PROGRAMS_PER_SM``: 24, fewer for wide rows, whose tiles stay within 16384 logits) and the fastest is reported with
-its shape. (The first version used one shape,
-4096-element tiles on 4 programs per SM; on the small cases that was slower than our whole kernel.)
+its shape. (The first version used one shape, 4096-element tiles on 4 programs per SM; on the small cases that was
+slower than our whole kernel.)
 
 ``ceiling_vs_aten`` = ATen sequence / floor: the speedup no single-launch kernel with this output could beat in this
 measurement. ``ours_over_copy_counts``: how far our kernel is from that floor.
@@ -21,14 +21,13 @@ measurement. ``ours_over_copy_counts``: how far our kernel is from that floor.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from benchmarks.bench_moe_route import CASES, _args, _bytes, _inputs, aten_route
 from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, time_graph_ms
+from fly_lightning.kernels.triton.moe_route import _plan, _sm_count, moe_route_triton
 
 
 @triton.jit
@@ -65,11 +64,6 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
             tl.atomic_xchg(WS, 0, sem="relaxed")
 
 
-@functools.cache
-def _sm_count() -> int:
-    return torch.cuda.get_device_properties(0).multi_processor_count
-
-
 ROWS = (16, 32, 64, 128, 256, 512)  # tokens per tile, kept to tiles of at most 16384 logits
 PROGRAMS_PER_SM = (1, 2, 4, 8)
 
@@ -77,7 +71,7 @@ PROGRAMS_PER_SM = (1, 2, 4, 8)
 def _floor_fn(case, count: bool, ws: torch.Tensor, rows: int, programs_per_sm: int):
     be = triton.next_power_of_2(case.experts)
     n_tiles = triton.cdiv(case.tokens, rows)
-    progs = min(n_tiles, _sm_count() * programs_per_sm)
+    progs = min(n_tiles, _sm_count(0) * programs_per_sm)
     kp = triton.next_power_of_2(case.k)
 
     def fn(x):
@@ -108,8 +102,6 @@ def _best_floor(case, count: bool, ws: torch.Tensor, inputs) -> tuple[float, str
 
 
 def main() -> None:
-    from fly_lightning.kernels.triton.moe_route import _plan, moe_route_triton
-
     dev = torch.device("cuda")
     copy_gbps = copy_bandwidth_gbps(dev)
     res = Results("moe_route_floor")

@@ -132,6 +132,18 @@ def _load_tile(tile, last, X, stride_x, T, col, valid, ROWS: tl.constexpr):
 
 
 @triton.jit
+def _store_step(ptr, v, row_ok, col, DIRECT_STORE: tl.constexpr):
+    """Store one selection step's per-row value ``v`` at ``ptr`` (one per row). Triton 3.6 stores the broadcast form
+    from the threads holding column 0 without a layout conversion; later versions cannot fold that mask and emit a
+    predicated store per element (229-255 registers instead of 128 for Qwen3's shape), so there the row vector is
+    stored directly."""
+    if DIRECT_STORE:
+        tl.store(ptr, v, mask=row_ok)
+    else:
+        tl.store(rows5(ptr) + col * 0, rows5(v) + col * 0, mask=rows5(row_ok) & (col == 0))
+
+
+@triton.jit
 def _route_tile(
     tile,
     x,
@@ -191,13 +203,7 @@ def _route_tile(
             key, m = marked_step(key, j)
         else:
             m = descent_step(key, m, j)
-        # the winner's key, for the epilogue. Triton 3.6 stores the broadcast form from the threads holding column 0
-        # without a layout conversion; later versions cannot fold that mask and emit a predicated store per element
-        # (229-255 registers instead of 128 for Qwen3's shape), so there the row vector is stored directly
-        if DIRECT_STORE:
-            tl.store(out_j + j, m, mask=row_ok)
-        else:
-            tl.store(rows5(out_j + j) + col * 0, rows5(m) + col * 0, mask=rows5(row_ok) & (col == 0))
+        _store_step(out_j + j, m, row_ok, col, DIRECT_STORE)  # the winner's key, for the epilogue
         if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
             _, mx = packed_decode(m, INF16, X.dtype.element_ty, CB)
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
@@ -208,14 +214,7 @@ def _route_tile(
             for j in tl.static_range(K):
                 key, idx, _ = exact_step(key, col, j, CB)
                 # stored in packed form with the column in the low bits (the epilogue only reads the column)
-                if DIRECT_STORE:
-                    tl.store(out_j + j, (CB - 1) - idx, mask=row_ok)
-                else:
-                    tl.store(
-                        rows5(out_j + j) + col * 0,
-                        rows5((CB - 1) - idx) + col * 0,
-                        mask=rows5(row_ok) & (col == 0),
-                    )
+                _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
             chosen = key < INT_MIN + K
     chosen = chosen & rows5(row_ok)
     if PERM:
@@ -456,7 +455,7 @@ class LaunchConfig:
     programs_per_sm: int = 4  # persistent grid: SMs * programs_per_sm programs (fewer when there are fewer tiles)
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
-    direct_store: bool | None = None  # see _route_tile; None: by the Triton version
+    direct_store: bool | None = None  # see _store_step; None: by the Triton version
     relaxed_tail: bool = False  # see the end of _moe_route_fwd
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 

@@ -10,8 +10,8 @@ from fly_lightning.kernels.triton.swiglu import _plan, _swiglu_fwd
 def variant(i: int, dtype: str = "bf16") -> dict:
     bt, bi = _plan(i)
     sig = dict(G=f"*{dtype}", stride_g="i32", U=f"*{dtype}", stride_u="i32", Y=f"*{dtype}", S="i32", N="i32")
-    kernel, spill, _ = compile_sm90(_swiglu_fwd, sig, dict(BT=bt, BI=bi), ("G", "U", "Y", "stride_g", "stride_u", "N"),
-                                 num_warps=4)  # fmt: skip
+    aligned = ("G", "U", "Y", "stride_g", "stride_u", "N")
+    kernel, spill, _ = compile_sm90(_swiglu_fwd, sig, dict(BT=bt, BI=bi), aligned, num_warps=4)
     ptx = kernel.asm["ptx"]
     return dict(
         spill_bytes=spill,

@@ -1,7 +1,7 @@
 """The grouped GEMM kernel compiles for the H200 (sm_90) in every variant the table, tuning and MoE layer use: no
 register spills, wgmma and TMA where expected, and warp specialisation taking effect exactly where the launcher keeps
-it (TMA loads and the TMA store; see ``_effective_config``). Runs Triton's
-compiler and bundled ptxas on the CPU (no GPU), in a subprocess without the interpreter."""
+it (TMA loads and the TMA store; see ``_effective_config``). Runs Triton's compiler and bundled ptxas on the CPU (no
+GPU), in a subprocess without the interpreter."""
 
 
 def test_kernel_compiles_for_sm90(compiled_variants):

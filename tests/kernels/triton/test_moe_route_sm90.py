@@ -11,7 +11,7 @@ def test_kernels_compile_for_sm90(compiled_variants):
         assert r["shared"] <= 232448, (name, r)
         if r.get("launcher_default"):
             # the launcher's programs per SM must fit at once (4 programs of 4 warps: 128 registers, 2: 256). Triton
-            # 3.7-3.9 compiled Qwen3's shape to 229-255 with 3.6's store form (see _route_tile)
+            # 3.7-3.9 compiled Qwen3's shape to 229-255 with 3.6's store form (see _store_step)
             assert r["registers"] <= r["register_budget"], (name, r)
         if name.startswith("route"):
             # the counting tail: one acq_rel ticket (one thread), the tallies and the last program's reads relaxed

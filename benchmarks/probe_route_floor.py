@@ -4,9 +4,15 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 - ``empty``: a kernel that does nothing, on the grid our launcher uses (launch and graph-node cost);
 - ``copy``: reads the logits and writes outputs of the routing's size ([T, k] fp32 weights and int32 ids), one
   row max per token so every byte is used: the memory floor of any single-launch router;
-- ``copy_counts``: ``copy`` plus our kernel's global tail in its default form (per-program relaxed integer atomics, a
+- ``copy_counts``: ``copy`` plus the ticket tail in its default form (per-program relaxed integer atomics, a
   barrier, one acq_rel ticket, the last program writes counts and offsets and re-zeroes the workspace): the floor of
-  a single launch that also counts this way.
+  a single launch that also counts this way;
+- ``copy_red``: ``copy`` plus the atomic tail (outputs zeroed by a memset node, every program adds its tallies and
+  their prefixes into them; nothing after): the floor with that tail;
+- ``copy_tally``: ``copy`` plus the per-program tally atomics alone (publishes nothing): a lower bound for any tail
+  that adds per-program counts.
+
+``ours`` is our kernel as the launcher configures it; ``ours_red`` the same with the atomic tail.
 
 A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (``ROWS`` x
 ``PROGRAMS_PER_SM``: 24, fewer for wide rows, whose tiles stay within 16384 logits) and the fastest is reported with
@@ -21,13 +27,15 @@ measurement. ``ours_over_copy_counts``: how far our kernel is from that floor.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
 from benchmarks.bench_moe_route import CASES, _args, _bytes, _inputs, aten_route
 from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, time_graph_ms
-from fly_lightning.kernels.triton.moe_route import _plan, _sm_count, moe_route_triton
+from fly_lightning.kernels.triton.moe_route import _plan, _sm_count, launch_config, moe_route_triton
 
 
 @triton.jit
@@ -37,7 +45,7 @@ def _empty(X):
 
 @triton.jit
 def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr, BE: tl.constexpr, ROWS: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+                KP: tl.constexpr, BE: tl.constexpr, ROWS: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     e = tl.arange(0, BE)
     kk = tl.arange(0, KP)
@@ -51,9 +59,10 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
         out_ok = ok[:, None] & (kk < K)[None, :]
         tl.store(W + out, m[:, None] + kk[None, :], mask=out_ok)
         tl.store(ID + out, m[:, None].to(tl.int32) + kk[None, :], mask=out_ok)
-    if COUNT:  # the tail of our kernel (its default, relaxed form): tallies by atomics, a ticket, the last program
-        # publishes and re-zeroes
-        tl.atomic_add(WS + 1 + e, (e + pid) & 1, mask=(e < E) & (((e + pid) & 1) != 0), sem="relaxed")
+    tally = (e + pid) & 1  # a stand-in for the program's per-expert counts
+    if TAIL == 1:  # the ticket tail (_ticket_tail, its default relaxed form): tallies by atomics, a ticket, the last
+        # program publishes and re-zeroes
+        tl.atomic_add(WS + 1 + e, tally, mask=(e < E) & (tally != 0), sem="relaxed")
         tl.debug_barrier()
         ticket = tl.atomic_add(WS, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
@@ -62,13 +71,22 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
             tl.store(COUNTS + e, counts, mask=e < E)
             tl.store(OFFSETS + e, tl.cumsum(tl.where(e < E, counts, 0), axis=0), mask=e < E)
             tl.atomic_xchg(WS, 0, sem="relaxed")
+    elif TAIL == 2:  # the atomic tail: tallies and their prefixes added into the zeroed outputs, nothing after
+        upto = tl.cumsum(tally, axis=0)
+        tl.atomic_add(COUNTS + e, tally, mask=(e < E) & (tally != 0), sem="relaxed")
+        tl.atomic_add(OFFSETS + e, upto, mask=(e < E) & (upto != 0), sem="relaxed")
+    elif TAIL == 3:  # the tallies alone (publishes nothing: a lower bound on any tail that adds per-program counts)
+        tl.atomic_add(WS + 1 + e, tally, mask=(e < E) & (tally != 0), sem="relaxed")
 
 
 ROWS = (16, 32, 64, 128, 256, 512)  # tokens per tile, kept to tiles of at most 16384 logits
 PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 
-def _floor_fn(case, count: bool, ws: torch.Tensor, rows: int, programs_per_sm: int):
+TAILS = {"copy": 0, "copy_counts": 1, "copy_red": 2, "copy_tally": 3}
+
+
+def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int):
     be = triton.next_power_of_2(case.experts)
     n_tiles = triton.cdiv(case.tokens, rows)
     progs = min(n_tiles, _sm_count(0) * programs_per_sm)
@@ -77,10 +95,11 @@ def _floor_fn(case, count: bool, ws: torch.Tensor, rows: int, programs_per_sm: i
     def fn(x):
         w = torch.empty((case.tokens, case.k), dtype=torch.float32, device=x.device)
         ids = torch.empty((case.tokens, case.k), dtype=torch.int32, device=x.device)
-        counts = torch.empty(case.experts, dtype=torch.int32, device=x.device)
-        offsets = torch.empty_like(counts)
+        # the atomic tail adds into its outputs: zeroed (a memset node in the graph, as in the kernel)
+        alloc = torch.zeros if tail == "copy_red" else torch.empty
+        counts, offsets = alloc((2, case.experts), dtype=torch.int32, device=x.device).unbind(0)
         _copy_floor[(progs,)](x, x.stride(0), w, ids, ws, counts, offsets, case.tokens, n_tiles, E=case.experts,
-                              K=case.k, KP=kp, BE=be, ROWS=rows, COUNT=count, num_warps=4)  # fmt: skip
+                              K=case.k, KP=kp, BE=be, ROWS=rows, TAIL=TAILS[tail], num_warps=4)  # fmt: skip
         return w, ids, counts, offsets
 
     return fn
@@ -90,13 +109,13 @@ def _time_us(fn, inputs) -> float:
     return 1e3 * time_graph_ms(fn, inputs, calls_per_graph=20, replays=20)["median_ms"]
 
 
-def _best_floor(case, count: bool, ws: torch.Tensor, inputs) -> tuple[float, str]:
+def _best_floor(case, tail: str, ws: torch.Tensor, inputs) -> tuple[float, str]:
     """(fastest time in us, its launch shape) over ``ROWS`` x ``PROGRAMS_PER_SM``."""
     be = triton.next_power_of_2(case.experts)
     times = {}
     for rows in [r for r in ROWS if r * be <= 16384] or ROWS[:1]:
         for pps in PROGRAMS_PER_SM:
-            times[f"{rows}r_{pps}pps"] = _time_us(_floor_fn(case, count, ws, rows, pps), inputs)
+            times[f"{rows}r_{pps}pps"] = _time_us(_floor_fn(case, tail, ws, rows, pps), inputs)
     shape = min(times, key=times.get)
     return times[shape], shape
 
@@ -106,24 +125,27 @@ def main() -> None:
     copy_gbps = copy_bandwidth_gbps(dev)
     res = Results("moe_route_floor")
     ws = torch.zeros(1 + 1024, dtype=torch.int32, device=dev)
-    ceil = {"copy": [], "copy_counts": []}
-    ours_vs_aten = []
+    ceil = {name: [] for name in TAILS}
+    ours_vs_aten, ours_red_vs_aten = [], []
     for case in CASES:
         inputs, bias = _inputs(case, dev)
         args = _args(case, bias)
+        cfg = launch_config(case.experts, case.k, case.dtype.itemsize, case.n_groups is not None, case.bias)
+        red = replace(cfg, tail="red")
         plan = _plan(case.tokens, case.experts, case.k, case.dtype, case.experts, case.score, case.renormalize,
                      bias is not None, case.n_groups, case.topk_groups, False, dev, None, False)  # fmt: skip
         fns = {
             "empty": lambda x, p=plan.programs: _empty[(p,)](x),
             "ours": lambda x, a=args: moe_route_triton(x, *a, False),
+            "ours_red": lambda x, a=args, c=red: moe_route_triton(x, *a, False, config=c),
             "aten": lambda x, a=args: aten_route(x, *a),
         }
         row = dict(case=case.name, T=case.tokens, E=case.experts, k=case.k, dtype=str(case.dtype).split(".")[-1],
                    programs=plan.programs)  # fmt: skip
         for name, fn in fns.items():
             row[f"{name}_us"] = round(_time_us(fn, inputs), 2)
-        for name, count in (("copy", False), ("copy_counts", True)):
-            us, shape = _best_floor(case, count, ws, inputs)
+        for name in TAILS:
+            us, shape = _best_floor(case, name, ws, inputs)
             row[f"{name}_us"], row[f"{name}_shape"] = round(us, 2), shape
         row["copy_pct_copy_bw"] = round(100 * _bytes(case) / (row["copy_us"] * 1e3) / copy_gbps, 1)
         for name in ceil:
@@ -131,10 +153,14 @@ def main() -> None:
             ceil[name].append(row["aten_us"] / row[f"{name}_us"])
         row["ours_vs_aten"] = round(row["aten_us"] / row["ours_us"], 1)
         row["ours_over_copy_counts"] = round(row["ours_us"] / row["copy_counts_us"], 2)
+        row["ours_red_vs_aten"] = round(row["aten_us"] / row["ours_red_us"], 1)
+        row["ours_red_over_copy_red"] = round(row["ours_red_us"] / row["copy_red_us"], 2)
         ours_vs_aten.append(row["aten_us"] / row["ours_us"])
+        ours_red_vs_aten.append(row["aten_us"] / row["ours_red_us"])
         res.add(**row)
     res.summary = {f"geomean_ceiling_vs_aten_{k}": round(geomean(v), 1) for k, v in ceil.items()}
     res.summary["geomean_ours_vs_aten"] = round(geomean(ours_vs_aten), 1)
+    res.summary["geomean_ours_red_vs_aten"] = round(geomean(ours_red_vs_aten), 1)
     res.notes.append(f"copy bandwidth {copy_gbps:.0f} GB/s; graph replay, 20 calls per graph; deterministic off")
     res.notes.append(
         f"floors: fastest of rows per tile {ROWS} (tiles <= 16384 logits) x programs per SM "

@@ -299,6 +299,7 @@ def _moe_route_fwd(
     PREFETCH: tl.constexpr,
     TALLY_SEM: tl.constexpr,
     READ_SEM: tl.constexpr,
+    RED_TAIL: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -392,11 +393,34 @@ def _moe_route_fwd(
                 PERM,
                 DIRECT_STORE,
             )
-    # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
-    # program reads the totals. Relaxed tail (TALLY_SEM "relaxed", READ_SEM "relaxed"): relaxed tallies, barrier, one
-    # acq_rel ticket by one thread (the pattern of cooperative groups' grid sync: the barrier makes the block's tallies
-    # precede that thread's release), relaxed reads and re-zeroing after the acquire. Otherwise every tally is a
-    # release (a fence per thread, which also waits for the tile's output stores) and the reads are acq_rel.
+    # Integer atomics: exact and order-independent, hence deterministic.
+    if RED_TAIL:  # into the zeroed outputs; no ticket, no last program: the kernel boundary is the only ordering
+        if PERM:  # counts only; _perm_base turns them into offsets
+            col4 = tl.max(col, axis=2)
+            valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
+            tl.store(HIST + pid * E + col4, carry, mask=valid4)
+            tl.atomic_add(COUNTS + col4, carry, mask=valid4 & (carry != 0), sem="relaxed")
+        else:  # offsets are sums of the programs' inclusive prefixes (a prefix sum is linear)
+            e = tl.arange(0, BLOCK_E)
+            upto = tl.cumsum(sel_count, axis=0)
+            tl.atomic_add(COUNTS + e, sel_count, mask=(e < E) & (sel_count != 0), sem="relaxed")
+            tl.atomic_add(OFFSETS + e, upto, mask=(e < E) & (upto != 0), sem="relaxed")
+    else:
+        _ticket_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E, BLOCK_E, PERM, TALLY_SEM,
+                     READ_SEM)  # fmt: skip
+
+
+@triton.jit
+def _ticket_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                 PERM: tl.constexpr, TALLY_SEM: tl.constexpr, READ_SEM: tl.constexpr):  # fmt: skip
+    """Tallies into the zeroed workspace; the last program (a ticket) publishes counts and offsets and re-zeroes it.
+
+    The ticket orders the tallies before the last program reads the totals. Relaxed form (TALLY_SEM "relaxed",
+    READ_SEM "relaxed"): relaxed tallies, barrier, one acq_rel ticket by one thread (the pattern of cooperative
+    groups' grid sync: the barrier makes the block's tallies precede that thread's release), relaxed reads and
+    re-zeroing after the acquire. Otherwise every tally is a release (a fence per thread, which also waits for the
+    tile's output stores) and the reads are acq_rel.
+    """
     if PERM:
         col4 = tl.max(col, axis=2)
         valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
@@ -419,11 +443,22 @@ def _moe_route_fwd(
 
 
 @triton.jit
-def _perm_base(HIST, COUNTS, OFFSETS, n_progs, E, EB: tl.constexpr, PB: tl.constexpr):
-    """In place: per-program counts ``HIST[p, e]`` -> the position of program p's first slot of expert e."""
+def _perm_base(HIST, COUNTS, OFFSETS, n_progs, E, EB: tl.constexpr, PB: tl.constexpr, OFFSETS_HERE: tl.constexpr,
+               BLOCK_E: tl.constexpr):  # fmt: skip
+    """In place: per-program counts ``HIST[p, e]`` -> the position of program p's first slot of expert e.
+
+    ``OFFSETS_HERE`` (the atomic tail, which leaves only the counts): each program also writes its experts' offsets,
+    from all the counts.
+    """
     e = tl.program_id(0) * EB + tl.arange(0, EB)
     e_ok = e < E
-    carry = tl.load(OFFSETS + e, mask=e_ok, other=0) - tl.load(COUNTS + e, mask=e_ok, other=0)
+    if OFFSETS_HERE:
+        every = tl.arange(0, BLOCK_E)
+        n_every = tl.load(COUNTS + every, mask=every < E, other=0)
+        carry = tl.sum(tl.where(every[None, :] < e[:, None], n_every[None, :], 0), axis=1)  # exclusive prefix
+        tl.store(OFFSETS + e, carry + tl.load(COUNTS + e, mask=e_ok, other=0), mask=e_ok)
+    else:
+        carry = tl.load(OFFSETS + e, mask=e_ok, other=0) - tl.load(COUNTS + e, mask=e_ok, other=0)
     p0 = 0
     while p0 < n_progs:  # (a while loop: the interpreter cannot take runtime range() bounds)
         p = p0 + tl.arange(0, PB)
@@ -456,7 +491,8 @@ class LaunchConfig:
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
-    relaxed_tail: bool = False  # see the end of _moe_route_fwd
+    relaxed_tail: bool = False  # see _ticket_tail
+    tail: str = "ticket"  # "ticket": _ticket_tail; "red": atomics into zeroed outputs (the end of _moe_route_fwd)
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -631,6 +667,7 @@ class _Plan:
     tiles: int
     tiles_per_program: int
     rows: int
+    red_tail: bool
     constexprs: dict
 
 
@@ -684,12 +721,13 @@ def _plan(
         PREFETCH=cfg.prefetch,
         TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
         READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
+        RED_TAIL=cfg.tail == "red",
         NUM_STAGES=cfg.num_stages,
         INTERPRET=interpret,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return _Plan(programs, tiles, per_program, shape.ROWS, constexprs)
+    return _Plan(programs, tiles, per_program, shape.ROWS, cfg.tail == "red", constexprs)
 
 
 @MOE_ROUTE.implement(
@@ -715,8 +753,7 @@ def moe_route_triton(
     i32 = dict(dtype=torch.int32, device=dev)
     weights = torch.empty((n_tokens, k), dtype=torch.float32, device=dev)
     ids = torch.empty((n_tokens, k), **i32)
-    counts = torch.empty((n_experts,), **i32)
-    offsets = torch.empty((n_experts,), **i32)
+    counts, offsets = torch.empty((2, n_experts), **i32).unbind(0)
     if return_permutation:
         sorted_slots, slot_pos = torch.empty((n_tokens * k,), **i32), torch.empty((n_tokens, k), **i32)
     else:
@@ -742,6 +779,8 @@ def moe_route_triton(
         interpreting(),
     )
     with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
+        if plan.red_tail:  # it adds into its outputs: one zeroed buffer (one memset; a graph node under capture)
+            counts, offsets = torch.zeros((2, n_experts), **i32).unbind(0)
         hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
         _moe_route_fwd[(plan.programs,)](
             logits_TE,
@@ -753,7 +792,7 @@ def moe_route_triton(
             hist,
             counts,
             offsets,
-            _workspace(dev, n_experts),
+            counts if plan.red_tail else _workspace(dev, n_experts),  # (a placeholder with the atomic tail)
             n_tokens,
             plan.tiles,
             plan.tiles_per_program,
@@ -761,7 +800,8 @@ def moe_route_triton(
             **plan.constexprs,
         )
         if return_permutation:
-            _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64)
+            _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64,
+                                               OFFSETS_HERE=plan.red_tail, BLOCK_E=block_of(n_experts))  # fmt: skip
             n_slots = n_tokens * k
             _perm_scatter[(cdiv(n_slots, 1024),)](
                 ids,

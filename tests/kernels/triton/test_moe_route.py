@@ -53,6 +53,10 @@ def _check(out, ref, n_experts, perm=True):
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, prefetch=True)),
         (60, torch.float16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True)),
         (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, relaxed_tail=True)),
+        # the atomic tail: every program adds into the zeroed outputs (offsets from prefixes, or from _perm_base)
+        (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, tail="red")),
+        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5, tail="red")),
+        (1024, torch.bfloat16, LaunchConfig(num_warps=1, programs=2, tail="red")),
     ],
 )
 @pytest.mark.parametrize("perm", [False, True])
@@ -117,10 +121,12 @@ def test_ties_inside_a_relative_key_tile():
     prefetch=st.booleans(),
     direct_store=st.sampled_from([None, False, True]),
     relaxed_tail=st.booleans(),
+    tail=st.sampled_from(["ticket", "red"]),
 )
-def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail):
+def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail,
+                               tail):  # fmt: skip
     cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs,
-                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail)  # fmt: skip
+                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail)  # fmt: skip
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)
@@ -140,6 +146,20 @@ def test_workspace_is_zero_after_each_launch_and_counts_repeat():
     second = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False)
     assert torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
     assert not _workspace(logits.device).any()
+
+
+@pytest.mark.parametrize("perm", [False, True])
+def test_atomic_tail_leaves_the_workspace_alone_and_repeats(perm):
+    """The atomic tail adds into fresh zeroed outputs: repeated launches give the same counts, and the ticket
+    workspace is neither used nor dirtied."""
+    logits = torch.randn(50, 16)
+    cfg = LaunchConfig(programs=3, tail="red")
+    ws_before = _workspace(logits.device).clone()
+    runs = [moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, perm, config=cfg) for _ in range(2)]
+    assert torch.equal(_workspace(logits.device), ws_before)
+    want = routing_counts(runs[0][1], 16, False)
+    for run in runs:
+        assert torch.equal(run[2], want[0]) and torch.equal(run[3], want[1])
 
 
 def test_capture_slots_are_disjoint_zeroed_and_run_out(monkeypatch):

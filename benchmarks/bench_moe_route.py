@@ -383,6 +383,8 @@ def pipeline_configs(case: Case):
     other_tail = replace(base, tail="red" if base.tail == "ticket" else "ticket")
     for pps in (1, 2, 3, 4):
         variants += [replace(base, programs_per_sm=pps), replace(other_tail, programs_per_sm=pps)]
+    ticket = base if base.tail == "ticket" else other_tail
+    variants += [replace(ticket, tally_copies=c) for c in (4, 16)]
     return list(dict.fromkeys(variants))
 
 
@@ -414,6 +416,7 @@ def run_sweep(pipeline: bool = False) -> None:
                 prefetch=cfg.prefetch,
                 relaxed_tail=cfg.relaxed_tail,
                 tail=cfg.tail,
+                copies=cfg.tally_copies,
                 direct_store=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
                 tile=f"{shape.G}x{shape.LG}x{shape.ROWS}x{shape.C}x{shape.VEC}",
             )
@@ -436,7 +439,8 @@ def run_sweep(pipeline: bool = False) -> None:
             res.summary[case.name] = (
                 f"best {best_ms * 1e3:.1f} us (ept={best['ept']} rpt={best['rpt']} "
                 f"warps={best['warps']} pps={best['pps']} stages={best['stages']} prefetch={best['prefetch']} "
-                f"direct_store={best['direct_store']} relaxed_tail={best['relaxed_tail']} tail={best['tail']}), "
+                f"direct_store={best['direct_store']} relaxed_tail={best['relaxed_tail']} tail={best['tail']} "
+                f"copies={best['copies']}), "
                 f"default {default_ms * 1e3:.1f} us"
             )
     res.summary["sweep_seconds"] = round(time.perf_counter() - start, 1)

@@ -7,10 +7,11 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 - ``copy_counts``: ``copy`` plus the ticket tail in its default form (per-program relaxed integer atomics, a
   barrier, one acq_rel ticket, the last program writes counts and offsets and re-zeroes the workspace): the floor of
   a single launch that also counts this way;
-- ``copy_red``: ``copy`` plus the atomic tail (outputs zeroed by a memset node, every program adds its tallies and
-  their prefixes into them; nothing after): the floor with that tail;
+- ``copy_red``: ``copy`` plus the atomic tail (outputs zeroed by one launch before, every program adds its tallies
+  and their prefixes into them; nothing after): the floor with that tail;
 - ``copy_tally``: ``copy`` plus the per-program tally atomics alone (publishes nothing): a lower bound for any tail
-  that adds per-program counts.
+  that adds per-program counts;
+- ``copy_counts_c8``: ``copy_counts`` with the accumulator in 8 copies (program p adds into copy p % 8).
 
 ``ours`` is our kernel as the launcher configures it; ``ours_red`` the same with the atomic tail.
 
@@ -60,14 +61,19 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
         tl.store(W + out, m[:, None] + kk[None, :], mask=out_ok)
         tl.store(ID + out, m[:, None].to(tl.int32) + kk[None, :], mask=out_ok)
     tally = (e + pid) & 1  # a stand-in for the program's per-expert counts
-    if TAIL == 1:  # the ticket tail (_ticket_tail, its default relaxed form): tallies by atomics, a ticket, the last
-        # program publishes and re-zeroes
-        tl.atomic_add(WS + 1 + e, tally, mask=(e < E) & (tally != 0), sem="relaxed")
+    if TAIL == 1 or TAIL == 4:  # the ticket tail (_ticket_tail, its default relaxed form): tallies by atomics, a
+        # ticket, the last program publishes and re-zeroes; TAIL 4: into 8 accumulator copies
+        copies: tl.constexpr = 8 if TAIL == 4 else 1
+        base: tl.constexpr = 32 if TAIL == 4 else 1
+        stride: tl.constexpr = (E + 31) // 32 * 32
+        tl.atomic_add(WS + base + (pid % copies) * stride + e, tally, mask=(e < E) & (tally != 0), sem="relaxed")
         tl.debug_barrier()
         ticket = tl.atomic_add(WS, 1, sem="acq_rel")
         if ticket == tl.num_programs(0) - 1:
             tl.debug_barrier()
-            counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e < E, sem="relaxed")
+            counts = tl.zeros([BE], tl.int32)
+            for c in tl.static_range(copies):
+                counts += tl.atomic_xchg(WS + base + c * stride + e, 0, mask=e < E, sem="relaxed")
             tl.store(COUNTS + e, counts, mask=e < E)
             tl.store(OFFSETS + e, tl.cumsum(tl.where(e < E, counts, 0), axis=0), mask=e < E)
             tl.atomic_xchg(WS, 0, sem="relaxed")
@@ -83,7 +89,7 @@ ROWS = (16, 32, 64, 128, 256, 512)  # tokens per tile, kept to tiles of at most 
 PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 
-TAILS = {"copy": 0, "copy_counts": 1, "copy_red": 2, "copy_tally": 3}
+TAILS = {"copy": 0, "copy_counts": 1, "copy_red": 2, "copy_tally": 3, "copy_counts_c8": 4}
 
 
 def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int):
@@ -95,9 +101,10 @@ def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int
     def fn(x):
         w = torch.empty((case.tokens, case.k), dtype=torch.float32, device=x.device)
         ids = torch.empty((case.tokens, case.k), dtype=torch.int32, device=x.device)
-        # the atomic tail adds into its outputs: zeroed (a memset node in the graph, as in the kernel)
-        alloc = torch.zeros if tail == "copy_red" else torch.empty
-        counts, offsets = alloc((2, case.experts), dtype=torch.int32, device=x.device).unbind(0)
+        counts = torch.empty(case.experts, dtype=torch.int32, device=x.device)
+        offsets = torch.empty_like(counts)
+        if tail == "copy_red":  # the atomic tail adds into its outputs: zeroed by one launch, as in our launcher
+            torch._foreach_zero_([counts, offsets])
         _copy_floor[(progs,)](x, x.stride(0), w, ids, ws, counts, offsets, case.tokens, n_tiles, E=case.experts,
                               K=case.k, KP=kp, BE=be, ROWS=rows, TAIL=TAILS[tail], num_warps=4)  # fmt: skip
         return w, ids, counts, offsets
@@ -116,6 +123,7 @@ def _best_floor(case, tail: str, ws: torch.Tensor, inputs) -> tuple[float, str]:
     for rows in [r for r in ROWS if r * be <= 16384] or ROWS[:1]:
         for pps in PROGRAMS_PER_SM:
             times[f"{rows}r_{pps}pps"] = _time_us(_floor_fn(case, tail, ws, rows, pps), inputs)
+    ws.zero_()  # copy_tally leaves its tallies behind
     shape = min(times, key=times.get)
     return times[shape], shape
 
@@ -124,7 +132,7 @@ def main() -> None:
     dev = torch.device("cuda")
     copy_gbps = copy_bandwidth_gbps(dev)
     res = Results("moe_route_floor")
-    ws = torch.zeros(1 + 1024, dtype=torch.int32, device=dev)
+    ws = torch.zeros(32 + 8 * 1024, dtype=torch.int32, device=dev)
     ceil = {name: [] for name in TAILS}
     ours_vs_aten, ours_red_vs_aten = [], []
     for case in CASES:

@@ -62,9 +62,10 @@ VARIANTS = {
     # forms the launcher picks only with another Triton version: they must still compile without spills
     "route-qwen3-prefetch": lambda: route(65536, 128, 8, torch.bfloat16, prefetch=True),
     "route-qwen3-broadcast-store": lambda: route(65536, 128, 8, torch.bfloat16, direct_store=False),
-    "route-mixtral-release-tail": lambda: route(16384, 8, 2, torch.bfloat16, relaxed_tail=False),
+    "route-mixtral-release-tail": lambda: route(16384, 8, 2, torch.bfloat16, relaxed_tail=False, tail="ticket"),
+    "route-mixtral-perm-ticket-tail": lambda: route(16384, 8, 2, torch.bfloat16, perm=True, tail="ticket"),
     "route-qwen3-red-tail": lambda: route(65536, 128, 8, torch.bfloat16, tail="red"),
-    "route-mixtral-perm-red-tail": lambda: route(16384, 8, 2, torch.bfloat16, perm=True, tail="red"),
+    "route-qwen3-16-copies": lambda: route(65536, 128, 8, torch.bfloat16, tally_copies=16),
     "topk-128-8-bf16": lambda: top(128, 8, torch.bfloat16),
     "topk-1000-5-fp32": lambda: top(1000, 5, torch.float32),
 }

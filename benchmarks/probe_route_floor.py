@@ -7,7 +7,7 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 - ``copy_counts``: ``copy`` plus the ticket tail in its default form (per-program relaxed integer atomics, a
   barrier, one acq_rel ticket, the last program writes counts and offsets and re-zeroes the workspace): the floor of
   a single launch that also counts this way;
-- ``copy_red``: ``copy`` plus the atomic tail (outputs zeroed by one launch before, every program adds its tallies
+- ``copy_red``: ``copy`` plus the atomic tail (outputs zeroed by two memsets before, every program adds its tallies
   and their prefixes into them; nothing after): the floor with that tail;
 - ``copy_tally``: ``copy`` plus the per-program tally atomics alone (publishes nothing): a lower bound for any tail
   that adds per-program counts;
@@ -101,10 +101,9 @@ def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int
     def fn(x):
         w = torch.empty((case.tokens, case.k), dtype=torch.float32, device=x.device)
         ids = torch.empty((case.tokens, case.k), dtype=torch.int32, device=x.device)
-        counts = torch.empty(case.experts, dtype=torch.int32, device=x.device)
-        offsets = torch.empty_like(counts)
-        if tail == "copy_red":  # the atomic tail adds into its outputs: zeroed by one launch, as in our launcher
-            torch._foreach_zero_([counts, offsets])
+        alloc = torch.zeros if tail == "copy_red" else torch.empty  # the atomic tail adds into its outputs
+        counts = alloc(case.experts, dtype=torch.int32, device=x.device)
+        offsets = alloc(case.experts, dtype=torch.int32, device=x.device)
         _copy_floor[(progs,)](x, x.stride(0), w, ids, ws, counts, offsets, case.tokens, n_tiles, E=case.experts,
                               K=case.k, KP=kp, BE=be, ROWS=rows, TAIL=TAILS[tail], num_warps=4)  # fmt: skip
         return w, ids, counts, offsets

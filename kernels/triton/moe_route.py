@@ -9,7 +9,7 @@ renormalised, scaled), and histograms the ids into the program's per-expert tall
 published by one of two tails, chosen by the launcher: the ticket tail adds each program's tally to a zeroed
 accumulator with integer atomics, and the last program to finish (a ticket counter) writes ``counts_E`` and the
 inclusive ``offsets_E`` and re-zeroes the accumulator and the ticket for the next launch; the atomic tail adds each
-tally into ``counts_E`` and its prefix sum into ``offsets_E`` directly (both zeroed by one launch first), with
+tally into ``counts_E`` and its prefix sum into ``offsets_E`` directly (both zeroed first), with
 nothing after. No host synchronisation anywhere: the op can be captured in a CUDA graph.
 
 With ``return_permutation`` the selection marks the chosen keys with their rank instead, and the tile also writes
@@ -813,9 +813,9 @@ def moe_route_triton(
         interpreting(),
     )
     with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
-        if plan.red_tail:  # it adds into its outputs: zeroed by one launch (one graph node under capture); two
-            # tensors, not views of one buffer, because a custom op's outputs may not alias each other
-            torch._foreach_zero_([counts, offsets])
+        if plan.red_tail:  # it adds into its outputs: two memsets (graph nodes under capture); not one over a
+            # shared buffer, because a custom op's outputs may not alias each other
+            counts, offsets = torch.zeros((n_experts,), **i32), torch.zeros((n_experts,), **i32)
         hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
         _moe_route_fwd[(plan.programs,)](
             logits_TE,

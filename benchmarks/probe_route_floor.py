@@ -4,16 +4,16 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 - ``empty``: a kernel that does nothing, on the grid our launcher uses (launch and graph-node cost);
 - ``copy``: reads the logits and writes outputs of the routing's size ([T, k] fp32 weights and int32 ids), one
   row max per token so every byte is used: the memory floor of any single-launch router;
-- ``copy_counts``: ``copy`` plus the ticket tail in its default form (per-program relaxed integer atomics, a
+- ``copy_counts``: ``copy`` plus our kernel's counting tail in its default form (per-program relaxed integer atomics, a
   barrier, one acq_rel ticket, the last program writes counts and offsets and re-zeroes the workspace): the floor of
   a single launch that also counts this way;
-- ``copy_red``: ``copy`` plus the atomic tail (outputs zeroed by two memsets before, every program adds its tallies
-  and their prefixes into them; nothing after): the floor with that tail;
+- ``copy_red``: ``copy`` plus an atomic tail (outputs zeroed by two memsets before, every program adds its tallies
+  and their prefixes into them; nothing after): the floor with that tail (tried in our kernel and dropped: see
+  ``launch_config``);
 - ``copy_tally``: ``copy`` plus the per-program tally atomics alone (publishes nothing): a lower bound for any tail
   that adds per-program counts;
-- ``copy_counts_c8``: ``copy_counts`` with the accumulator in 8 copies (program p adds into copy p % 8).
-
-``ours`` is our kernel as the launcher configures it; ``ours_red`` the same with the atomic tail.
+- ``copy_counts_c8``: ``copy_counts`` with the accumulator in 8 copies (program p adds into copy p % 8; tried in our
+  kernel and dropped, see ``launch_config``).
 
 A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (``ROWS`` x
 ``PROGRAMS_PER_SM``: 24, fewer for wide rows, whose tiles stay within 16384 logits) and the fastest is reported with
@@ -28,15 +28,13 @@ measurement. ``ours_over_copy_counts``: how far our kernel is from that floor.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import triton
 import triton.language as tl
 
 from benchmarks.bench_moe_route import CASES, _args, _bytes, _inputs, aten_route
 from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, time_graph_ms
-from fly_lightning.kernels.triton.moe_route import _plan, _sm_count, launch_config, moe_route_triton
+from fly_lightning.kernels.triton.moe_route import _plan, _sm_count, moe_route_triton
 
 
 @triton.jit
@@ -61,7 +59,7 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
         tl.store(W + out, m[:, None] + kk[None, :], mask=out_ok)
         tl.store(ID + out, m[:, None].to(tl.int32) + kk[None, :], mask=out_ok)
     tally = (e + pid) & 1  # a stand-in for the program's per-expert counts
-    if TAIL == 1 or TAIL == 4:  # the ticket tail (_ticket_tail, its default relaxed form): tallies by atomics, a
+    if TAIL == 1 or TAIL == 4:  # the ticket tail (the end of _moe_route_fwd, relaxed form): tallies by atomics, a
         # ticket, the last program publishes and re-zeroes; TAIL 4: into 8 accumulator copies
         copies: tl.constexpr = 8 if TAIL == 4 else 1
         base: tl.constexpr = 32 if TAIL == 4 else 1
@@ -133,18 +131,15 @@ def main() -> None:
     res = Results("moe_route_floor")
     ws = torch.zeros(32 + 8 * 1024, dtype=torch.int32, device=dev)
     ceil = {name: [] for name in TAILS}
-    ours_vs_aten, ours_red_vs_aten = [], []
+    ours_vs_aten = []
     for case in CASES:
         inputs, bias = _inputs(case, dev)
         args = _args(case, bias)
-        cfg = launch_config(case.experts, case.k, case.dtype.itemsize, case.n_groups is not None, case.bias)
-        red = replace(cfg, tail="red")
         plan = _plan(case.tokens, case.experts, case.k, case.dtype, case.experts, case.score, case.renormalize,
                      bias is not None, case.n_groups, case.topk_groups, False, dev, None, False)  # fmt: skip
         fns = {
             "empty": lambda x, p=plan.programs: _empty[(p,)](x),
             "ours": lambda x, a=args: moe_route_triton(x, *a, False),
-            "ours_red": lambda x, a=args, c=red: moe_route_triton(x, *a, False, config=c),
             "aten": lambda x, a=args: aten_route(x, *a),
         }
         row = dict(case=case.name, T=case.tokens, E=case.experts, k=case.k, dtype=str(case.dtype).split(".")[-1],
@@ -160,14 +155,10 @@ def main() -> None:
             ceil[name].append(row["aten_us"] / row[f"{name}_us"])
         row["ours_vs_aten"] = round(row["aten_us"] / row["ours_us"], 1)
         row["ours_over_copy_counts"] = round(row["ours_us"] / row["copy_counts_us"], 2)
-        row["ours_red_vs_aten"] = round(row["aten_us"] / row["ours_red_us"], 1)
-        row["ours_red_over_copy_red"] = round(row["ours_red_us"] / row["copy_red_us"], 2)
         ours_vs_aten.append(row["aten_us"] / row["ours_us"])
-        ours_red_vs_aten.append(row["aten_us"] / row["ours_red_us"])
         res.add(**row)
     res.summary = {f"geomean_ceiling_vs_aten_{k}": round(geomean(v), 1) for k, v in ceil.items()}
     res.summary["geomean_ours_vs_aten"] = round(geomean(ours_vs_aten), 1)
-    res.summary["geomean_ours_red_vs_aten"] = round(geomean(ours_red_vs_aten), 1)
     res.notes.append(f"copy bandwidth {copy_gbps:.0f} GB/s; graph replay, 20 calls per graph; deterministic off")
     res.notes.append(
         f"floors: fastest of rows per tile {ROWS} (tiles <= 16384 logits) x programs per SM "

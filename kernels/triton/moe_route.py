@@ -5,12 +5,10 @@ One fused forward kernel, ``_moe_route_fwd``: a persistent grid where each progr
 computes the ranked values in fp32 (the logits themselves, or ``score + bias`` with node-limited groups applied),
 selects the top k by descent over unique packed keys, and stores each step's winning key. A compact ``[ROWS, KP]``
 epilogue then decodes ids, computes the gate weights from the unbiased scores (softmax row max and sum, or sigmoid;
-renormalised, scaled), and histograms the ids into the program's per-expert tally. At the end the tallies are
-published by one of two tails, chosen by the launcher: the ticket tail adds each program's tally to a zeroed
-accumulator with integer atomics, and the last program to finish (a ticket counter) writes ``counts_E`` and the
-inclusive ``offsets_E`` and re-zeroes the accumulator and the ticket for the next launch; the atomic tail adds each
-tally into ``counts_E`` and its prefix sum into ``offsets_E`` directly (both zeroed first), with
-nothing after. No host synchronisation anywhere: the op can be captured in a CUDA graph.
+renormalised, scaled), and histograms the ids into the program's per-expert tally. At the end each program adds its
+tally to a zeroed accumulator with integer atomics, and the last program to finish (a ticket counter) writes
+``counts_E`` and the inclusive ``offsets_E`` and re-zeroes the accumulator and the ticket for the next launch. No
+host synchronisation anywhere: the op can be captured in a CUDA graph.
 
 With ``return_permutation`` the selection marks the chosen keys with their rank instead, and the tile also writes
 each slot's rank among the program's slots of the same expert (token order) and the program's per-expert counts; two
@@ -301,8 +299,6 @@ def _moe_route_fwd(
     PREFETCH: tl.constexpr,
     TALLY_SEM: tl.constexpr,
     READ_SEM: tl.constexpr,
-    RED_TAIL: tl.constexpr,
-    COPIES: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -396,57 +392,19 @@ def _moe_route_fwd(
                 PERM,
                 DIRECT_STORE,
             )
-    # Integer atomics: exact and order-independent, hence deterministic.
-    if RED_TAIL:  # into the zeroed outputs; no ticket, no last program: the kernel boundary is the only ordering
-        if PERM:  # counts only; _perm_base turns them into offsets
-            col4 = tl.max(col, axis=2)
-            valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
-            tl.store(HIST + pid * E + col4, carry, mask=valid4)
-            tl.atomic_add(COUNTS + col4, carry, mask=valid4 & (carry != 0), sem="relaxed")
-        else:  # offsets are sums of the programs' inclusive prefixes (a prefix sum is linear)
-            e = tl.arange(0, BLOCK_E)
-            upto = tl.cumsum(sel_count, axis=0)
-            tl.atomic_add(COUNTS + e, sel_count, mask=(e < E) & (sel_count != 0), sem="relaxed")
-            tl.atomic_add(OFFSETS + e, upto, mask=(e < E) & (upto != 0), sem="relaxed")
-    else:
-        _ticket_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E, BLOCK_E, PERM, TALLY_SEM,
-                     READ_SEM, COPIES)  # fmt: skip
-
-
-@triton.jit
-def _copy_stride(E: tl.constexpr, COPIES: tl.constexpr):
-    return E if COPIES == 1 else (E + 31) // 32 * 32
-
-
-def workspace_ints(n_experts: int, copies: int) -> int:
-    """Ints the ticket tail's workspace needs: the ticket and ``copies`` accumulators (see ``_ticket_tail``)."""
-    return 1 + n_experts if copies == 1 else 32 + copies * cdiv(n_experts, 32) * 32
-
-
-@triton.jit
-def _ticket_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E: tl.constexpr, BLOCK_E: tl.constexpr,
-                 PERM: tl.constexpr, TALLY_SEM: tl.constexpr, READ_SEM: tl.constexpr,
-                 COPIES: tl.constexpr):  # fmt: skip
-    """Tallies into the zeroed workspace; the last program (a ticket) publishes counts and offsets and re-zeroes it.
-
-    The ticket orders the tallies before the last program reads the totals. Relaxed form (TALLY_SEM "relaxed",
-    READ_SEM "relaxed"): relaxed tallies, barrier, one acq_rel ticket by one thread (the pattern of cooperative
-    groups' grid sync: the barrier makes the block's tallies precede that thread's release), relaxed reads and
-    re-zeroing after the acquire. Otherwise every tally is a release (a fence per thread, which also waits for the
-    tile's output stores) and the reads are acq_rel.
-
-    ``COPIES`` > 1: program p tallies into copy ``p % COPIES`` of the accumulator (each on its own cache lines, the
-    ticket on its own line), so fewer programs' atomics meet on one line; the last program sums the copies.
-    """
-    ws_t = WS + (1 if COPIES == 1 else 32) + (pid % COPIES) * _copy_stride(E, COPIES)
+    # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
+    # program reads the totals. Relaxed tail (TALLY_SEM "relaxed", READ_SEM "relaxed"): relaxed tallies, barrier, one
+    # acq_rel ticket by one thread (the pattern of cooperative groups' grid sync: the barrier makes the block's tallies
+    # precede that thread's release), relaxed reads and re-zeroing after the acquire. Otherwise every tally is a
+    # release (a fence per thread, which also waits for the tile's output stores) and the reads are acq_rel.
     if PERM:
         col4 = tl.max(col, axis=2)
         valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
         tl.store(HIST + pid * E + col4, carry, mask=valid4)
-        tl.atomic_add(ws_t + col4, carry, mask=valid4 & (carry != 0), sem=TALLY_SEM)
+        tl.atomic_add(WS + 1 + col4, carry, mask=valid4 & (carry != 0), sem=TALLY_SEM)
     else:
         e = tl.arange(0, BLOCK_E)
-        tl.atomic_add(ws_t + e, sel_count, mask=(e < E) & (sel_count != 0), sem=TALLY_SEM)
+        tl.atomic_add(WS + 1 + e, sel_count, mask=(e < E) & (sel_count != 0), sem=TALLY_SEM)
     tl.debug_barrier()
     ticket = tl.atomic_add(WS, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:
@@ -454,34 +412,18 @@ def _ticket_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E
         e = tl.arange(0, BLOCK_E)
         e_ok = e < E
         # read the totals and re-zero for the next launch (the next launch is ordered by the kernel boundary)
-        counts = tl.zeros([BLOCK_E], tl.int32)
-        # copies past the grid are never used; the runtime bound also keeps the loop rolled (unrolled, 16 copies made
-        # GLM-4.5's 255-register kernel spill)
-        for c in range(tl.minimum(tl.num_programs(0), COPIES)):
-            ws_c = WS + (1 if COPIES == 1 else 32) + c * _copy_stride(E, COPIES)
-            counts += tl.atomic_xchg(ws_c + e, 0, mask=e_ok, sem=READ_SEM)
+        counts = tl.atomic_xchg(WS + 1 + e, 0, mask=e_ok, sem=READ_SEM)
         tl.store(COUNTS + e, counts, mask=e_ok)
         tl.store(OFFSETS + e, tl.cumsum(tl.where(e_ok, counts, 0), axis=0), mask=e_ok)
         tl.atomic_xchg(WS, 0, sem=READ_SEM)
 
 
 @triton.jit
-def _perm_base(HIST, COUNTS, OFFSETS, n_progs, E, EB: tl.constexpr, PB: tl.constexpr, OFFSETS_HERE: tl.constexpr,
-               BLOCK_E: tl.constexpr):  # fmt: skip
-    """In place: per-program counts ``HIST[p, e]`` -> the position of program p's first slot of expert e.
-
-    ``OFFSETS_HERE`` (the atomic tail, which leaves only the counts): each program also writes its experts' offsets,
-    from all the counts.
-    """
+def _perm_base(HIST, COUNTS, OFFSETS, n_progs, E, EB: tl.constexpr, PB: tl.constexpr):
+    """In place: per-program counts ``HIST[p, e]`` -> the position of program p's first slot of expert e."""
     e = tl.program_id(0) * EB + tl.arange(0, EB)
     e_ok = e < E
-    if OFFSETS_HERE:
-        every = tl.arange(0, BLOCK_E)
-        n_every = tl.load(COUNTS + every, mask=every < E, other=0)
-        carry = tl.sum(tl.where(every[None, :] < e[:, None], n_every[None, :], 0), axis=1)  # exclusive prefix
-        tl.store(OFFSETS + e, carry + tl.load(COUNTS + e, mask=e_ok, other=0), mask=e_ok)
-    else:
-        carry = tl.load(OFFSETS + e, mask=e_ok, other=0) - tl.load(COUNTS + e, mask=e_ok, other=0)
+    carry = tl.load(OFFSETS + e, mask=e_ok, other=0) - tl.load(COUNTS + e, mask=e_ok, other=0)
     p0 = 0
     while p0 < n_progs:  # (a while loop: the interpreter cannot take runtime range() bounds)
         p = p0 + tl.arange(0, PB)
@@ -514,9 +456,7 @@ class LaunchConfig:
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
-    relaxed_tail: bool = False  # see _ticket_tail
-    tail: str = "ticket"  # "ticket": _ticket_tail; "red": atomics into zeroed outputs (the end of _moe_route_fwd)
-    tally_copies: int = 1  # ticket tail: accumulator copies the programs spread their atomics over
+    relaxed_tail: bool = False  # see the end of _moe_route_fwd
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -568,13 +508,17 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     - biased or grouped scores: 2 programs per SM. Those kernels take 255 registers, so only two programs of 4 warps
       fit on an SM and a 4-per-SM grid runs in two waves (GLM-4.5 26.3 -> 20.6 us, DeepSeek-V3 65k 58.4 -> 54.7, fp32
       16k 25.6 -> 21.7, with the prefetch; ``moe_route_sweep_pipeline_explore.md``).
-    - the relaxed counting tail (``_ticket_tail``): 1.04-1.35x on every case, most on the small ones
+    - the relaxed counting tail (the end of ``_moe_route_fwd``): 1.04-1.35x on every case, most on the small ones
       (Mixtral 4.10 -> 3.03 us, Qwen3 65k 15.8 -> 14.8; ``moe_route_sweep_pipeline.md``).
-    - rows of up to 64 experts: the atomic tail (adds into zeroed outputs, no ticket). Measured twice in one session
-      (98ecaa1, ``moe_route_sweep_pipeline_98ecaa1.md`` and ``moe_route_floor_98ecaa1.md``): Mixtral 2.96 -> 2.93 /
-      3.23 -> 2.98 us, Qwen2-MoE 4.25 -> 4.04 / 4.17 -> 3.93, OLMoE 6.10 -> 5.64 / 5.97 -> 5.60, Llama-4 4.10 -> 3.77 /
-      4.48 -> 4.43, DeepSeek-V2-Lite 12.7 -> 12.3 / 12.8 -> 12.3. With 128 or more experts it lost (Qwen3 7.6 -> 8.2,
-      GLM-4.5 19.2 -> 22.1): its atomics, twice as many, all meet on the outputs' few cache lines.
+
+    Tried and dropped (``moe_route_sweep_pipeline_{98ecaa1,8285c4e,d578312}.md``, ticket vs the alternative in each
+    run): an atomic tail (every program adds its tally into zeroed ``counts_E`` and its prefix into ``offsets_E``; no
+    ticket). With one memset over both outputs it won on rows of up to 64 experts (OLMoE 6.10 -> 5.64 us, Llama-4
+    4.10 -> 3.77) and lost from 128 (Qwen3 7.6 -> 8.2, GLM-4.5 19.2 -> 22.1), but a custom op's outputs may not alias,
+    so the op would need two zeroings: by one foreach launch it was mixed (OLMoE 6.12 -> 6.92, Llama-4 5.05 -> 4.00),
+    by two memsets slower on four of five (Mixtral 3.18 -> 4.01, OLMoE 6.06 -> 7.61). And the accumulator in copies
+    (program p adds into copy p % 4, spreading the atomics over more cache lines): Qwen3 16k 7.6 -> 7.2 in two runs,
+    no gain or a loss elsewhere (DeepSeek-V3 fp32 19.8 -> 20.8), and 32 bytes of spills in the 255-register kernels.
     """
     width = block_of(n_experts)
     per_row = min(32, width)
@@ -591,7 +535,6 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
         rows = max(1, 32 // per_row)
     return LaunchConfig(
         relaxed_tail=True,
-        tail="red" if width <= 64 else "ticket",
         elems_per_thread=ept,
         rows_per_thread=rows,
         num_warps=4,
@@ -623,8 +566,8 @@ _CAPTURE_SLOT_ALIGN = 32  # ints: slots start on their own 128-byte line
 _capture_pools: dict[torch.device, list] = {}  # device -> [zeroed pool, next free int]
 
 
-def _capture_slot(device: torch.device, ints: int) -> torch.Tensor | None:
-    """A zeroed ``[ints]`` slot owned by one captured launch for good, or None when the pool is used up.
+def _capture_slot(device: torch.device, n_experts: int) -> torch.Tensor | None:
+    """A zeroed ``[1 + n_experts]`` slot owned by one captured launch for good, or None when the pool is used up.
 
     Slots come from a pool zeroed outside capture (when the first launch on the device ran), so a captured launch
     needs no memset node: each replay finds its slot zero because the kernel re-zeroes it. Slots are never handed out
@@ -633,31 +576,30 @@ def _capture_slot(device: torch.device, ints: int) -> torch.Tensor | None:
     pool = _capture_pools.get(device)
     if pool is None:
         return None
-    size = cdiv(ints, _CAPTURE_SLOT_ALIGN) * _CAPTURE_SLOT_ALIGN
+    size = cdiv(1 + n_experts, _CAPTURE_SLOT_ALIGN) * _CAPTURE_SLOT_ALIGN
     start = pool[1]
     if start + size > pool[0].numel():
         return None
     pool[1] = start + size
-    return pool[0][start : start + ints]
+    return pool[0][start : start + 1 + n_experts]
 
 
-def _workspace(device: torch.device, ints: int = 1 + MAX_E) -> torch.Tensor:
-    """The ticket tail's workspace (``workspace_ints``: the ticket, then the count accumulators), int32, zero between
-    launches (the last program re-zeroes what it used).
+def _workspace(device: torch.device, n_experts: int = MAX_E) -> torch.Tensor:
+    """``[ticket, count accumulator[n_experts]]`` int32, zero between launches (the last program re-zeroes it).
 
-    One per (device, stream), so launches on different streams never share it; it grows to the largest size asked.
-    Under CUDA graph capture each captured launch gets its own zeroed slot: from the pre-zeroed pool when it has room,
-    else a buffer whose zeroing is captured too (one more graph node). Either way a graph may be replayed anywhere.
+    One per (device, stream), so launches on different streams never share it. Under CUDA graph capture each
+    captured launch gets its own zeroed slot: from the pre-zeroed pool when it has room, else a buffer whose zeroing
+    is captured too (one more graph node). Either way a graph may be replayed anywhere.
     """
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        slot = _capture_slot(device, ints)
-        return slot if slot is not None else torch.zeros(ints, dtype=torch.int32, device=device)
+        slot = _capture_slot(device, n_experts)
+        return slot if slot is not None else torch.zeros(1 + n_experts, dtype=torch.int32, device=device)
     if device.type == "cuda" and device not in _capture_pools:
         _capture_pools[device] = [torch.zeros(_CAPTURE_POOL_INTS, dtype=torch.int32, device=device), 0]
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     ws = _WORKSPACES.get((device, stream))
-    if ws is None or ws.numel() < ints:  # (a replaced one is freed in stream order: earlier launches finish first)
-        ws = _WORKSPACES[(device, stream)] = torch.zeros(max(ints, 1 + MAX_E), dtype=torch.int32, device=device)
+    if ws is None:
+        ws = _WORKSPACES[(device, stream)] = torch.zeros(1 + MAX_E, dtype=torch.int32, device=device)
     return ws
 
 
@@ -698,8 +640,6 @@ class _Plan:
     tiles: int
     tiles_per_program: int
     rows: int
-    red_tail: bool
-    workspace_ints: int
     constexprs: dict
 
 
@@ -753,15 +693,12 @@ def _plan(
         PREFETCH=cfg.prefetch,
         TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
         READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
-        RED_TAIL=cfg.tail == "red",
-        COPIES=cfg.tally_copies,
         NUM_STAGES=cfg.num_stages,
         INTERPRET=interpret,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    ws_ints = workspace_ints(n_experts, cfg.tally_copies)
-    return _Plan(programs, tiles, per_program, shape.ROWS, cfg.tail == "red", ws_ints, constexprs)
+    return _Plan(programs, tiles, per_program, shape.ROWS, constexprs)
 
 
 @MOE_ROUTE.implement(
@@ -787,7 +724,8 @@ def moe_route_triton(
     i32 = dict(dtype=torch.int32, device=dev)
     weights = torch.empty((n_tokens, k), dtype=torch.float32, device=dev)
     ids = torch.empty((n_tokens, k), **i32)
-    counts, offsets = torch.empty((n_experts,), **i32), torch.empty((n_experts,), **i32)
+    counts = torch.empty((n_experts,), **i32)
+    offsets = torch.empty((n_experts,), **i32)
     if return_permutation:
         sorted_slots, slot_pos = torch.empty((n_tokens * k,), **i32), torch.empty((n_tokens, k), **i32)
     else:
@@ -813,9 +751,6 @@ def moe_route_triton(
         interpreting(),
     )
     with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
-        if plan.red_tail:  # it adds into its outputs: two memsets (graph nodes under capture); not one over a
-            # shared buffer, because a custom op's outputs may not alias each other
-            counts, offsets = torch.zeros((n_experts,), **i32), torch.zeros((n_experts,), **i32)
         hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
         _moe_route_fwd[(plan.programs,)](
             logits_TE,
@@ -827,7 +762,7 @@ def moe_route_triton(
             hist,
             counts,
             offsets,
-            counts if plan.red_tail else _workspace(dev, plan.workspace_ints),  # (a placeholder with the atomic tail)
+            _workspace(dev, n_experts),
             n_tokens,
             plan.tiles,
             plan.tiles_per_program,
@@ -835,8 +770,7 @@ def moe_route_triton(
             **plan.constexprs,
         )
         if return_permutation:
-            _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64,
-                                               OFFSETS_HERE=plan.red_tail, BLOCK_E=block_of(n_experts))  # fmt: skip
+            _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64)
             n_slots = n_tokens * k
             _perm_scatter[(cdiv(n_slots, 1024),)](
                 ids,

@@ -42,7 +42,7 @@ def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None,
     out = _compile(moe_route._moe_route_fwd, sig, dict(plan.constexprs), aligned)
     # registers per thread that let the launcher's programs per SM be resident at once (65536 per SM)
     out["register_budget"] = 65536 // (cfg.programs_per_sm * cfg.num_warps * 32)
-    return dict(out, launcher_default=not config, relaxed_tail=cfg.relaxed_tail, tail=cfg.tail)
+    return dict(out, launcher_default=not config, relaxed_tail=cfg.relaxed_tail)
 
 
 def top(n, k, dtype) -> dict:
@@ -62,10 +62,7 @@ VARIANTS = {
     # forms the launcher picks only with another Triton version: they must still compile without spills
     "route-qwen3-prefetch": lambda: route(65536, 128, 8, torch.bfloat16, prefetch=True),
     "route-qwen3-broadcast-store": lambda: route(65536, 128, 8, torch.bfloat16, direct_store=False),
-    "route-mixtral-release-tail": lambda: route(16384, 8, 2, torch.bfloat16, relaxed_tail=False, tail="ticket"),
-    "route-mixtral-perm-ticket-tail": lambda: route(16384, 8, 2, torch.bfloat16, perm=True, tail="ticket"),
-    "route-qwen3-red-tail": lambda: route(65536, 128, 8, torch.bfloat16, tail="red"),
-    "route-qwen3-16-copies": lambda: route(65536, 128, 8, torch.bfloat16, tally_copies=16),
+    "route-mixtral-release-tail": lambda: route(16384, 8, 2, torch.bfloat16, relaxed_tail=False),
     "topk-128-8-bf16": lambda: top(128, 8, torch.bfloat16),
     "topk-1000-5-fp32": lambda: top(1000, 5, torch.float32),
 }

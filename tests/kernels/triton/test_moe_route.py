@@ -16,7 +16,6 @@ from fly_lightning.kernels.triton.moe_route import (
     launch_config,
     moe_route_triton,
     tile_shape,
-    workspace_ints,
 )
 from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
 
@@ -54,13 +53,6 @@ def _check(out, ref, n_experts, perm=True):
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, prefetch=True)),
         (60, torch.float16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True)),
         (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, relaxed_tail=True)),
-        # the atomic tail: every program adds into the zeroed outputs (offsets from prefixes, or from _perm_base)
-        (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, tail="red")),
-        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5, tail="red")),
-        (1024, torch.bfloat16, LaunchConfig(num_warps=1, programs=2, tail="red")),
-        # the ticket tail with its accumulator in copies (more programs than copies, and fewer)
-        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5, tally_copies=2)),
-        (40, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, tally_copies=8)),
     ],
 )
 @pytest.mark.parametrize("perm", [False, True])
@@ -125,14 +117,10 @@ def test_ties_inside_a_relative_key_tile():
     prefetch=st.booleans(),
     direct_store=st.sampled_from([None, False, True]),
     relaxed_tail=st.booleans(),
-    tail=st.sampled_from(["ticket", "red"]),
-    copies=st.sampled_from([1, 2, 5]),
 )
-def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail,
-                               tail, copies):  # fmt: skip
+def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail):
     cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs,
-                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail,
-                       tally_copies=copies)  # fmt: skip
+                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail)  # fmt: skip
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)
@@ -145,47 +133,22 @@ def test_non_contiguous_rows():
     _check(out, ref, 64)
 
 
-@pytest.mark.parametrize("copies", [1, 4])
-def test_workspace_is_zero_after_each_launch_and_counts_repeat(copies):
+def test_workspace_is_zero_after_each_launch_and_counts_repeat():
     logits = torch.randn(50, 16)
-    cfg = LaunchConfig(programs=3, tally_copies=copies)
-    first = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False, config=cfg)
+    first = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False, config=LaunchConfig(programs=3))
     assert not _workspace(logits.device).any()
     second = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False)
     assert torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
     assert not _workspace(logits.device).any()
 
 
-def test_workspace_grows_for_many_copies():
-    """1024 experts in 32 copies need more than the default workspace: it grows, and comes back zero."""
-    logits = torch.randn(20, 1024, dtype=torch.bfloat16)
-    out, ref = _run(logits, 4, LaunchConfig(num_warps=1, programs=3, tally_copies=32), perm=False)
-    _check(out, ref, 1024, perm=False)
-    ws = _workspace(logits.device, workspace_ints(1024, 32))
-    assert ws.numel() >= 32 + 32 * 1024 and not ws.any()
-
-
-@pytest.mark.parametrize("perm", [False, True])
-def test_atomic_tail_leaves_the_workspace_alone_and_repeats(perm):
-    """The atomic tail adds into fresh zeroed outputs: repeated launches give the same counts, and the ticket
-    workspace is neither used nor dirtied."""
-    logits = torch.randn(50, 16)
-    cfg = LaunchConfig(programs=3, tail="red")
-    ws_before = _workspace(logits.device).clone()
-    runs = [moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, perm, config=cfg) for _ in range(2)]
-    assert torch.equal(_workspace(logits.device), ws_before)
-    want = routing_counts(runs[0][1], 16, False)
-    for run in runs:
-        assert torch.equal(run[2], want[0]) and torch.equal(run[3], want[1])
-
-
 def test_capture_slots_are_disjoint_zeroed_and_run_out(monkeypatch):
     """Captured launches take slots from a pool zeroed before capture; none is handed out twice, and when the pool is
     used up (or was never made) the caller gets None and captures its own zeroing instead."""
     dev = torch.device("cpu")  # the bookkeeping only; the pool is made on the first CUDA launch
-    assert _capture_slot(dev, 9) is None
+    assert _capture_slot(dev, 8) is None
     monkeypatch.setitem(_capture_pools, dev, [torch.zeros(100, dtype=torch.int32), 0])
-    a, b, c = _capture_slot(dev, 9), _capture_slot(dev, 41), _capture_slot(dev, 9)
+    a, b, c = _capture_slot(dev, 8), _capture_slot(dev, 40), _capture_slot(dev, 8)
     assert (a.numel(), b.numel(), c is None) == (9, 41, True)  # 32 + 64 ints used; 32 more do not fit
     assert (a.storage_offset(), b.storage_offset()) == (0, 32)  # each on its own 128-byte line
     a.fill_(1)

@@ -1,7 +1,6 @@
 """The routing and top-k kernels compile for the H200 (sm_90) with the constexprs their launchers use (bf16/fp32
 logits, softmax/sigmoid, bias, expert groups, the permutation variant, E not a power of two), without register
-spills, within the registers the launcher's grid assumes, and with the counting tail's memory orders as intended
-(ticket or atomic tail).
+spills, within the registers the launcher's grid assumes, and with the counting tail's memory orders as intended.
 Runs Triton's compiler and its ptxas on the CPU (no GPU), in a subprocess without the interpreter."""
 
 
@@ -14,10 +13,7 @@ def test_kernels_compile_for_sm90(compiled_variants):
             # the launcher's programs per SM must fit at once (4 programs of 4 warps: 128 registers, 2: 256). Triton
             # 3.7-3.9 compiled Qwen3's shape to 229-255 with 3.6's store form (see _store_step)
             assert r["registers"] <= r["register_budget"], (name, r)
-        if name.startswith("route") and r["tail"] == "red":
-            # the atomic tail: relaxed adds into the outputs and nothing else (no ticket, no exchange)
-            assert set(r["global_atomics"]) == {"relaxed.add"}, (name, r["global_atomics"])
-        elif name.startswith("route"):
+        if name.startswith("route"):
             # the counting tail: one acq_rel ticket (one thread), the tallies and the last program's reads relaxed
             # (the default) or release / acq_rel, and no other global atomic
             atomics = r["global_atomics"]

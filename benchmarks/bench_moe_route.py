@@ -176,6 +176,15 @@ def check(case: Case, x: torch.Tensor, bias) -> tuple[str | None, dict]:
     for name, got, want in zip(("weights", "ids", "counts", "offsets"), plain, out, strict=False):
         if not torch.equal(got, want):
             return f"{name} differ without the permutation", info
+    # the counting tail the launcher does not use must give the same outputs, with and without the permutation
+    from fly_lightning.kernels.triton.moe_route import launch_config, moe_route_triton
+
+    cfg = launch_config(case.experts, case.k, x.element_size(), case.n_groups is not None, case.bias)
+    other_cfg = replace(cfg, tail="packed" if cfg.tail == "ticket" else "ticket")
+    for with_perm, want_all in ((True, out), (False, plain)):
+        got_all = moe_route_triton(*args[:-1], with_perm, config=other_cfg)
+        if not all(torch.equal(a, b) for a, b in zip(got_all, want_all, strict=True)):
+            return f"the {other_cfg.tail} tail differs (permutation {with_perm})", info
     # back-to-back launches (no host sync between them): every launch must find its workspace zeroed by the previous
     # one and publish complete totals, for both tail variants (histogram and permutation)
     for with_perm in (False, True):
@@ -363,15 +372,17 @@ def sweep_configs(case: Case):
 
 
 def pipeline_configs(case: Case):
-    """The launcher's configuration, then with the prefetch flipped, the other form of the winner-key store, and a few
-    grid sizes (prefetching pays with more tiles per program)."""
+    """The launcher's configuration, then with the prefetch flipped, the other form of the winner-key store, the other
+    counting tail, and a few grid sizes for each tail (prefetching pays with more tiles per program; the tails' cost
+    grows with the number of programs)."""
     from fly_lightning.kernels.triton.moe_route import NEWER_TRITON, launch_config
 
     base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None, case.bias)
     variants = [base, replace(base, prefetch=not base.prefetch), replace(base, direct_store=not NEWER_TRITON)]
-    variants.append(replace(base, relaxed_tail=not base.relaxed_tail))
+    other_tail = replace(base, tail="packed" if base.tail == "ticket" else "ticket")
+    variants.append(other_tail)
     for pps in (1, 2, 3, 4):
-        variants.append(replace(base, programs_per_sm=pps))
+        variants += [replace(base, programs_per_sm=pps), replace(other_tail, programs_per_sm=pps)]
     return list(dict.fromkeys(variants))
 
 
@@ -402,6 +413,7 @@ def run_sweep(pipeline: bool = False) -> None:
                 stages=cfg.num_stages,
                 prefetch=cfg.prefetch,
                 relaxed_tail=cfg.relaxed_tail,
+                tail=cfg.tail,
                 direct_store=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
                 tile=f"{shape.G}x{shape.LG}x{shape.ROWS}x{shape.C}x{shape.VEC}",
             )
@@ -424,7 +436,7 @@ def run_sweep(pipeline: bool = False) -> None:
             res.summary[case.name] = (
                 f"best {best_ms * 1e3:.1f} us (ept={best['ept']} rpt={best['rpt']} "
                 f"warps={best['warps']} pps={best['pps']} stages={best['stages']} prefetch={best['prefetch']} "
-                f"direct_store={best['direct_store']} relaxed_tail={best['relaxed_tail']}), "
+                f"direct_store={best['direct_store']} relaxed_tail={best['relaxed_tail']} tail={best['tail']}), "
                 f"default {default_ms * 1e3:.1f} us"
             )
     res.summary["sweep_seconds"] = round(time.perf_counter() - start, 1)

@@ -13,7 +13,10 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 - ``copy_tally``: ``copy`` plus the per-program tally atomics alone (publishes nothing): a lower bound for any tail
   that adds per-program counts;
 - ``copy_counts_c8``: ``copy_counts`` with the accumulator in 8 copies (program p adds into copy p % 8; tried in our
-  kernel and dropped, see ``launch_config``).
+  kernel and dropped, see ``launch_config``);
+- ``copy_packed``: ``copy`` plus the packed tail (``_packed_tail``: one relaxed int64 atomic per expert and program
+  adds a contributor, the tally and its prefix; the program that completes an expert's word stores its count and
+  offset and re-zeroes it; no ticket).
 
 A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (``ROWS`` x
 ``PROGRAMS_PER_SM``: 24, fewer for wide rows, whose tiles stay within 16384 logits) and the fastest is reported with
@@ -21,12 +24,15 @@ its shape. (The first version used one shape, 4096-element tiles on 4 programs p
 slower than our whole kernel.)
 
 ``ceiling_vs_aten`` = ATen sequence / floor: the speedup no single-launch kernel with this output could beat in this
-measurement. ``ours_over_copy_counts``: how far our kernel is from that floor.
+measurement. ``ours_over_copy_counts`` / ``ours_over_copy_packed``: how far our kernel (the launcher's choice) is from
+those floors; ``ours_ticket``: our kernel with the ticket tail, side by side.
 
     python -m benchmarks.probe_route_floor
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -34,7 +40,7 @@ import triton.language as tl
 
 from benchmarks.bench_moe_route import CASES, _args, _bytes, _inputs, aten_route
 from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, time_graph_ms
-from fly_lightning.kernels.triton.moe_route import _plan, _sm_count, moe_route_triton
+from fly_lightning.kernels.triton.moe_route import _plan, _sm_count, launch_config, moe_route_triton
 
 
 @triton.jit
@@ -81,13 +87,20 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
         tl.atomic_add(OFFSETS + e, upto, mask=(e < E) & (upto != 0), sem="relaxed")
     elif TAIL == 3:  # the tallies alone (publishes nothing: a lower bound on any tail that adds per-program counts)
         tl.atomic_add(WS + 1 + e, tally, mask=(e < E) & (tally != 0), sem="relaxed")
+    elif TAIL == 5:  # the packed tail (WS as int64 words): [contributors | prefix | count], see _packed_tail
+        add = (tl.cumsum(tally, axis=0).to(tl.int64) << 26) + tally.to(tl.int64) + (1 << 52)
+        total = tl.atomic_add(WS + e, add, mask=e < E, sem="relaxed") + add
+        done = (e < E) & (((total >> 52) & 4095) == tl.num_programs(0))
+        tl.store(COUNTS + e, (total & 67108863).to(tl.int32), mask=done)
+        tl.store(OFFSETS + e, ((total >> 26) & 67108863).to(tl.int32), mask=done)
+        tl.store(WS + e, tl.zeros_like(total), mask=done)
 
 
 ROWS = (16, 32, 64, 128, 256, 512)  # tokens per tile, kept to tiles of at most 16384 logits
 PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 
-TAILS = {"copy": 0, "copy_counts": 1, "copy_red": 2, "copy_tally": 3, "copy_counts_c8": 4}
+TAILS = {"copy": 0, "copy_counts": 1, "copy_red": 2, "copy_tally": 3, "copy_counts_c8": 4, "copy_packed": 5}
 
 
 def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int):
@@ -102,7 +115,8 @@ def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int
         alloc = torch.zeros if tail == "copy_red" else torch.empty  # the atomic tail adds into its outputs
         counts = alloc(case.experts, dtype=torch.int32, device=x.device)
         offsets = alloc(case.experts, dtype=torch.int32, device=x.device)
-        _copy_floor[(progs,)](x, x.stride(0), w, ids, ws, counts, offsets, case.tokens, n_tiles, E=case.experts,
+        ws_t = ws[: 2 * case.experts].view(torch.int64) if tail == "copy_packed" else ws
+        _copy_floor[(progs,)](x, x.stride(0), w, ids, ws_t, counts, offsets, case.tokens, n_tiles, E=case.experts,
                               K=case.k, KP=kp, BE=be, ROWS=rows, TAIL=TAILS[tail], num_warps=4)  # fmt: skip
         return w, ids, counts, offsets
 
@@ -131,15 +145,18 @@ def main() -> None:
     res = Results("moe_route_floor")
     ws = torch.zeros(32 + 8 * 1024, dtype=torch.int32, device=dev)
     ceil = {name: [] for name in TAILS}
-    ours_vs_aten = []
+    ours_vs_aten, ours_ticket_vs_aten = [], []
     for case in CASES:
         inputs, bias = _inputs(case, dev)
         args = _args(case, bias)
         plan = _plan(case.tokens, case.experts, case.k, case.dtype, case.experts, case.score, case.renormalize,
                      bias is not None, case.n_groups, case.topk_groups, False, dev, None, False)  # fmt: skip
+        ticket = replace(launch_config(case.experts, case.k, case.dtype.itemsize, case.n_groups is not None,
+                                       bias is not None), tail="ticket")  # fmt: skip
         fns = {
             "empty": lambda x, p=plan.programs: _empty[(p,)](x),
             "ours": lambda x, a=args: moe_route_triton(x, *a, False),
+            "ours_ticket": lambda x, a=args, c=ticket: moe_route_triton(x, *a, False, config=c),
             "aten": lambda x, a=args: aten_route(x, *a),
         }
         row = dict(case=case.name, T=case.tokens, E=case.experts, k=case.k, dtype=str(case.dtype).split(".")[-1],
@@ -155,10 +172,14 @@ def main() -> None:
             ceil[name].append(row["aten_us"] / row[f"{name}_us"])
         row["ours_vs_aten"] = round(row["aten_us"] / row["ours_us"], 1)
         row["ours_over_copy_counts"] = round(row["ours_us"] / row["copy_counts_us"], 2)
+        row["ours_over_copy_packed"] = round(row["ours_us"] / row["copy_packed_us"], 2)
+        row["ours_ticket_vs_aten"] = round(row["aten_us"] / row["ours_ticket_us"], 1)
         ours_vs_aten.append(row["aten_us"] / row["ours_us"])
+        ours_ticket_vs_aten.append(row["aten_us"] / row["ours_ticket_us"])
         res.add(**row)
     res.summary = {f"geomean_ceiling_vs_aten_{k}": round(geomean(v), 1) for k, v in ceil.items()}
     res.summary["geomean_ours_vs_aten"] = round(geomean(ours_vs_aten), 1)
+    res.summary["geomean_ours_ticket_vs_aten"] = round(geomean(ours_ticket_vs_aten), 1)
     res.notes.append(f"copy bandwidth {copy_gbps:.0f} GB/s; graph replay, 20 calls per graph; deterministic off")
     res.notes.append(
         f"floors: fastest of rows per tile {ROWS} (tiles <= 16384 logits) x programs per SM "

@@ -299,6 +299,7 @@ def _moe_route_fwd(
     PREFETCH: tl.constexpr,
     TALLY_SEM: tl.constexpr,
     READ_SEM: tl.constexpr,
+    PACKED_TAIL: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -392,11 +393,68 @@ def _moe_route_fwd(
                 PERM,
                 DIRECT_STORE,
             )
-    # Integer atomics: exact and order-independent, hence deterministic. The ticket orders them before the last
-    # program reads the totals. Relaxed tail (TALLY_SEM "relaxed", READ_SEM "relaxed"): relaxed tallies, barrier, one
-    # acq_rel ticket by one thread (the pattern of cooperative groups' grid sync: the barrier makes the block's tallies
-    # precede that thread's release), relaxed reads and re-zeroing after the acquire. Otherwise every tally is a
-    # release (a fence per thread, which also waits for the tile's output stores) and the reads are acq_rel.
+    # Integer atomics: exact and order-independent, hence deterministic.
+    if PACKED_TAIL:
+        _packed_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E, BLOCK_E, PERM)
+    else:
+        _ticket_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E, BLOCK_E, PERM, TALLY_SEM,
+                     READ_SEM)  # fmt: skip
+
+
+# The packed tail's int64 accumulator word per expert: [contributors | inclusive prefix | count]. Fields hold totals
+# (no carries between them) while T * k < 2**PACK_BITS and there are fewer than 2**(64 - 2 * PACK_BITS) programs.
+PACK_BITS = 26
+_PACK = tl.constexpr(PACK_BITS)
+_FIELD = tl.constexpr((1 << PACK_BITS) - 1)
+_WHO = tl.constexpr((1 << (64 - 2 * PACK_BITS)) - 1)
+_ONE = tl.constexpr(1 << (2 * PACK_BITS))  # one contributor
+
+
+@triton.jit
+def _packed_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E: tl.constexpr,
+                 BLOCK_E: tl.constexpr, PERM: tl.constexpr):  # fmt: skip
+    """One relaxed int64 atomic per expert and program, no ticket: every program adds ``1`` (it contributed), its
+    tally and its inclusive tally prefix to the expert's packed word, and the atomic returns the word before the add.
+    The program whose add completes an expert's word (all programs counted) holds that expert's final count and
+    offset in registers: it stores them and re-zeroes the word for the next launch. Nothing waits on another program
+    (the ticket tail's last program waits for every tally, then reads them back).
+
+    ``PERM``: the program's tallies sit in the selection tile's layout, where a prefix over experts is not at hand;
+    the word packs the count only and ``_perm_base`` makes the offsets from the counts.
+    """
+    if PERM:
+        col4 = tl.max(col, axis=2)
+        valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
+        tl.store(HIST + pid * E + col4, carry, mask=valid4)
+        add = carry.to(tl.int64) + _ONE
+        total = tl.atomic_add(WS + col4, add, mask=valid4, sem="relaxed") + add
+        done = valid4 & (((total >> (2 * _PACK)) & _WHO) == tl.num_programs(0))
+        tl.store(COUNTS + col4, (total & _FIELD).to(tl.int32), mask=done)
+        tl.store(WS + col4, tl.zeros_like(total), mask=done)
+    else:
+        e = tl.arange(0, BLOCK_E)
+        e_ok = e < E
+        upto = tl.cumsum(sel_count, axis=0)
+        add = (upto.to(tl.int64) << _PACK) + sel_count.to(tl.int64) + _ONE
+        total = tl.atomic_add(WS + e, add, mask=e_ok, sem="relaxed") + add
+        done = e_ok & (((total >> (2 * _PACK)) & _WHO) == tl.num_programs(0))
+        tl.store(COUNTS + e, (total & _FIELD).to(tl.int32), mask=done)
+        tl.store(OFFSETS + e, ((total >> _PACK) & _FIELD).to(tl.int32), mask=done)
+        tl.store(WS + e, tl.zeros_like(total), mask=done)
+
+
+@triton.jit
+def _ticket_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E: tl.constexpr, BLOCK_E: tl.constexpr,
+                 PERM: tl.constexpr, TALLY_SEM: tl.constexpr, READ_SEM: tl.constexpr):  # fmt: skip
+    """Tallies into the zeroed int32 workspace ``[ticket, accumulator[E]]``; the last program (a ticket) publishes
+    counts and offsets and re-zeroes it.
+
+    The ticket orders the tallies before the last program reads the totals. Relaxed form (TALLY_SEM "relaxed",
+    READ_SEM "relaxed"): relaxed tallies, barrier, one acq_rel ticket by one thread (the pattern of cooperative
+    groups' grid sync: the barrier makes the block's tallies precede that thread's release), relaxed reads and
+    re-zeroing after the acquire. Otherwise every tally is a release (a fence per thread, which also waits for the
+    tile's output stores) and the reads are acq_rel.
+    """
     if PERM:
         col4 = tl.max(col, axis=2)
         valid4 = tl.max(valid.to(tl.int32), axis=2) != 0
@@ -419,11 +477,27 @@ def _moe_route_fwd(
 
 
 @triton.jit
-def _perm_base(HIST, COUNTS, OFFSETS, n_progs, E, EB: tl.constexpr, PB: tl.constexpr):
-    """In place: per-program counts ``HIST[p, e]`` -> the position of program p's first slot of expert e."""
-    e = tl.program_id(0) * EB + tl.arange(0, EB)
+def _perm_base(HIST, COUNTS, OFFSETS, n_progs, E, EB: tl.constexpr, PB: tl.constexpr, OFFSETS_HERE: tl.constexpr):
+    """In place: per-program counts ``HIST[p, e]`` -> the position of program p's first slot of expert e.
+
+    ``OFFSETS_HERE`` (the packed tail, which leaves only the counts with the permutation): each program also writes
+    its experts' offsets, from the counts before its block of experts and its own.
+    """
+    e0 = tl.program_id(0) * EB
+    e = e0 + tl.arange(0, EB)
     e_ok = e < E
-    carry = tl.load(OFFSETS + e, mask=e_ok, other=0) - tl.load(COUNTS + e, mask=e_ok, other=0)
+    n_e = tl.load(COUNTS + e, mask=e_ok, other=0)
+    if OFFSETS_HERE:
+        before = 0
+        c = 0
+        while c < e0:
+            before += tl.sum(tl.load(COUNTS + c + tl.arange(0, EB)))  # whole blocks, all below E
+            c += EB
+        upto = before + tl.cumsum(n_e, axis=0)
+        tl.store(OFFSETS + e, upto, mask=e_ok)
+        carry = upto - n_e
+    else:
+        carry = tl.load(OFFSETS + e, mask=e_ok, other=0) - n_e
     p0 = 0
     while p0 < n_progs:  # (a while loop: the interpreter cannot take runtime range() bounds)
         p = p0 + tl.arange(0, PB)
@@ -456,7 +530,8 @@ class LaunchConfig:
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
-    relaxed_tail: bool = False  # see the end of _moe_route_fwd
+    relaxed_tail: bool = False  # see _ticket_tail
+    tail: str = "packed"  # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -561,13 +636,13 @@ def _grid(device: torch.device, cfg: LaunchConfig, n_tiles: int) -> tuple[int, i
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
-_CAPTURE_POOL_INTS = 1 << 18  # 1 MiB: room for ~250 captured launches with 1024 experts, ~8000 with 8
+_CAPTURE_POOL_INTS = 1 << 18  # 1 MiB: room for ~128 captured launches with 1024 experts, ~8000 with 8
 _CAPTURE_SLOT_ALIGN = 32  # ints: slots start on their own 128-byte line
 _capture_pools: dict[torch.device, list] = {}  # device -> [zeroed pool, next free int]
 
 
-def _capture_slot(device: torch.device, n_experts: int) -> torch.Tensor | None:
-    """A zeroed ``[1 + n_experts]`` slot owned by one captured launch for good, or None when the pool is used up.
+def _capture_slot(device: torch.device, ints: int) -> torch.Tensor | None:
+    """A zeroed ``[ints]`` int32 slot owned by one captured launch for good, or None when the pool is used up.
 
     Slots come from a pool zeroed outside capture (when the first launch on the device ran), so a captured launch
     needs no memset node: each replay finds its slot zero because the kernel re-zeroes it. Slots are never handed out
@@ -576,30 +651,31 @@ def _capture_slot(device: torch.device, n_experts: int) -> torch.Tensor | None:
     pool = _capture_pools.get(device)
     if pool is None:
         return None
-    size = cdiv(1 + n_experts, _CAPTURE_SLOT_ALIGN) * _CAPTURE_SLOT_ALIGN
+    size = cdiv(ints, _CAPTURE_SLOT_ALIGN) * _CAPTURE_SLOT_ALIGN
     start = pool[1]
     if start + size > pool[0].numel():
         return None
     pool[1] = start + size
-    return pool[0][start : start + 1 + n_experts]
+    return pool[0][start : start + ints]
 
 
-def _workspace(device: torch.device, n_experts: int = MAX_E) -> torch.Tensor:
-    """``[ticket, count accumulator[n_experts]]`` int32, zero between launches (the last program re-zeroes it).
+def _workspace(device: torch.device, ints: int = 2 * MAX_E) -> torch.Tensor:
+    """At least ``ints`` int32, zero between launches (every launch re-zeroes what it used): the ticket tail's
+    ``[ticket, count accumulator[E]]``, or the packed tail's ``E`` int64 words (a view of the first ``2 E``).
 
     One per (device, stream), so launches on different streams never share it. Under CUDA graph capture each
     captured launch gets its own zeroed slot: from the pre-zeroed pool when it has room, else a buffer whose zeroing
     is captured too (one more graph node). Either way a graph may be replayed anywhere.
     """
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        slot = _capture_slot(device, n_experts)
-        return slot if slot is not None else torch.zeros(1 + n_experts, dtype=torch.int32, device=device)
+        slot = _capture_slot(device, ints)
+        return slot if slot is not None else torch.zeros(ints, dtype=torch.int32, device=device)
     if device.type == "cuda" and device not in _capture_pools:
         _capture_pools[device] = [torch.zeros(_CAPTURE_POOL_INTS, dtype=torch.int32, device=device), 0]
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     ws = _WORKSPACES.get((device, stream))
     if ws is None:
-        ws = _WORKSPACES[(device, stream)] = torch.zeros(1 + MAX_E, dtype=torch.int32, device=device)
+        ws = _WORKSPACES[(device, stream)] = torch.zeros(2 * MAX_E, dtype=torch.int32, device=device)
     return ws
 
 
@@ -640,6 +716,7 @@ class _Plan:
     tiles: int
     tiles_per_program: int
     rows: int
+    packed_tail: bool
     constexprs: dict
 
 
@@ -667,6 +744,7 @@ def _plan(
     tiles = cdiv(n_tokens, shape.ROWS)
     programs, per_program = _grid(device, cfg, tiles)
     sel_logits = not has_bias and n_groups is None
+    packed = cfg.tail == "packed" and packed_tail_fits(n_tokens, k, programs)
     constexprs = dict(
         E=n_experts,
         K=k,
@@ -693,12 +771,18 @@ def _plan(
         PREFETCH=cfg.prefetch,
         TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
         READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
+        PACKED_TAIL=packed,
         NUM_STAGES=cfg.num_stages,
         INTERPRET=interpret,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return _Plan(programs, tiles, per_program, shape.ROWS, constexprs)
+    return _Plan(programs, tiles, per_program, shape.ROWS, packed, constexprs)
+
+
+def packed_tail_fits(n_tokens: int, k: int, programs: int) -> bool:
+    """Whether the packed tail's fields hold this launch's totals (else the launcher uses the ticket tail)."""
+    return n_tokens * k < 1 << PACK_BITS and programs <= (1 << (64 - 2 * PACK_BITS)) - 1
 
 
 @MOE_ROUTE.implement(
@@ -752,6 +836,10 @@ def moe_route_triton(
     )
     with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
         hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
+        if plan.packed_tail:  # one int64 word per expert
+            ws = _workspace(dev, 2 * n_experts)[: 2 * n_experts].view(torch.int64)
+        else:
+            ws = _workspace(dev, 1 + n_experts)
         _moe_route_fwd[(plan.programs,)](
             logits_TE,
             logits_TE.stride(0),
@@ -762,7 +850,7 @@ def moe_route_triton(
             hist,
             counts,
             offsets,
-            _workspace(dev, n_experts),
+            ws,
             n_tokens,
             plan.tiles,
             plan.tiles_per_program,
@@ -770,7 +858,8 @@ def moe_route_triton(
             **plan.constexprs,
         )
         if return_permutation:
-            _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64)
+            _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64,
+                                               OFFSETS_HERE=plan.packed_tail)  # fmt: skip
             n_slots = n_tokens * k
             _perm_scatter[(cdiv(n_slots, 1024),)](
                 ids,

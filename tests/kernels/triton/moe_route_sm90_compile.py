@@ -23,8 +23,8 @@ def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
     kernel, spill_bytes, registers = compile_sm90(fn, sig, const, aligned, **options)
     # global atomics by memory order and kind, e.g. "acq_rel.add": the counting tail's ordering, as compiled (Triton 3.6
     # emits the tallies as atom, later versions as red: the same operation without the returned value)
-    ops = re.findall(r"\b(?:atom|red)\.global\.gpu\.(\w+)\.(\w+)\.", kernel.asm["ptx"])
-    atomics = Counter(f"{sem}.{kind}" for sem, kind in ops)
+    ops = re.findall(r"\b(?:atom|red)\.global\.gpu\.(\w+)\.(\w+)\.[a-z]+(\d+)", kernel.asm["ptx"])
+    atomics = Counter(f"{sem}.{kind}.{bits}" for sem, kind, bits in ops)
     return dict(spill_bytes=spill_bytes, registers=registers, shared=kernel.metadata.shared, global_atomics=atomics,
                 **sass_loop(kernel))  # fmt: skip
 
@@ -36,13 +36,15 @@ def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None,
     plan = moe_route._plan(t, e, k, dtype, e, score, renorm, bias, *(groups or (None, None)), perm,
                            torch.device("cpu"), cfg, False)  # fmt: skip
     sig = dict(X=TYPES[dtype], stride_x="i32", BIAS="*fp32" if bias else TYPES[dtype], W_OUT="*fp32",
-               ID_OUT="*i32", POS_OUT="*i32", HIST="*i32", COUNTS="*i32", OFFSETS="*i32", WS="*i32", T="i32",
+               ID_OUT="*i32", POS_OUT="*i32", HIST="*i32", COUNTS="*i32", OFFSETS="*i32",
+               WS="*i64" if plan.packed_tail else "*i32", T="i32",
                n_tiles="i32", tiles_per_prog="i32", route_scale="fp32")  # fmt: skip
     aligned = ("X", "W_OUT", "ID_OUT", "POS_OUT", "HIST", "COUNTS", "OFFSETS", "WS")
     out = _compile(moe_route._moe_route_fwd, sig, dict(plan.constexprs), aligned)
     # registers per thread that let the launcher's programs per SM be resident at once (65536 per SM)
     out["register_budget"] = 65536 // (cfg.programs_per_sm * cfg.num_warps * 32)
-    return dict(out, launcher_default=not config, relaxed_tail=cfg.relaxed_tail)
+    tail = "packed" if plan.packed_tail else "ticket"
+    return dict(out, launcher_default=not config, relaxed_tail=cfg.relaxed_tail, tail=tail)
 
 
 def top(n, k, dtype) -> dict:
@@ -62,7 +64,10 @@ VARIANTS = {
     # forms the launcher picks only with another Triton version: they must still compile without spills
     "route-qwen3-prefetch": lambda: route(65536, 128, 8, torch.bfloat16, prefetch=True),
     "route-qwen3-broadcast-store": lambda: route(65536, 128, 8, torch.bfloat16, direct_store=False),
-    "route-mixtral-release-tail": lambda: route(16384, 8, 2, torch.bfloat16, relaxed_tail=False),
+    "route-mixtral-release-tail": lambda: route(16384, 8, 2, torch.bfloat16, tail="ticket", relaxed_tail=False),
+    "route-qwen3-ticket-tail": lambda: route(65536, 128, 8, torch.bfloat16, tail="ticket"),
+    "route-mixtral-perm-ticket-tail": lambda: route(16384, 8, 2, torch.bfloat16, perm=True, tail="ticket"),
+    "route-glm-ticket-tail": lambda: route(32768, 160, 8, torch.bfloat16, "sigmoid", True, True, tail="ticket"),
     "topk-128-8-bf16": lambda: top(128, 8, torch.bfloat16),
     "topk-1000-5-fp32": lambda: top(1000, 5, torch.float32),
 }

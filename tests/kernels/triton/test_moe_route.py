@@ -8,13 +8,16 @@ from hypothesis import strategies as st
 
 from fly_lightning.kernels.triton.moe_route import (
     MAX_E,
+    PACK_BITS,
     LaunchConfig,
     _capture_pools,
     _capture_slot,
+    _plan,
     _supports,
     _workspace,
     launch_config,
     moe_route_triton,
+    packed_tail_fits,
     tile_shape,
 )
 from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
@@ -52,7 +55,12 @@ def _check(out, ref, n_experts, perm=True):
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=1, prefetch=True, direct_store=True)),
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, prefetch=True)),
         (60, torch.float16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True)),
-        (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, relaxed_tail=True)),
+        # the ticket tail, in both memory-order forms
+        (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, relaxed_tail=True, tail="ticket")),
+        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5, tail="ticket")),
+        (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=2, relaxed_tail=True, tail="ticket")),
+        # the packed tail with the permutation: offsets from the counts across several 32-expert blocks
+        (100, torch.bfloat16, LaunchConfig(elems_per_thread=16, num_warps=1, programs=4)),
     ],
 )
 @pytest.mark.parametrize("perm", [False, True])
@@ -117,10 +125,12 @@ def test_ties_inside_a_relative_key_tile():
     prefetch=st.booleans(),
     direct_store=st.sampled_from([None, False, True]),
     relaxed_tail=st.booleans(),
+    tail=st.sampled_from(["packed", "ticket"]),
 )
-def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail):
+def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail,
+                               tail):  # fmt: skip
     cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs,
-                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail)  # fmt: skip
+                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail)  # fmt: skip
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)
@@ -133,22 +143,43 @@ def test_non_contiguous_rows():
     _check(out, ref, 64)
 
 
-def test_workspace_is_zero_after_each_launch_and_counts_repeat():
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("tail", ["packed", "ticket"])
+def test_workspace_is_zero_after_each_launch_and_counts_repeat(tail, perm):
     logits = torch.randn(50, 16)
-    first = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False, config=LaunchConfig(programs=3))
+    args = (logits, 2, "softmax", True, None, 1.0, None, None, perm)
+    first = moe_route_triton(*args, config=LaunchConfig(programs=3, tail=tail))
     assert not _workspace(logits.device).any()
-    second = moe_route_triton(logits, 2, "softmax", True, None, 1.0, None, None, False)
-    assert torch.equal(first[2], second[2]) and torch.equal(first[3], second[3])
+    second = moe_route_triton(*args, config=LaunchConfig(programs=3, tail=tail))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert not _workspace(logits.device).any()
+
+
+def test_packed_tail_only_where_its_fields_hold_the_totals():
+    """Counts and offsets (up to T * k) and the contributing programs must each fit their field of the int64 word,
+    else the launcher takes the ticket tail; the limits are exact."""
+    slots = 1 << PACK_BITS
+    assert packed_tail_fits(slots // 8 - 1, 8, 528) and not packed_tail_fits(slots // 8, 8, 528)
+    assert packed_tail_fits(1000, 8, 4095) and not packed_tail_fits(1000, 8, 4096)
+    cpu = torch.device("cpu")
+
+    def planned(tokens, programs, tail="packed"):
+        cfg = LaunchConfig(programs=programs, tail=tail)
+        return _plan(tokens, 64, 8, torch.bfloat16, 64, "softmax", True, False, None, None, False, cpu, cfg, True)
+
+    assert planned(4096, 4).packed_tail and planned(4096, 4).constexprs["PACKED_TAIL"]
+    assert not planned(slots // 8, 4).packed_tail and not planned(slots // 8, 4).constexprs["PACKED_TAIL"]
+    assert not planned(1 << 20, 4096).packed_tail
+    assert not planned(4096, 4, tail="ticket").packed_tail
 
 
 def test_capture_slots_are_disjoint_zeroed_and_run_out(monkeypatch):
     """Captured launches take slots from a pool zeroed before capture; none is handed out twice, and when the pool is
     used up (or was never made) the caller gets None and captures its own zeroing instead."""
     dev = torch.device("cpu")  # the bookkeeping only; the pool is made on the first CUDA launch
-    assert _capture_slot(dev, 8) is None
+    assert _capture_slot(dev, 9) is None
     monkeypatch.setitem(_capture_pools, dev, [torch.zeros(100, dtype=torch.int32), 0])
-    a, b, c = _capture_slot(dev, 8), _capture_slot(dev, 40), _capture_slot(dev, 8)
+    a, b, c = _capture_slot(dev, 9), _capture_slot(dev, 41), _capture_slot(dev, 9)
     assert (a.numel(), b.numel(), c is None) == (9, 41, True)  # 32 + 64 ints used; 32 more do not fit
     assert (a.storage_offset(), b.storage_offset()) == (0, 32)  # each on its own 128-byte line
     a.fill_(1)

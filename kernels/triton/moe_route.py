@@ -5,10 +5,17 @@ One fused forward kernel, ``_moe_route_fwd``: a persistent grid where each progr
 computes the ranked values in fp32 (the logits themselves, or ``score + bias`` with node-limited groups applied),
 selects the top k by descent over unique packed keys, and stores each step's winning key. A compact ``[ROWS, KP]``
 epilogue then decodes ids, computes the gate weights from the unbiased scores (softmax row max and sum, or sigmoid;
-renormalised, scaled), and histograms the ids into the program's per-expert tally. At the end each program adds its
-tally to a zeroed accumulator with integer atomics, and the last program to finish (a ticket counter) writes
-``counts_E`` and the inclusive ``offsets_E`` and re-zeroes the accumulator and the ticket for the next launch. No
-host synchronisation anywhere: the op can be captured in a CUDA graph.
+renormalised, scaled), and histograms the ids into the program's per-expert tally. Two tails publish the tallies as
+``counts_E`` and the inclusive ``offsets_E``, both from a workspace that every launch leaves zeroed for the next:
+
+- packed (rows of up to 128 experts): each program adds one int64 word per expert, ``[1 contributor | tally prefix |
+  tally]``, with a relaxed atomic that returns the old word; the program whose add completes an expert's word (all
+  programs counted) stores that expert's count and offset and re-zeroes the word. No ticket, nobody waits.
+- ticket (wider rows, or where the packed fields would overflow): each program adds its tally to an int32
+  accumulator, and the last program to finish (a ticket counter) reads the totals, writes counts and offsets and
+  re-zeroes the accumulator and the ticket.
+
+No host synchronisation anywhere: the op can be captured in a CUDA graph.
 
 With ``return_permutation`` the selection marks the chosen keys with their rank instead, and the tile also writes
 each slot's rank among the program's slots of the same expert (token order) and the program's per-expert counts; two
@@ -583,17 +590,26 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     - biased or grouped scores: 2 programs per SM. Those kernels take 255 registers, so only two programs of 4 warps
       fit on an SM and a 4-per-SM grid runs in two waves (GLM-4.5 26.3 -> 20.6 us, DeepSeek-V3 65k 58.4 -> 54.7, fp32
       16k 25.6 -> 21.7, with the prefetch; ``moe_route_sweep_pipeline_explore.md``).
-    - the relaxed counting tail (the end of ``_moe_route_fwd``): 1.04-1.35x on every case, most on the small ones
+    - the relaxed counting tail (``_ticket_tail``): 1.04-1.35x on every case, most on the small ones
       (Mixtral 4.10 -> 3.03 us, Qwen3 65k 15.8 -> 14.8; ``moe_route_sweep_pipeline.md``).
+    - rows of up to 128 experts: the packed tail (``_packed_tail``). Ticket -> packed, side by side in one run at
+      f0b67ee (``moe_route_floor_f0b67ee.md``): Mixtral 3.15 -> 2.20 us, Qwen2-MoE 4.06 -> 3.36, OLMoE 6.00 -> 4.94,
+      Qwen3 7.66 -> 6.45, Llama-4 4.25 -> 3.34, DeepSeek-V2-Lite 12.75 -> 11.57, Qwen3 65k 14.67 -> 14.73; the
+      pipeline sweep of the same run agrees. Wider rows lost (GLM-4.5's 160: 18.98 -> 21.59, DeepSeek-V3 fp32's 256:
+      19.97 -> 21.25): every program adds a word for every expert, tally or not, so short programs over many experts
+      make many more atomics than the ticket tail's nonzero tallies; the packed floor is above the ticket floor there
+      too. (DeepSeek-V3 65k tied, 53.3 vs 52.5.) In the 255-register biased kernels over 128 experts it also spilled
+      16 bytes (outside the main loop; sm_90, Triton 3.6).
 
-    Tried and dropped (``moe_route_sweep_pipeline_{98ecaa1,8285c4e,d578312}.md``, ticket vs the alternative in each
-    run): an atomic tail (every program adds its tally into zeroed ``counts_E`` and its prefix into ``offsets_E``; no
-    ticket). With one memset over both outputs it won on rows of up to 64 experts (OLMoE 6.10 -> 5.64 us, Llama-4
-    4.10 -> 3.77) and lost from 128 (Qwen3 7.6 -> 8.2, GLM-4.5 19.2 -> 22.1), but a custom op's outputs may not alias,
-    so the op would need two zeroings: by one foreach launch it was mixed (OLMoE 6.12 -> 6.92, Llama-4 5.05 -> 4.00),
-    by two memsets slower on four of five (Mixtral 3.18 -> 4.01, OLMoE 6.06 -> 7.61). And the accumulator in copies
-    (program p adds into copy p % 4, spreading the atomics over more cache lines): Qwen3 16k 7.6 -> 7.2 in two runs,
-    no gain or a loss elsewhere (DeepSeek-V3 fp32 19.8 -> 20.8), and 32 bytes of spills in the 255-register kernels.
+    Tried and dropped before the packed tail (``moe_route_sweep_pipeline_{98ecaa1,8285c4e,d578312}.md``, ticket vs the
+    alternative in each run): an atomic tail (every program adds its tally into zeroed ``counts_E`` and its prefix into
+    ``offsets_E``; no ticket). With one memset over both outputs it won on rows of up to 64 experts (OLMoE 6.10 -> 5.64
+    us, Llama-4 4.10 -> 3.77) and lost from 128 (Qwen3 7.6 -> 8.2, GLM-4.5 19.2 -> 22.1), but a custom op's outputs may
+    not alias, so the op would need two zeroings: by one foreach launch it was mixed (OLMoE 6.12 -> 6.92, Llama-4 5.05
+    -> 4.00), by two memsets slower on four of five (Mixtral 3.18 -> 4.01, OLMoE 6.06 -> 7.61). And the accumulator in
+    copies (program p adds into copy p % 4, spreading the atomics over more cache lines): Qwen3 16k 7.6 -> 7.2 in two
+    runs, no gain or a loss elsewhere (DeepSeek-V3 fp32 19.8 -> 20.8), and 32 bytes of spills in the 255-register
+    kernels.
     """
     width = block_of(n_experts)
     per_row = min(32, width)
@@ -610,6 +626,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
         rows = max(1, 32 // per_row)
     return LaunchConfig(
         relaxed_tail=True,
+        tail="packed" if width <= 128 else "ticket",
         elems_per_thread=ept,
         rows_per_thread=rows,
         num_warps=4,

@@ -61,13 +61,16 @@ VARIANTS = {
     "route-glm-bias": lambda: route(32768, 160, 8, torch.bfloat16, "sigmoid", True, True),
     "route-v2-lite-fp32": lambda: route(65536, 64, 6, torch.float32, renorm=False),
     "route-fp16-sigmoid": lambda: route(16384, 64, 4, torch.float16, "sigmoid", False),
+    # biased and grouped rows of up to 128 experts: the packed tail in the 255-register kernels
+    "route-bias-64": lambda: route(16384, 64, 8, torch.bfloat16, "sigmoid", True, True),
+    "route-groups-128-fp32": lambda: route(16384, 128, 8, torch.float32, "sigmoid", True, True, (8, 4)),
     # forms the launcher picks only with another Triton version: they must still compile without spills
     "route-qwen3-prefetch": lambda: route(65536, 128, 8, torch.bfloat16, prefetch=True),
     "route-qwen3-broadcast-store": lambda: route(65536, 128, 8, torch.bfloat16, direct_store=False),
     "route-mixtral-release-tail": lambda: route(16384, 8, 2, torch.bfloat16, tail="ticket", relaxed_tail=False),
+    # the ticket tail on rows of up to 128 experts: the launcher's form where the packed tail's fields overflow
     "route-qwen3-ticket-tail": lambda: route(65536, 128, 8, torch.bfloat16, tail="ticket"),
     "route-mixtral-perm-ticket-tail": lambda: route(16384, 8, 2, torch.bfloat16, perm=True, tail="ticket"),
-    "route-glm-ticket-tail": lambda: route(32768, 160, 8, torch.bfloat16, "sigmoid", True, True, tail="ticket"),
     "topk-128-8-bf16": lambda: top(128, 8, torch.bfloat16),
     "topk-1000-5-fp32": lambda: top(1000, 5, torch.float32),
 }

@@ -218,3 +218,10 @@ def test_support_reasons():
     assert "k=17" in _supports(torch.randn(2, 32), 17, "softmax", True, None, 1.0, None, None, False)
     assert "not contiguous" in _supports(torch.randn(8, 4).t(), 2, "softmax", True, None, 1.0, None, None, False)
     assert "bias not contiguous" in _supports(x, 2, "sigmoid", True, torch.randn(16)[::2], 1.0, None, None, False)
+
+
+@pytest.mark.parametrize("e, tail", [(8, "packed"), (60, "packed"), (128, "packed"), (160, "ticket"), (256, "ticket")])
+def test_launcher_tail_by_row_width(e, tail):
+    """The packed tail up to 128 experts, the ticket tail above (see ``launch_config``), biased or grouped or not."""
+    for grouped, biased in ((False, False), (False, True), (True, True)):
+        assert launch_config(e, 8, 2, grouped, biased).tail == tail

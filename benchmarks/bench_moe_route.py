@@ -186,7 +186,7 @@ def check(case: Case, x: torch.Tensor, bias) -> tuple[str | None, dict]:
         if not all(torch.equal(a, b) for a, b in zip(got_all, want_all, strict=True)):
             return f"the {other_cfg.tail} tail differs (permutation {with_perm})", info
     # back-to-back launches (no host sync between them): every launch must find its workspace zeroed by the previous
-    # one and publish complete totals, for both tail variants (histogram and permutation)
+    # one and publish complete totals, with and without the permutation (the launcher's counting tail)
     for with_perm in (False, True):
         runs = [moe_route_op(*args[:-1], with_perm)[2] for _ in range(100)]
         if not all(torch.equal(c, counts) for c in runs):

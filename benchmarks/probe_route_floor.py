@@ -4,9 +4,9 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 - ``empty``: a kernel that does nothing, on the grid our launcher uses (launch and graph-node cost);
 - ``copy``: reads the logits and writes outputs of the routing's size ([T, k] fp32 weights and int32 ids), one
   row max per token so every byte is used: the memory floor of any single-launch router;
-- ``copy_counts``: ``copy`` plus our kernel's counting tail in its default form (per-program relaxed integer atomics, a
-  barrier, one acq_rel ticket, the last program writes counts and offsets and re-zeroes the workspace): the floor of
-  a single launch that also counts this way;
+- ``copy_counts``: ``copy`` plus our kernel's ticket tail (``_ticket_tail``, relaxed form: per-program relaxed
+  integer atomics, a barrier, one acq_rel ticket, the last program writes counts and offsets and re-zeroes the
+  workspace; the launcher's tail above 128 experts): the floor of a single launch that also counts this way;
 - ``copy_red``: ``copy`` plus an atomic tail (outputs zeroed by two memsets before, every program adds its tallies
   and their prefixes into them; nothing after): the floor with that tail (tried in our kernel and dropped: see
   ``launch_config``);
@@ -14,9 +14,9 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
   that adds per-program counts;
 - ``copy_counts_c8``: ``copy_counts`` with the accumulator in 8 copies (program p adds into copy p % 8; tried in our
   kernel and dropped, see ``launch_config``);
-- ``copy_packed``: ``copy`` plus the packed tail (``_packed_tail``: one relaxed int64 atomic per expert and program
-  adds a contributor, the tally and its prefix; the program that completes an expert's word stores its count and
-  offset and re-zeroes it; no ticket).
+- ``copy_packed``: ``copy`` plus the packed tail (``_packed_tail``, the launcher's tail up to 128 experts: one relaxed
+  int64 atomic per expert and program adds a contributor, the tally and its prefix; the program that completes an
+  expert's word stores its count and offset and re-zeroes it; no ticket).
 
 A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (``ROWS`` x
 ``PROGRAMS_PER_SM``: 24, fewer for wide rows, whose tiles stay within 16384 logits) and the fastest is reported with
@@ -65,7 +65,7 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
         tl.store(W + out, m[:, None] + kk[None, :], mask=out_ok)
         tl.store(ID + out, m[:, None].to(tl.int32) + kk[None, :], mask=out_ok)
     tally = (e + pid) & 1  # a stand-in for the program's per-expert counts
-    if TAIL == 1 or TAIL == 4:  # the ticket tail (the end of _moe_route_fwd, relaxed form): tallies by atomics, a
+    if TAIL == 1 or TAIL == 4:  # the ticket tail (_ticket_tail, relaxed form): tallies by atomics, a
         # ticket, the last program publishes and re-zeroes; TAIL 4: into 8 accumulator copies
         copies: tl.constexpr = 8 if TAIL == 4 else 1
         base: tl.constexpr = 32 if TAIL == 4 else 1

@@ -10,7 +10,8 @@ renormalised, scaled), and histograms the ids into the program's per-expert tall
 
 - packed (rows of up to 128 experts): each program adds one int64 word per expert, ``[1 contributor | tally prefix |
   tally]``, with a relaxed atomic that returns the old word; the program whose add completes an expert's word (all
-  programs counted) stores that expert's count and offset and re-zeroes the word. No ticket, nobody waits.
+  programs counted) stores that expert's count and offset and re-zeroes the word. No ticket, nobody waits. With the
+  permutation the word carries the count only, and ``_perm_base`` writes the offsets.
 - ticket (wider rows, or where the packed fields would overflow): each program adds its tally to an int32
   accumulator, and the last program to finish (a ticket counter) reads the totals, writes counts and offsets and
   re-zeroes the accumulator and the ticket.
@@ -538,7 +539,9 @@ class LaunchConfig:
     prefetch: bool = False  # load the next tile into registers before ranking this one
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
     relaxed_tail: bool = False  # see _ticket_tail
-    tail: str = "packed"  # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail
+    # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail. launch_config picks packed
+    # only up to 128 experts: wider rows measured slower with it
+    tail: str = "packed"
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -653,7 +656,7 @@ def _grid(device: torch.device, cfg: LaunchConfig, n_tiles: int) -> tuple[int, i
 
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
-_CAPTURE_POOL_INTS = 1 << 18  # 1 MiB: room for ~128 captured launches with 1024 experts, ~8000 with 8
+_CAPTURE_POOL_INTS = 1 << 18  # 1 MiB: room for ~248 captured launches with 1024 experts (ticket tail), ~8000 with 8
 _CAPTURE_SLOT_ALIGN = 32  # ints: slots start on their own 128-byte line
 _capture_pools: dict[torch.device, list] = {}  # device -> [zeroed pool, next free int]
 

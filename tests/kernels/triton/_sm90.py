@@ -31,9 +31,8 @@ def _ptxas() -> str:
 
 
 def sass_loop(kernel) -> dict:
-    """The kernel's main loop (its longest backward branch) in the SASS of the cubin Triton built: instruction count,
-    the most frequent opcodes and the local-memory (spill) accesses in it. Static counts, per thread and loop
-    iteration."""
+    """The kernel's main loop (its longest backward branch) in the SASS of the cubin Triton built: instruction count
+    and the most frequent opcodes. Static counts, per thread and loop iteration."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -44,11 +43,10 @@ def sass_loop(kernel) -> dict:
     branches = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\S*\s+(?:`\()?\S*?0x([0-9a-f]+)", sass)
     loops = [(int(t, 16), int(a, 16)) for a, t in branches if int(t, 16) < int(a, 16)]
     if not loops:
-        return dict(loop_instructions=0, loop_opcodes={}, loop_local_memory=0)
+        return dict(loop_instructions=0, loop_opcodes={})
     lo, hi = max(loops, key=lambda b: b[1] - b[0])
     body = [op.split(".")[0] for a, op in ins if lo <= a <= hi]
-    local = sum(op in ("LDL", "STL") for op in body)
-    return dict(loop_instructions=len(body), loop_opcodes=dict(Counter(body).most_common(12)), loop_local_memory=local)
+    return dict(loop_instructions=len(body), loop_opcodes=dict(Counter(body).most_common(12)))
 
 
 def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options):

@@ -21,8 +21,8 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
 def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
     options = dict(num_warps=const.pop("num_warps"), num_stages=const.pop("num_stages", 3))
     kernel, spill_bytes, registers = compile_sm90(fn, sig, const, aligned, **options)
-    # global atomics by memory order and kind, e.g. "acq_rel.add": the counting tail's ordering, as compiled (Triton 3.6
-    # emits the tallies as atom, later versions as red: the same operation without the returned value)
+    # global atomics by memory order, kind and width, e.g. "acq_rel.add.32": the counting tail's ordering, as compiled
+    # (Triton 3.6 emits the ticket tail's tallies as atom, later versions as red: the same without the returned value)
     ops = re.findall(r"\b(?:atom|red)\.global\.gpu\.(\w+)\.(\w+)\.[a-z]+(\d+)", kernel.asm["ptx"])
     atomics = Counter(f"{sem}.{kind}.{bits}" for sem, kind, bits in ops)
     return dict(spill_bytes=spill_bytes, registers=registers, shared=kernel.metadata.shared, global_atomics=atomics,

@@ -40,7 +40,7 @@ import triton.language as tl
 
 from benchmarks.bench_moe_route import CASES, _args, _bytes, _inputs, aten_route
 from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, time_graph_ms
-from fly_lightning.kernels.triton.moe_route import _plan, _sm_count, launch_config, moe_route_triton
+from fly_lightning.kernels.triton.moe_route import _packed_tail, _plan, _sm_count, launch_config, moe_route_triton
 
 
 @triton.jit
@@ -87,13 +87,8 @@ def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.const
         tl.atomic_add(OFFSETS + e, upto, mask=(e < E) & (upto != 0), sem="relaxed")
     elif TAIL == 3:  # the tallies alone (publishes nothing: a lower bound on any tail that adds per-program counts)
         tl.atomic_add(WS + 1 + e, tally, mask=(e < E) & (tally != 0), sem="relaxed")
-    elif TAIL == 5:  # the packed tail (WS as int64 words): [contributors | prefix | count], see _packed_tail
-        add = (tl.cumsum(tally, axis=0).to(tl.int64) << 26) + tally.to(tl.int64) + (1 << 52)
-        total = tl.atomic_add(WS + e, add, mask=e < E, sem="relaxed") + add
-        done = (e < E) & (((total >> 52) & 4095) == tl.num_programs(0))
-        tl.store(COUNTS + e, (total & 67108863).to(tl.int32), mask=done)
-        tl.store(OFFSETS + e, ((total >> 26) & 67108863).to(tl.int32), mask=done)
-        tl.store(WS + e, tl.zeros_like(total), mask=done)
+    elif TAIL == 5:  # the kernel's own packed tail (WS as int64 words; the permutation-only arguments unused)
+        _packed_tail(WS, WS, COUNTS, OFFSETS, tally, tally, e, e, pid, E, BE, False)
 
 
 ROWS = (16, 32, 64, 128, 256, 512)  # tokens per tile, kept to tiles of at most 16384 logits

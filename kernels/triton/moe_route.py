@@ -597,12 +597,12 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
       (Mixtral 4.10 -> 3.03 us, Qwen3 65k 15.8 -> 14.8; ``moe_route_sweep_pipeline.md``).
     - rows of up to 128 experts: the packed tail (``_packed_tail``). Ticket -> packed, side by side in one run at
       f0b67ee (``moe_route_floor_f0b67ee.md``): Mixtral 3.15 -> 2.20 us, Qwen2-MoE 4.06 -> 3.36, OLMoE 6.00 -> 4.94,
-      Qwen3 7.66 -> 6.45, Llama-4 4.25 -> 3.34, DeepSeek-V2-Lite 12.75 -> 11.57, Qwen3 65k 14.67 -> 14.73; the
-      pipeline sweep of the same run agrees. Wider rows lost (GLM-4.5's 160: 18.98 -> 21.59, DeepSeek-V3 fp32's 256:
-      19.97 -> 21.25): every program adds a word for every expert, tally or not, so short programs over many experts
-      make many more atomics than the ticket tail's nonzero tallies; the packed floor is above the ticket floor there
-      too. (DeepSeek-V3 65k tied, 53.3 vs 52.5.) In the 255-register biased kernels over 128 experts it also spilled
-      16 bytes (outside the main loop; sm_90, Triton 3.6).
+      Qwen3 7.66 -> 6.45, Llama-4 4.25 -> 3.34, DeepSeek-V2-Lite 12.75 -> 11.57, Qwen3 65k 14.67 -> 14.73; the pipeline
+      sweep of the same run agrees. Wider rows lost (GLM-4.5's 160: 18.98 -> 21.59, DeepSeek-V3 fp32's 256: 19.97 ->
+      21.25); why is not established (every program adds a word for every expert, where the ticket tail skips zero
+      tallies, but GLM-4.5's 128-token programs have few of those). (The floors agree, though their stand-in tally
+      leaves half the experts at zero, which favours the ticket tail. DeepSeek-V3 65k tied, 53.3 vs 52.5.) In the
+      255-register biased kernels over 128 experts it also spilled 16 bytes (outside the main loop; sm_90, Triton 3.6).
 
     Tried and dropped before the packed tail (``moe_route_sweep_pipeline_{98ecaa1,8285c4e,d578312}.md``, ticket vs the
     alternative in each run): an atomic tail (every program adds its tally into zeroed ``counts_E`` and its prefix into

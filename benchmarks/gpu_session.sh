@@ -50,6 +50,7 @@ for phase in "$@"; do
     overhead) run overhead 120 python3 -m benchmarks.bench_dispatch_overhead ;;
     route) run route 300 python3 -m benchmarks.bench_moe_route ;;
     probe) run probe 120 python3 -m benchmarks.probe_histogram_mask ;;
+    route_host) run route_host 180 python3 -m benchmarks.probe_route_host ;;
     route_sweep) run route_sweep 420 python3 -m benchmarks.bench_moe_route --sweep ;;
     route_pipeline) run route_pipeline 300 python3 -m benchmarks.bench_moe_route --sweep --pipeline ;;
     route_floor) run route_floor 420 python3 -m benchmarks.probe_route_floor ;;

@@ -29,3 +29,26 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     if t.is_cuda and t.device.index != torch.cuda.current_device():
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
+
+
+class _NoFill:
+    def __enter__(self) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = False
+
+    def __exit__(self, *exc: object) -> None:
+        torch.utils.deterministic.fill_uninitialized_memory = True
+
+
+def written_in_full() -> contextlib.AbstractContextManager:
+    """Allocate, inside this, only outputs that the kernel stores every element of.
+
+    With ``torch.use_deterministic_algorithms(True)`` PyTorch fills every new tensor (NaN, or the largest integer) so
+    that reading memory nobody wrote is reproducible. For such outputs the fill is a wasted pass: one more kernel per
+    tensor (the routing op on Mixtral's shape measured 6.0 us with deterministic algorithms, 2.3 us without, on the
+    H200 at 9e1325c, ``moe_route.md``). The flag is
+    process-wide, so another thread allocating at the same moment skips its fill too: results stay right, only
+    unwritten memory would not read as NaN there.
+    """
+    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
+        return _NoFill()
+    return contextlib.nullcontext()

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels.triton._select import block_of, cdiv
-from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.kernels.triton._support import device_reason, on_device, written_in_full
 from fly_lightning.ops.moe_combine import MOE_COMBINE
 
 MAX_K = 32  # slots per token, unrolled
@@ -94,7 +94,8 @@ def moe_combine_triton(
 ) -> torch.Tensor:
     t, k = weights.shape
     h = rows.shape[1]
-    y = torch.empty((t, h), dtype=out_dtype or rows.dtype, device=rows.device)
+    with written_in_full():  # the grid covers [T, H] (and k = 0 zeroes it below)
+        y = torch.empty((t, h), dtype=out_dtype or rows.dtype, device=rows.device)
     if y.numel() == 0:
         return y
     if k == 0:

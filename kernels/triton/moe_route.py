@@ -25,8 +25,9 @@ expert, plus the expert's start offset) and ``_perm_scatter`` adds that base to 
 slot into the sorted order.
 
 Determinism: the counts are sums of integer atomics, which are exact and commutative, so their result does not depend
-on the order the atomics land in; ``torch.use_deterministic_algorithms(True)`` changes nothing here. The permutation
-uses no atomics: ranks follow token order inside a program and program order across programs.
+on the order the atomics land in; ``torch.use_deterministic_algorithms(True)`` changes nothing here (the outputs are
+allocated without its fill, ``written_in_full``: every element is stored). The permutation uses no atomics: ranks
+follow token order inside a program and program order across programs.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from fly_lightning.kernels.triton._select import (
     rows5,
     tile_cols,
 )
-from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device
+from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device, written_in_full
 from fly_lightning.ops.moe_route import MOE_ROUTE, RENORM_EPS
 
 MAX_E = 1024
@@ -826,14 +827,15 @@ def moe_route_triton(
     n_tokens, n_experts = logits_TE.shape
     dev = logits_TE.device
     i32 = dict(dtype=torch.int32, device=dev)
-    weights = torch.empty((n_tokens, k), dtype=torch.float32, device=dev)
-    ids = torch.empty((n_tokens, k), **i32)
-    counts = torch.empty((n_experts,), **i32)
-    offsets = torch.empty((n_experts,), **i32)
-    if return_permutation:
-        sorted_slots, slot_pos = torch.empty((n_tokens * k,), **i32), torch.empty((n_tokens, k), **i32)
-    else:
-        sorted_slots, slot_pos = torch.empty((0,), **i32), torch.empty((0,), **i32)
+    with written_in_full():  # every output element is stored (counts and offsets of every expert by the tail)
+        weights = torch.empty((n_tokens, k), dtype=torch.float32, device=dev)
+        ids = torch.empty((n_tokens, k), **i32)
+        counts = torch.empty((n_experts,), **i32)
+        offsets = torch.empty((n_experts,), **i32)
+        if return_permutation:
+            sorted_slots, slot_pos = torch.empty((n_tokens * k,), **i32), torch.empty((n_tokens, k), **i32)
+        else:
+            sorted_slots, slot_pos = torch.empty((0,), **i32), torch.empty((0,), **i32)
     if n_tokens == 0:
         counts.zero_()
         offsets.zero_()
@@ -855,7 +857,8 @@ def moe_route_triton(
         interpreting(),
     )
     with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
-        hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
+        with written_in_full():  # each program stores its count of every expert
+            hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
         if plan.packed_tail:  # one int64 word per expert
             ws = _workspace(dev, 2 * n_experts)[: 2 * n_experts].view(torch.int64)
         else:

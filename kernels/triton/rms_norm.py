@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device
+from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device, written_in_full
 from fly_lightning.ops.rms_norm import RMS_NORM
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -257,8 +257,9 @@ def rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = x.shape[-1]
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_before_scale and weight is not None else x.dtype
-    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    with written_in_full():  # every row, whichever kernel runs
+        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if x.numel() == 0:
         return y, rstd
     x2 = x.view(-1, h)

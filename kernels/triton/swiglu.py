@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels.triton._select import block_of, cdiv
-from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.kernels.triton._support import device_reason, on_device, written_in_full
 from fly_lightning.ops.swiglu import SWIGLU, split_gate_up
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,7 +56,8 @@ def _plan(i: int) -> tuple[int, int]:
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
     g, u = split_gate_up(gate, up)
     s, i = g.shape
-    y = torch.empty((s, i), dtype=g.dtype, device=g.device)
+    with written_in_full():  # the grid covers [S, I]
+        y = torch.empty((s, i), dtype=g.dtype, device=g.device)
     if y.numel() == 0:
         return y
     bt, bi = _plan(i)

@@ -32,7 +32,7 @@ from fly_lightning.kernels.triton._select import (
     rows5,
     tile_cols,
 )
-from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.kernels.triton._support import device_reason, on_device, written_in_full
 from fly_lightning.ops.topk import TOPK
 
 MAX_N = 1024
@@ -163,8 +163,9 @@ def _plan(n: int, k: int, dtype: torch.dtype, row_stride: int, rows_total: int, 
 )
 def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]
-    values = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
-    indices = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
+    with written_in_full():  # k values and indices of every row
+        values = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
+        indices = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
     if values.numel() == 0:
         return values, indices
     x2 = x.view(-1, n)

@@ -22,6 +22,8 @@ from fly_lightning.kernels.triton.moe_route import (
 )
 from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
 
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # see conftest.py
+
 
 def _run(logits, k, cfg, score="softmax", renorm=True, bias=None, scale=1.0, groups=(None, None), perm=True):
     args = (logits, k, score, renorm, bias, scale, *groups, perm)

@@ -6,6 +6,8 @@ import torch
 from fly_lightning.kernels.triton.rms_norm import LaunchConfig, launch_config, rms_norm_triton
 from fly_lightning.ops.rms_norm import rms_norm_reference
 
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # see conftest.py
+
 
 def _check(x, w, cfg, cast=False, offset=0.0):
     torch.use_deterministic_algorithms(True)  # torch.empty is NaN-filled: unwritten elements would show

@@ -6,6 +6,8 @@ import torch
 from fly_lightning.kernels.triton.topk import LaunchConfig, topk_triton
 from fly_lightning.ops.topk import topk_reference
 
+pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # see conftest.py
+
 
 def _check(x, k, cfg):
     torch.use_deterministic_algorithms(True)  # torch.empty is poisoned: unwritten elements would show

@@ -3,9 +3,9 @@
 The routing suite's eager column (``moe_route.md``) costs 0.09-0.18 ms per call where the kernel itself takes 2-54
 us: eager calls are bound by the host. This probe times, per call, each layer from the public entry down to Triton's
 launch, with the outputs' allocations and a one-argument Triton launch for scale, so the next change goes where the
-time is. Each figure is the best of 5 repeats of the mean over 2000 back-to-back calls, the GPU synchronised at the
-end of each repeat; the kernel is short enough that the host, not the GPU, sets the pace (checked: the graph replay
-time is printed alongside).
+time is. Each figure is the best of 5 rounds of the mean over 2000 back-to-back calls (every layer timed in turn in
+each round), the GPU synchronised at both ends; the kernel is short enough that the host, not the GPU, sets the pace
+(its CUDA-graph replay time is reported alongside).
 
     python -m benchmarks.probe_route_host
 """
@@ -22,7 +22,23 @@ import fly_lightning
 from benchmarks.bench_moe_route import aten_route
 from benchmarks.harness import Results, time_graph_ms
 from fly_lightning.kernels.triton import moe_route as tri
-from fly_lightning.ops.moe_route import MOE_ROUTE, moe_route_op
+from fly_lightning.ops.moe_route import MOE_ROUTE, _backward, _setup_context, moe_route_op
+
+
+class _FunctionRoute(torch.autograd.Function):
+    """For comparison only: the custom op's autograd formula (same setup and backward) as a plain autograd.Function
+    around the dispatcher, the cheaper wrapper an eager training step could use outside ``torch.compile``."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        out = MOE_ROUTE(*args)
+        _setup_context(ctx, args, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return _backward(ctx, *grads)
+
 
 CASES = [("mixtral", 16384, 8, 2), ("qwen3-moe", 16384, 128, 8)]
 
@@ -32,24 +48,32 @@ def _one_arg(X):
     tl.store(X + tl.program_id(0), 1.0)
 
 
-def per_call_us(fn, calls: int = 2000, repeats: int = 5) -> float:
-    for _ in range(20):
+def mean_call_us(fn, calls: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
     torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best * 1e6
+    return (time.perf_counter() - t0) / calls * 1e6
 
 
-def _layers(t: int, e: int, k: int) -> dict:
+def per_call_us(layers: dict, calls: int = 2000, rounds: int = 5) -> dict[str, float]:
+    """Best per layer over ``rounds`` rounds that time every layer in turn (a slow spell of the host then hits all
+    layers alike, not whichever ran during it)."""
+    for fn in layers.values():
+        mean_call_us(fn, 20)
+    best = dict.fromkeys(layers, float("inf"))
+    for _ in range(rounds):
+        for name, fn in layers.items():
+            best[name] = min(best[name], mean_call_us(fn, calls))
+    return best
+
+
+def _layers(t: int, e: int, k: int) -> tuple[dict, torch.Tensor]:
     """What is timed for one shape: each layer of an eager call, from the public entry down to Triton's launch."""
     logits = torch.randn(t, e, device="cuda", dtype=torch.bfloat16)
     args = (logits, k, "softmax", True, None, 1.0, None, None, False)
+    grad_args = (logits.detach().requires_grad_(), *args[1:])  # a training step's router logits
     dev = logits.device
     plan_args = (t, e, k, logits.dtype, e, "softmax", True, False, None, None, False, dev, None, False)
     plan = tri._plan(*plan_args)
@@ -65,8 +89,11 @@ def _layers(t: int, e: int, k: int) -> dict:
                              ((0,), torch.int32), ((0,), torch.int32)):  # fmt: skip
             torch.empty(shape, dtype=dtype, device=dev)
 
-    return {
+    layers = {
         "public moe_route": lambda: fly_lightning.moe_route(logits, k),
+        "public moe_route, logits requiring grad": lambda: fly_lightning.moe_route(grad_args[0], k),
+        "custom op, logits requiring grad": lambda: moe_route_op(*grad_args),
+        "autograd.Function around the dispatcher, logits requiring grad": lambda: _FunctionRoute.apply(*grad_args),
         "custom op (autograd wrapper)": lambda: moe_route_op(*args),
         "dispatcher (MOE_ROUTE)": lambda: MOE_ROUTE(*args),
         "triton backend": lambda: tri.moe_route_triton(*args),
@@ -74,24 +101,25 @@ def _layers(t: int, e: int, k: int) -> dict:
         "six output allocations": alloc,
         "launch plan lookup": lambda: tri._plan(*plan_args),
         "ATen sequence": lambda: aten_route(logits, k, "softmax", True, None, 1.0, None, None),
-        "graph replay (device time)": lambda: fly_lightning.moe_route(logits, k),
     }
+    return layers, logits
 
 
 def main() -> None:
     res = Results("route_host")
     scratch = torch.empty(1, device="cuda")
-    res.add(
-        case="-", layer="one-argument Triton launch", host_us=round(per_call_us(lambda: _one_arg[(1,)](scratch)), 2)
-    )
+    tiny = per_call_us({"tiny": lambda: _one_arg[(1,)](scratch)})["tiny"]
+    res.add(case="-", layer="one-argument Triton launch", host_us=round(tiny, 2))
     for name, t, e, k in CASES:
-        for layer, fn in _layers(t, e, k).items():
-            if layer.startswith("graph"):
-                us = time_graph_ms(lambda f=fn: f(), [()])["median_ms"] * 1e3
-            else:
-                us = per_call_us(fn)
+        layers, logits = _layers(t, e, k)
+        for layer, us in per_call_us(layers).items():
             res.add(case=name, T=t, E=e, k=k, layer=layer, host_us=round(us, 2))
-    res.notes.append("best of 5 repeats of the mean over 2000 eager calls, synchronised per repeat; deterministic off")
+        graph_ms = time_graph_ms(lambda x, k=k: fly_lightning.moe_route(x, k), [(logits,)])["median_ms"]
+        res.add(
+            case=name, T=t, E=e, k=k, layer="kernel, CUDA-graph replay (device time)", host_us=round(graph_ms * 1e3, 2)
+        )
+    res.notes.append("per layer: the best of 5 rounds, each round timing every layer in turn as the mean over 2000 "
+                     "back-to-back eager calls, synchronised at both ends; deterministic algorithms off")  # fmt: skip
     path = res.save()
     print(res.markdown())
     print(f"written {path}")

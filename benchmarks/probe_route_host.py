@@ -23,6 +23,7 @@ from benchmarks.bench_moe_route import aten_route
 from benchmarks.harness import Results, time_graph_ms
 from fly_lightning.kernels.triton import moe_route as tri
 from fly_lightning.ops.moe_route import MOE_ROUTE, _backward, _setup_context, moe_route_op
+from fly_lightning.ops.rms_norm import rms_norm_op
 
 
 class _FunctionRoute(torch.autograd.Function):
@@ -91,7 +92,9 @@ def _layers(t: int, e: int, k: int) -> tuple[dict, torch.Tensor]:
 
     layers = {
         "public moe_route": lambda: fly_lightning.moe_route(logits, k),
-        "public moe_route, logits requiring grad": lambda: fly_lightning.moe_route(grad_args[0], k),
+        "public moe_route, logits requiring grad (eager autograd.Function)": lambda: fly_lightning.moe_route(
+            grad_args[0], k
+        ),
         "custom op, logits requiring grad": lambda: moe_route_op(*grad_args),
         "autograd.Function around the dispatcher, logits requiring grad": lambda: _FunctionRoute.apply(*grad_args),
         "custom op (autograd wrapper)": lambda: moe_route_op(*args),
@@ -103,6 +106,19 @@ def _layers(t: int, e: int, k: int) -> tuple[dict, torch.Tensor]:
         "ATen sequence": lambda: aten_route(logits, k, "softmax", True, None, 1.0, None, None),
     }
     return layers, logits
+
+
+def _rms_layers() -> dict:
+    """The same question for RMSNorm, the op a training step calls most: a small [16, 4096] bf16 input."""
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    xg = x.detach().requires_grad_()
+    return {
+        "public rms_norm, input requiring grad": lambda: fly_lightning.rms_norm(xg, w, 1e-6),
+        "custom op, input requiring grad": lambda: rms_norm_op(xg, w, 1e-6, 0.0, False),
+        "public rms_norm, no grad": lambda: fly_lightning.rms_norm(x, w.detach(), 1e-6),
+        "F.rms_norm, input requiring grad": lambda: torch.nn.functional.rms_norm(xg, (4096,), w, 1e-6),
+    }
 
 
 def main() -> None:
@@ -118,6 +134,8 @@ def main() -> None:
         res.add(
             case=name, T=t, E=e, k=k, layer="kernel, CUDA-graph replay (device time)", host_us=round(graph_ms * 1e3, 2)
         )
+    for layer, us in per_call_us(_rms_layers()).items():
+        res.add(case="rms_norm", T=16, E=4096, layer=layer, host_us=round(us, 2))
     res.notes.append("per layer: the best of 5 rounds, each round timing every layer in turn as the mean over 2000 "
                      "back-to-back eager calls, synchronised at both ends; deterministic algorithms off")  # fmt: skip
     path = res.save()

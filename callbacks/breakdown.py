@@ -6,9 +6,10 @@ with ``fly_lightning.dispatch.profile_ranges`` on (each dispatched call then run
 Categories (labels), highest priority first; an event takes the first that matches it or any enclosing CPU range:
 
 - ``<op>/<backend>``: the innermost ``fly::<op>/<backend>`` dispatch range, or a ``fly::<name>`` custom-op event (and
-  its autograd wrapper) holding such a range, so the wrapper's own cost and kernels launched from it count for the op.
-- ``<op>.backward/aten``: the autograd node of a ``fly::`` custom op (its backward runs existing ATen ops by design;
-  a dispatched op called inside it still claims its own time through its range).
+  its autograd wrapper, or the eager path's ``fly_<name>_eager`` autograd.Function) holding such a range, so the
+  wrapper's own cost and kernels launched from it count for the op.
+- ``<op>.backward/aten``: the autograd node of a ``fly::`` custom op or of its eager autograd.Function (its backward
+  runs existing ATen ops by design; a dispatched op called inside it still claims its own time through its range).
 - ``optimizer``: inside ``Optimizer.zero_grad#...``, or inside ``Optimizer.step#...`` after the update marker
   (``UPDATE_MARK``, emitted from ``on_before_optimizer_step``). Lightning runs forward and backward as the optimizer's
   closure, inside ``Optimizer.step``; the marker separates the closure from the update.
@@ -64,8 +65,9 @@ GEMM, ATTENTION, COMM, OPTIMIZER, OTHER, OVERHEAD = "gemm", "attention", "comm",
 
 _DISPATCH = re.compile(r"^fly::([^/\s]+)/([\w.-]+)$")
 _CUSTOM_OP = re.compile(r"^fly::(\w+)$")
-_AUTOGRAD_FWD = re.compile(r"^GeneratedBackwardFor_fly_(\w+?)_default$")
-_AUTOGRAD_BWD = re.compile(r"GeneratedBackwardFor_fly_(\w+?)_defaultBackward")
+# an op's autograd wrapper: the custom op's, or the eager path's autograd.Function (fly_lightning/ops/_eager.py)
+_AUTOGRAD_FWD = re.compile(r"^(?:GeneratedBackwardFor_fly_(\w+?)_default|fly_(\w+?)_eager)$")
+_AUTOGRAD_BWD = re.compile(r"(?:GeneratedBackwardFor_fly_(\w+?)_default|fly_(\w+?)_eager)Backward")
 _COMM = re.compile(r"^(nccl|gloo|c10d|_c10d_functional|c10d_functional|record_param_comms|ProcessGroup|mpi:|ucc)", re.I)
 _ATTENTION = re.compile(r"scaled_dot_product|ScaledDotProduct|_(flash|efficient|cudnn)_attention|flex_attention", re.I)
 # first match wins: cuDNN's SDPA kernels carry "flash" in their names, so cudnn is tested first
@@ -285,9 +287,10 @@ class _Classifier:
             below = self._dispatch_below(e)
             if below is not None:
                 c.fly = below
-                self._op_names.setdefault(m[1], below.rsplit("/", 1)[0])
+                self._op_names.setdefault(m[m.lastindex], below.rsplit("/", 1)[0])
         elif m := _AUTOGRAD_BWD.search(name):
-            c.fly = f"{self._op_names.get(m[1], m[1])}.backward/aten"
+            op = m[m.lastindex]
+            c.fly = f"{self._op_names.get(op, op)}.backward/aten"
         if name.startswith("Optimizer.zero_grad#"):
             c.opt = True
         elif name.startswith("Optimizer.step#"):

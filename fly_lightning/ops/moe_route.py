@@ -35,6 +35,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from fly_lightning.ops._eager import eager_call
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -300,11 +301,7 @@ def moe_route_backward(
 
 
 moe_route_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _plain(t: Tensor) -> bool:
-    """A plain tensor that needs no autograd graph (not a subclass such as FakeTensor or DTensor)."""
-    return type(t) is Tensor and not t.requires_grad
+_moe_route_eager = eager_call(MOE_ROUTE, moe_route_op, _setup_context, _backward)
 
 
 def moe_route(
@@ -349,10 +346,7 @@ def moe_route(
         topk_groups,
         bool(return_permutation),
     )
-    if _plain(logits_TE) and (bias_E is None or _plain(bias_E)) and not torch.compiler.is_compiling():
-        out = MOE_ROUTE(*args)  # nothing to differentiate or trace: skip the custom op's wrapper (host time)
-    else:
-        out = moe_route_op(*args)
+    out = _moe_route_eager(*args)
     if return_permutation:
         return MoERouting(*out)
     return MoERouting(*out[:4])

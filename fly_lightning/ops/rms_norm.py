@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from fly_lightning.dtensor import is_dtensor, run_on_local_shards
+from fly_lightning.ops._eager import eager_call
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -153,6 +154,7 @@ def rms_norm_backward(
 
 
 rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
+_rms_norm_eager = eager_call(RMS_NORM, rms_norm_op, _setup_context, _backward)
 
 
 def rms_norm(
@@ -184,4 +186,4 @@ def rms_norm(
             weight,
             reduced_dims=(x.dim() - 1,),
         )
-    return rms_norm_op(x, weight, *args)[0]
+    return _rms_norm_eager(x, weight, *args)[0]

@@ -186,9 +186,10 @@ def test_arguments_are_checked():
     assert [n for n in range(10) if cb.due(n)] == [2, 5, 8]
 
 
-def _synthetic_gpu_trace():
+def _synthetic_gpu_trace(wrapper: str = "GeneratedBackwardFor_fly_rms_norm_default"):
     """A CUDA step as kineto reports it: CPU ops with kernels attached by correlation id, device intervals, a GPU-side
-    mirror of a user range, a collective overlapping compute on another stream and a kernel no CPU op launched."""
+    mirror of a user range, a collective overlapping compute on another stream and a kernel no CPU op launched.
+    ``wrapper``: the op's autograd wrapper (the custom op's, or the eager path's autograd.Function)."""
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import EventList, FunctionEvent
 
@@ -221,14 +222,14 @@ def _synthetic_gpu_trace():
     cpu("aten::linear", 20, 60)
     cpu("aten::addmm", 25, 55, kernels=[("sm90_gemm", 100)])
     cpu("fly::rms_norm", 70, 120)
-    cpu("GeneratedBackwardFor_fly_rms_norm_default", 72, 118, kernels=[("_rms_norm_rows", 50)])  # launched in range
+    cpu(wrapper, 72, 118, kernels=[("_rms_norm_rows", 50)])  # launched in range
     cpu("fly::rms_norm/triton", 75, 115, user=True)
     cpu("aten::scaled_dot_product_attention", 130, 200)
     cpu("aten::_scaled_dot_product_flash_attention", 135, 195, kernels=[("flash_fwd_kernel", 80)])
     cpu(UPDATE_MARK, 600, 601, user=True)
     cpu("aten::_foreach_add_", 610, 650, kernels=[("multi_tensor_apply_kernel", 40)])
     # the autograd engine's thread
-    cpu("autograd::engine::evaluate_function: GeneratedBackwardFor_fly_rms_norm_defaultBackward", 300, 400, thread=2)
+    cpu(f"autograd::engine::evaluate_function: {wrapper}Backward", 300, 400, thread=2)
     cpu("aten::mul", 310, 320, thread=2, kernels=[("elementwise_kernel", 30)])
     cpu("record_param_comms", 410, 420, thread=2, kernels=[("ncclDevKernel_AllReduce_Sum", 200)])
     gpu("sm90_gemm", 100, 200)
@@ -244,8 +245,9 @@ def _synthetic_gpu_trace():
     return trace
 
 
-def test_gpu_breakdown_attributes_kernels_through_their_cpu_ops():
-    b = analyse(_synthetic_gpu_trace(), step=3)
+@pytest.mark.parametrize("wrapper", ["GeneratedBackwardFor_fly_rms_norm_default", "fly_rms_norm_eager"])
+def test_gpu_breakdown_attributes_kernels_through_their_cpu_ops(wrapper):
+    b = analyse(_synthetic_gpu_trace(wrapper), step=3)
     assert b.device == "cuda"
     assert b.parts_ms == pytest.approx(
         {

@@ -11,7 +11,8 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-export FLY_RESULTS_DIR=/tmp/fly_results; mkdir -p "$FLY_RESULTS_DIR"
+# emptied first: a device machine can keep /tmp between sessions, and stale results would ride along in the archive
+export FLY_RESULTS_DIR=/tmp/fly_results; rm -rf "$FLY_RESULTS_DIR"; mkdir -p "$FLY_RESULTS_DIR"
 export FLY_GIT_REV=${FLY_GIT_REV:-unknown}
 tag=$(echo "$*" | tr ' ' '_')
 log="$OUT/session-$tag.log"

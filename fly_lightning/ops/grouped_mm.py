@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fly_lightning.ops._eager import eager_call
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -251,6 +252,7 @@ def _backward(ctx, grad: Tensor):
 
 
 grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+_grouped_mm_eager = eager_call(GROUPED_MM, grouped_mm_op, _setup_context, _backward)
 
 
 def autocast_operands(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -286,4 +288,4 @@ def grouped_mm(x_MK: Tensor, w: Tensor, offs_E: Tensor, *, out_dtype: torch.dtyp
     x_MK, w = autocast_operands(x_MK, w)
     if not (isinstance(x_MK, Tensor) and isinstance(w, Tensor) and isinstance(offs_E, Tensor)):
         _validate(x_MK, w, offs_E, out_dtype)  # raises the ValueError naming the argument
-    return grouped_mm_op(x_MK, w, offs_E, out_dtype)
+    return _grouped_mm_eager(x_MK, w, offs_E, out_dtype)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fly_lightning.ops._eager import eager_call
 from fly_lightning.ops.grouped_mm import _fake
 from fly_lightning.ops.moe_grouped_mm import check_permutation, inverse_permutation
 from fly_lightning.registry import register_op, tensor_key
@@ -178,6 +179,7 @@ def _backward(ctx, grad: Tensor):
 
 
 moe_combine_op.register_autograd(_backward, setup_context=_setup_context)
+_moe_combine_eager = eager_call(MOE_COMBINE, moe_combine_op, _setup_context, _backward)
 
 
 def moe_combine(
@@ -192,4 +194,4 @@ def moe_combine(
             inverse of the routing permutation). None: the rows are in slot order.
         out_dtype: the result's dtype.
     """
-    return moe_combine_op(rows_SH, weights_Tk, index_S, out_dtype)
+    return _moe_combine_eager(rows_SH, weights_Tk, index_S, out_dtype)

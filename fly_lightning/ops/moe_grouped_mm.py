@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fly_lightning.ops._eager import eager_call
 from fly_lightning.ops.grouped_mm import (
     _FLOATS,
     _aten_mm,
@@ -281,6 +282,7 @@ def _backward(ctx, grad: Tensor):
 
 
 moe_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
+_moe_grouped_mm_eager = eager_call(MOE_GROUPED_MM, moe_grouped_mm_op, _setup_context, _backward)
 
 
 def moe_grouped_mm(
@@ -310,4 +312,4 @@ def moe_grouped_mm(
         to the autocast dtype first, as in ``grouped_mm``.
     """
     x, w = autocast_operands(x, w)
-    return moe_grouped_mm_op(x, w, offs_E, perm_M, topk, gather, scatter, out_dtype)
+    return _moe_grouped_mm_eager(x, w, offs_E, perm_M, topk, gather, scatter, out_dtype)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fly_lightning.ops._eager import eager_call
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -122,6 +123,7 @@ def _backward(ctx, grad: Tensor):
 
 
 swiglu_op.register_autograd(_backward, setup_context=_setup_context)
+_swiglu_eager = eager_call(SWIGLU, swiglu_op, _setup_context, _backward)
 
 
 def swiglu(gate_SI: Tensor, up_SI: Tensor | None = None) -> Tensor:
@@ -132,4 +134,4 @@ def swiglu(gate_SI: Tensor, up_SI: Tensor | None = None) -> Tensor:
             ``up_SI`` is None.
         up_SI: ``[S, I]`` up projection.
     """
-    return swiglu_op(gate_SI, up_SI)
+    return _swiglu_eager(gate_SI, up_SI)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from fly_lightning.ops._eager import eager_call
 from fly_lightning.registry import register_op, tensor_key
 
 
@@ -81,6 +82,7 @@ def _backward(ctx, grad_values: Tensor, grad_indices: Tensor | None):
 
 
 topk_op.register_autograd(_backward, setup_context=_setup_context)
+_topk_eager = eager_call(TOPK, topk_op, _setup_context, _backward)
 
 
 def topk(x: Tensor, k: int) -> TopK:
@@ -90,6 +92,4 @@ def topk(x: Tensor, k: int) -> TopK:
     fp32/bf16/fp16 rows of up to 1024 elements runs the Triton kernel; everything else runs ATen with the same
     semantics.
     """
-    if type(x) is Tensor and not x.requires_grad and not torch.compiler.is_compiling():
-        return TopK(*TOPK(x, k))  # nothing to differentiate or trace: skip the custom op's wrapper (host time)
-    return TopK(*topk_op(x, k))
+    return TopK(*_topk_eager(x, k))

@@ -1,63 +1,109 @@
-"""``eager_call``: the path each call takes (custom op, autograd.Function, dispatcher), and that the Function path
-gives the custom op's outputs and gradients."""
+"""``eager_call``: the path each public call takes (custom op, autograd.Function, dispatcher), and that the Function
+path gives the custom op's outputs and gradients, for every operator with a backward."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fly_lightning
+from fly_lightning.ops.grouped_mm import grouped_mm_op
+from fly_lightning.ops.moe_combine import moe_combine_op
+from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm_op
 from fly_lightning.ops.moe_route import moe_route_op
 from fly_lightning.ops.rms_norm import rms_norm_op
+from fly_lightning.ops.swiglu import swiglu_op
+from fly_lightning.ops.topk import topk_op
 
 
-def _rms(x, w):
-    return fly_lightning.rms_norm(x, w, 1e-6)
+@dataclass
+class Case:
+    inputs: Callable[[torch.Generator], tuple]  # floating tensors first: those that may require grad
+    public: Callable[..., torch.Tensor]  # the public entry; returns the differentiable output
+    custom: Callable[..., torch.Tensor]  # the same through the custom op
+    differentiable: int  # how many leading inputs take a gradient
 
 
-def _rms_op(x, w):
-    return rms_norm_op(x, w, 1e-6, 0.0, False)[0]
+def _offs():
+    return torch.tensor([3, 3, 7, 10], dtype=torch.int32)
 
 
-def _route(x, bias=None):
-    return fly_lightning.moe_route(x, 3, bias_E=bias).weights_TK
+def _perm():
+    return torch.tensor([4, 0, 9, 2, 7, 1, 5, 8, 3, 6], dtype=torch.int32)  # 10 slots = 5 tokens x top-2
 
 
-def _route_op(x, bias=None):
-    return moe_route_op(x, 3, "softmax", True, bias, 1.0, None, None, False)[0]
+CASES = {
+    "rms_norm": Case(
+        lambda g: (torch.randn(6, 32, generator=g), torch.randn(32, generator=g)),
+        lambda x, w: fly_lightning.rms_norm(x, w, 1e-6),
+        lambda x, w: rms_norm_op(x, w, 1e-6, 0.0, False)[0],
+        2,
+    ),
+    "moe_route": Case(
+        lambda g: (torch.randn(20, 12, generator=g),),
+        lambda x: fly_lightning.moe_route(x, 3).weights_TK,
+        lambda x: moe_route_op(x, 3, "softmax", True, None, 1.0, None, None, False)[0],
+        1,
+    ),
+    "topk": Case(
+        lambda g: (torch.randn(5, 40, generator=g),),
+        lambda x: fly_lightning.topk(x, 4).values,
+        lambda x: topk_op(x, 4)[0],
+        1,
+    ),
+    "swiglu": Case(
+        lambda g: (torch.randn(7, 24, generator=g),),
+        lambda gu: fly_lightning.swiglu(gu),
+        lambda gu: swiglu_op(gu, None),
+        1,
+    ),
+    "moe_combine": Case(
+        lambda g: (torch.randn(10, 16, generator=g), torch.rand(5, 2, generator=g)),
+        lambda rows, w: fly_lightning.moe_combine(rows, w),
+        lambda rows, w: moe_combine_op(rows, w, None, None),
+        2,
+    ),
+    "grouped_mm": Case(
+        lambda g: (torch.randn(10, 16, generator=g), torch.randn(4, 16, 8, generator=g), _offs()),
+        lambda x, w, offs: fly_lightning.grouped_mm(x, w, offs),
+        lambda x, w, offs: grouped_mm_op(x, w, offs, None),
+        2,
+    ),
+    "moe_grouped_mm": Case(
+        lambda g: (torch.randn(5, 16, generator=g), torch.randn(4, 16, 8, generator=g), _offs(), _perm()),
+        lambda x, w, offs, perm: fly_lightning.moe_grouped_mm(x, w, offs, perm, topk=2, gather=True, scatter=True),
+        lambda x, w, offs, perm: moe_grouped_mm_op(x, w, offs, perm, 2, True, True, None),
+        2,
+    ),
+}
 
 
-def _inputs(op: str, grads: tuple[bool, bool]):
-    g = torch.Generator().manual_seed(1)
-    if op == "rms_norm":
-        x, w = torch.randn(6, 32, generator=g), torch.randn(32, generator=g)
-    else:
-        x, w = torch.randn(20, 12, generator=g), torch.randn(12, generator=g) * 0.1
-    return x.requires_grad_(grads[0]), w.requires_grad_(grads[1])
+def _args(op: str, grads: tuple[bool, ...]) -> tuple:
+    """The case's inputs, the i-th requiring grad where ``grads[i]`` (the index tensors never)."""
+    args = CASES[op].inputs(torch.Generator().manual_seed(1))
+    return tuple(
+        a.requires_grad_(i < len(grads) and grads[i]) if a.is_floating_point() else a for i, a in enumerate(args)
+    )
 
 
-CASES = {"rms_norm": (_rms, _rms_op), "moe_route": (_route, _route_op)}
+def _grad_patterns(op: str) -> list[tuple[bool, ...]]:
+    n = CASES[op].differentiable
+    return [tuple(i == j or j == n for i in range(n)) for j in range(n + 1)] if n > 1 else [(True,)]
 
 
-# (x, w) requiring grad; moe_route's second tensor is the selection bias, which takes no gradient
-GRADS = [
-    ("rms_norm", (True, True)),
-    ("rms_norm", (True, False)),
-    ("rms_norm", (False, True)),
-    ("moe_route", (True, False)),
-]
-
-
-@pytest.mark.parametrize(("op", "grads"), GRADS)
+@pytest.mark.parametrize(("op", "grads"), [(op, g) for op in sorted(CASES) for g in _grad_patterns(op)])
 def test_function_path_equals_the_custom_op(op, grads):
-    public, custom = CASES[op]
-    x, w = _inputs(op, grads)
-    y = public(x, w)
+    case = CASES[op]
+    args = _args(op, grads)
+    y = case.public(*args)
     assert type(y.grad_fn).__name__ == f"fly_{op}_eagerBackward"
-    y_op = custom(x, w)
+    y_op = case.custom(*args)
     assert type(y_op.grad_fn).__name__ != type(y.grad_fn).__name__
     torch.testing.assert_close(y, y_op, rtol=0, atol=0)
     upstream = torch.randn_like(y)
-    wanted = [t for t in (x, w) if t.requires_grad]
+    wanted = [a for a in args if a.requires_grad]
     got = torch.autograd.grad(y, wanted, upstream)
     want = torch.autograd.grad(y_op, wanted, upstream)
     for a, b in zip(got, want, strict=True):
@@ -66,28 +112,25 @@ def test_function_path_equals_the_custom_op(op, grads):
 
 @pytest.mark.parametrize("op", sorted(CASES))
 def test_no_gradient_needed_goes_straight_to_the_dispatcher(op):
-    public, _ = CASES[op]
-    x, w = _inputs(op, (True, False))
+    case = CASES[op]
     with torch.no_grad():
-        assert public(x, w).grad_fn is None
-    x, w = _inputs(op, (False, False))
-    assert public(x, w).grad_fn is None
+        assert case.public(*_args(op, (True,))).grad_fn is None
+    assert case.public(*_args(op, ())).grad_fn is None
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
+@pytest.mark.parametrize("op", ["rms_norm", "moe_route", "swiglu"])
 def test_tensor_subclasses_take_the_custom_op(op):
-    public, _ = CASES[op]
-    x, w = _inputs(op, (False, False))
+    case = CASES[op]
+    args = _args(op, ())
     with FakeTensorMode() as mode:  # only the custom op has a fake implementation
-        y = public(mode.from_tensor(x), mode.from_tensor(w))
-    assert type(y).__name__ == "FakeTensor" and y.shape == (x.shape[0], x.shape[1] if op == "rms_norm" else 3)
+        y = case.public(*(mode.from_tensor(a) for a in args))
+    assert type(y).__name__ == "FakeTensor" and y.shape == case.public(*args).shape
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
+@pytest.mark.parametrize("op", ["rms_norm", "moe_route"])
 def test_compiled_calls_take_the_custom_op(op):
-    public, _ = CASES[op]
-    x, w = _inputs(op, (True, False))
-    compiled = torch.compile(public, backend="aot_eager", fullgraph=True)
-    y = compiled(x, w)
+    case = CASES[op]
+    args = _args(op, (True,))
+    y = torch.compile(case.public, backend="aot_eager", fullgraph=True)(*args)
     assert "eager" not in type(y.grad_fn).__name__
-    torch.testing.assert_close(y, public(x, w))
+    torch.testing.assert_close(y, case.public(*args))

@@ -48,6 +48,7 @@ for phase in "$@"; do
     rms_unaligned) run rms_unaligned 300 python3 -m benchmarks.sweep_rms_norm_unaligned ;;
     rms_rows) run rms_rows 300 python3 -m benchmarks.sweep_rms_norm_rows ;;
     grouped_check) run grouped_check 360 python3 -m benchmarks.bench_grouped_mm --check --moe ;;
+    moe) run moe 300 python3 -m benchmarks.bench_grouped_mm --moe ;;
     overhead) run overhead 120 python3 -m benchmarks.bench_dispatch_overhead ;;
     route) run route 300 python3 -m benchmarks.bench_moe_route ;;
     probe) run probe 120 python3 -m benchmarks.probe_histogram_mask ;;

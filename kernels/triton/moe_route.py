@@ -540,9 +540,9 @@ class LaunchConfig:
     prefetch: bool = False  # load the next tile into registers before ranking this one
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
     relaxed_tail: bool = False  # see _ticket_tail
-    # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail. launch_config picks packed
-    # only up to 128 experts: wider rows measured slower with it
-    tail: str = "packed"
+    # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail; None: by row width, as
+    # launch_config picks (default_tail: wider rows than 128 experts measured slower with the packed tail)
+    tail: str | None = None
     programs: int | None = None  # exact number of programs (tests); overrides programs_per_sm
 
 
@@ -573,6 +573,11 @@ def tile_shape(n_experts: int, n_groups: int | None, row_stride: int, itemsize: 
     return TileShape(
         G=g, LG=lg, ROWS=rows, C=sgp // (lg * vec), VEC=vec, SG=sg, NG=groups, CB=block_of((g - 1) * sg + sgp)
     )
+
+
+def default_tail(n_experts: int) -> str:
+    """The counting tail by row width: packed up to 128 experts, ticket above (see ``launch_config``)."""
+    return "packed" if block_of(n_experts) <= 128 else "ticket"
 
 
 def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: bool = False) -> LaunchConfig:
@@ -630,7 +635,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
         rows = max(1, 32 // per_row)
     return LaunchConfig(
         relaxed_tail=True,
-        tail="packed" if width <= 128 else "ticket",
+        tail=default_tail(n_experts),
         elems_per_thread=ept,
         rows_per_thread=rows,
         num_warps=4,
@@ -765,7 +770,7 @@ def _plan(
     tiles = cdiv(n_tokens, shape.ROWS)
     programs, per_program = _grid(device, cfg, tiles)
     sel_logits = not has_bias and n_groups is None
-    packed = cfg.tail == "packed" and packed_tail_fits(n_tokens, k, programs)
+    packed = (cfg.tail or default_tail(n_experts)) == "packed" and packed_tail_fits(n_tokens, k, programs)
     constexprs = dict(
         E=n_experts,
         K=k,

@@ -227,3 +227,7 @@ def test_launcher_tail_by_row_width(e, tail):
     """The packed tail up to 128 experts, the ticket tail above (see ``launch_config``), biased or grouped or not."""
     for grouped, biased in ((False, False), (False, True), (True, True)):
         assert launch_config(e, 8, 2, grouped, biased).tail == tail
+    # a hand-made configuration that names no tail gets the same one
+    plan = _plan(512, e, 8, torch.bfloat16, e, "softmax", True, False, None, None, False, torch.device("cpu"),
+                 LaunchConfig(programs=2), True)  # fmt: skip
+    assert plan.packed_tail == (tail == "packed")

@@ -4,8 +4,9 @@ Every operator is a ``torch.library`` custom op, which ``torch.compile`` and ten
 need. In eager mode its Python wrapper is costly: on the H200 host a routing call with logits that require grad
 measured 175 us through the custom op, 107-108 us through an ``autograd.Function`` around the dispatcher with the
 same setup and backward, 80-81 us through the dispatcher alone; RMSNorm with grad 133 us against 87
-(``benchmarks/probe_route_host.py`` -> ``route_host.md``). ``eager_call`` picks per call: the custom op when tracing
-or given a tensor subclass, the ``autograd.Function`` when a gradient is needed, the dispatcher otherwise.
+(``benchmarks/probe_route_host.py`` -> ``route_host.md``). ``eager_call`` picks per call: the custom op when traced
+(see ``_traced``) or given a tensor subclass, the ``autograd.Function`` when a gradient is needed, the dispatcher
+otherwise.
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ import torch
 from torch import Tensor
 
 from fly_lightning.registry import Op
+
+_PLAIN = (Tensor, torch.nn.Parameter)  # a module's weights are Parameters: plain data, no __torch_function__
+
+
+def _traced() -> bool:
+    """Whether something above the call must see the op as one custom op: ``torch.compile``, a dispatch mode
+    (``make_fx``, FakeTensorMode, FlopCounterMode, ...) or a functorch transform (vmap, grad, jvp), whose wrapped
+    tensors are plain-typed. The kernels themselves are invisible to all of them."""
+    return (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._functorch.peek_interpreter_stack() is not None
+    )
 
 
 def eager_call(
@@ -42,7 +56,7 @@ def eager_call(
 
     def call(*args: Any) -> Any:
         tensors = [a for a in args if isinstance(a, Tensor)]
-        if torch.compiler.is_compiling() or any(type(t) is not Tensor for t in tensors):
+        if _traced() or any(type(t) not in _PLAIN for t in tensors):
             return custom_op(*args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return function.apply(*args)

@@ -29,6 +29,8 @@ def _validate(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_
     if x.dtype not in _FLOATS:
         raise ValueError(f"rms_norm: x must be a floating tensor, got {x.dtype}")
     if weight is not None:
+        if not isinstance(weight, Tensor):
+            raise ValueError(f"rms_norm: weight must be a Tensor or None, got {type(weight).__name__}")
         if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
             raise ValueError(f"rms_norm: weight must have shape [{x.shape[-1]}], got {list(weight.shape)}")
         if weight.dtype not in _FLOATS:

@@ -257,11 +257,11 @@ def rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = x.shape[-1]
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_before_scale and weight is not None else x.dtype
-    with written_in_full():  # every row, whichever kernel runs
+    with written_in_full():  # every row, whichever kernel runs (and rows of no elements below)
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
-        return y, rstd
+    if x.numel() == 0:  # rows of width 0 have no mean square: NaN, as the reference computes it
+        return y, rstd.fill_(float("nan"))
     x2 = x.view(-1, h)
     n_rows = x2.shape[0]
     contiguous_rows = x2.stride(0) == h and y.dtype == x.dtype

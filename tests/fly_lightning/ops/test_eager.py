@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.profiler import profile
 
 import fly_lightning
 from fly_lightning.ops.grouped_mm import grouped_mm_op
@@ -16,6 +18,7 @@ from fly_lightning.ops.moe_route import moe_route_op
 from fly_lightning.ops.rms_norm import rms_norm_op
 from fly_lightning.ops.swiglu import swiglu_op
 from fly_lightning.ops.topk import topk_op
+from fly_lightning.registry import Op
 
 
 @dataclass
@@ -110,27 +113,59 @@ def test_function_path_equals_the_custom_op(op, grads):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def _paths(fn) -> set[str]:
+    """Which wrappers a call went through, from the profiler: the custom op ("fly::<op>") and/or the eager
+    autograd.Function ("fly_<op>_eager")."""
+    with profile() as prof:
+        fn()
+    return {e.name for e in prof.events() if e.name.startswith(("fly::", "fly_")) and "/" not in e.name}
+
+
 @pytest.mark.parametrize("op", sorted(CASES))
 def test_no_gradient_needed_goes_straight_to_the_dispatcher(op):
     case = CASES[op]
+    assert f"fly::{op}" in _paths(lambda: case.custom(*_args(op, ())))  # the probe sees a custom-op call
     with torch.no_grad():
-        assert case.public(*_args(op, (True,))).grad_fn is None
-    assert case.public(*_args(op, ())).grad_fn is None
+        assert _paths(lambda: case.public(*_args(op, (True,)))) == set()
+    assert _paths(lambda: case.public(*_args(op, ()))) == set()
+
+
+def test_module_parameters_take_the_function_path():
+    """A module's weight is an ``nn.Parameter``: plain data, so the eager path applies (FlyRMSNorm, expert weights)."""
+    x, w = _args("rms_norm", (True, False))
+    y = fly_lightning.rms_norm(x, torch.nn.Parameter(w), 1e-6)
+    assert type(y.grad_fn).__name__ == "fly_rms_norm_eagerBackward"
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "moe_route", "swiglu"])
-def test_tensor_subclasses_take_the_custom_op(op):
+def test_tensor_subclasses_take_the_custom_op(op, monkeypatch):
     case = CASES[op]
     args = _args(op, ())
-    with FakeTensorMode() as mode:  # only the custom op has a fake implementation
+    want = case.public(*args).shape
+
+    def dispatched(*_):
+        raise AssertionError("reached the dispatcher: the custom op's fake implementation should have answered")
+
+    monkeypatch.setattr(Op, "__call__", dispatched)
+    with FakeTensorMode() as mode:
         y = case.public(*(mode.from_tensor(a) for a in args))
-    assert type(y).__name__ == "FakeTensor" and y.shape == case.public(*args).shape
+    assert type(y).__name__ == "FakeTensor" and y.shape == want
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "moe_route"])
+def test_dispatch_modes_see_the_custom_op(op):
+    """make_fx (a dispatch mode) over plain tensors records the op as one call, as before the eager path."""
+    case = CASES[op]
+    graph = make_fx(case.public)(*_args(op, ()))
+    assert f"fly.{op}.default" in str(graph.code)
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "moe_route"])
 def test_compiled_calls_take_the_custom_op(op):
     case = CASES[op]
     args = _args(op, (True,))
-    y = torch.compile(case.public, backend="aot_eager", fullgraph=True)(*args)
-    assert "eager" not in type(y.grad_fn).__name__
-    torch.testing.assert_close(y, case.public(*args))
+    compiled = torch.compile(case.public, backend="aot_eager", fullgraph=True)
+    compiled(*args)  # compile outside the profiler
+    paths = _paths(lambda: compiled(*args))
+    assert f"fly::{op}" in paths and f"fly_{op}_eager" not in paths
+    torch.testing.assert_close(compiled(*args), case.public(*args))

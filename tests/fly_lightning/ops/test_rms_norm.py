@@ -122,6 +122,7 @@ def test_disabled_op_runs_aten_with_reason():
         (dict(x=torch.ones(4, 8, dtype=torch.int32)), "floating"),
         (dict(x=torch.randn(4, 8), weight=torch.randn(2, 4)), "weight must have shape"),
         (dict(x=torch.randn(4, 8), offset=float("inf")), "offset must be finite"),
+        (dict(x=torch.randn(4, 8), weight=[1.0] * 8), "weight must be a Tensor"),
     ],
 )
 def test_invalid_arguments_raise_before_dispatch(kwargs, match):

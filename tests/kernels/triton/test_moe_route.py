@@ -49,18 +49,19 @@ def _check(out, ref, n_experts, perm=True):
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=3)),  # 64-row tiles, 3 programs
         (60, torch.bfloat16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=2)),  # padded row, 8 lanes
         (128, torch.float16, LaunchConfig(elems_per_thread=16, num_warps=1)),
-        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5)),
+        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5, tail="packed")),
         (13, torch.float32, LaunchConfig(num_warps=1, programs=2)),  # odd width: 4-byte loads
-        (1024, torch.bfloat16, LaunchConfig(num_warps=1, programs=2)),  # widest supported row
+        (1024, torch.bfloat16, LaunchConfig(num_warps=1, programs=2, tail="packed")),  # widest supported row
         # the next tile prefetched (one program walks both 64-row tiles: the prefetched one is ranked next, the load
         # past the last is masked), both winner-key store forms
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=1, prefetch=True, direct_store=True)),
-        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, prefetch=True)),
+        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, prefetch=True, tail="packed")),
         (60, torch.float16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True)),
         # the ticket tail, in both memory-order forms
         (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, relaxed_tail=True, tail="ticket")),
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5, tail="ticket")),
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=2, relaxed_tail=True, tail="ticket")),
+        # (rows over 128 experts above name the packed tail: without a tail they would get the ticket, default_tail)
         # the packed tail with the permutation: offsets from the counts across several 32-expert blocks
         (100, torch.bfloat16, LaunchConfig(elems_per_thread=16, num_warps=1, programs=4)),
     ],

@@ -69,3 +69,23 @@ def test_autotune_pruning_keeps_valid_configs():
     narrow = _prune(configs, {}, BLOCK=256)
     assert narrow and all(c.num_warps * 128 <= c.kwargs["ROWS"] * 256 for c in narrow)
     assert _prune(configs[:1], {}, BLOCK=1 << 20)  # never empty
+
+
+@pytest.mark.parametrize("shape", [(5, 0), (0, 8), (2, 0, 3)])
+def test_empty_inputs_match_the_reference(shape):
+    """Nothing to launch: rows of width 0 still get their rstd (NaN, as the reference), without deterministic mode's
+    fill too (``written_in_full`` skips it for these outputs)."""
+    x = torch.randn(*shape)
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.MonkeyPatch.context() as patch:  # the allocation as outside tests: no fill to hide a missed row
+            import fly_lightning.kernels.triton.rms_norm as module
+            from fly_lightning.kernels.triton._support import written_in_full
+
+            patch.setattr(module, "written_in_full", written_in_full)
+            y, rstd = rms_norm_triton(x, None, 1e-6, 0.0, False)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    yr, rr = rms_norm_reference(x, None, 1e-6, 0.0, False)
+    assert y.shape == yr.shape and rstd.shape == rr.shape
+    torch.testing.assert_close(rstd, rr, equal_nan=True)

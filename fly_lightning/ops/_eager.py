@@ -2,11 +2,11 @@
 
 Every operator is a ``torch.library`` custom op, which ``torch.compile`` and tensor subclasses (FakeTensor, DTensor)
 need. In eager mode its Python wrapper is costly: on the H200 host a routing call with logits that require grad
-measured 175 us through the custom op, 107-108 us through an ``autograd.Function`` around the dispatcher with the
-same setup and backward, 80-81 us through the dispatcher alone; RMSNorm with grad 133 us against 87
-(``benchmarks/probe_route_host.py`` -> ``route_host.md``). ``eager_call`` picks per call: the custom op when traced
-(see ``_traced``) or given a tensor subclass, the ``autograd.Function`` when a gradient is needed, the dispatcher
-otherwise.
+measured 161-175 us through the custom op, 102-108 us through an ``autograd.Function`` around the dispatcher with
+the same setup and backward, 76-81 us through the dispatcher alone (two runs); RMSNorm with grad 129-133 us against
+87-94 (``benchmarks/probe_route_host.py`` -> ``route_host.md``, ``route_host_a886c46.md``). ``eager_call`` picks per
+call: the custom op when traced (see ``_traced``) or given a tensor subclass, the ``autograd.Function`` when a
+gradient is needed, the dispatcher otherwise.
 """
 
 from __future__ import annotations

@@ -22,24 +22,8 @@ import fly_lightning
 from benchmarks.bench_moe_route import aten_route
 from benchmarks.harness import Results, time_graph_ms
 from fly_lightning.kernels.triton import moe_route as tri
-from fly_lightning.ops.moe_route import MOE_ROUTE, _backward, _setup_context, moe_route_op
+from fly_lightning.ops.moe_route import MOE_ROUTE, moe_route_op
 from fly_lightning.ops.rms_norm import rms_norm_op
-
-
-class _FunctionRoute(torch.autograd.Function):
-    """For comparison only: the custom op's autograd formula (same setup and backward) as a plain autograd.Function
-    around the dispatcher, the cheaper wrapper an eager training step could use outside ``torch.compile``."""
-
-    @staticmethod
-    def forward(ctx, *args):
-        out = MOE_ROUTE(*args)
-        _setup_context(ctx, args, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return _backward(ctx, *grads)
-
 
 CASES = [("mixtral", 16384, 8, 2), ("qwen3-moe", 16384, 128, 8)]
 
@@ -96,7 +80,6 @@ def _layers(t: int, e: int, k: int) -> tuple[dict, torch.Tensor]:
             grad_args[0], k
         ),
         "custom op, logits requiring grad": lambda: moe_route_op(*grad_args),
-        "autograd.Function around the dispatcher, logits requiring grad": lambda: _FunctionRoute.apply(*grad_args),
         "custom op (autograd wrapper)": lambda: moe_route_op(*args),
         "dispatcher (MOE_ROUTE)": lambda: MOE_ROUTE(*args),
         "triton backend": lambda: tri.moe_route_triton(*args),

@@ -39,8 +39,9 @@ def eager_call(
     setup_context: Callable[..., None],
     backward: Callable[..., Any],
 ) -> Callable[..., Any]:
-    """``f(*args)`` running ``op`` the cheapest way that keeps ``custom_op``'s semantics (``setup_context`` and
-    ``backward`` are the ones registered with ``custom_op.register_autograd``)."""
+    """Register ``setup_context`` and ``backward`` as ``custom_op``'s autograd formula, and return ``f(*args)``
+    running ``op`` the cheapest way that keeps ``custom_op``'s semantics: both paths share that one formula."""
+    custom_op.register_autograd(backward, setup_context=setup_context)
 
     def forward(ctx, *args: Any) -> Any:
         out = op(*args)

@@ -251,7 +251,6 @@ def _backward(ctx, grad: Tensor):
     return (dx if need_x else None), (dw if need_w else None), None, None
 
 
-grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 _grouped_mm_eager = eager_call(GROUPED_MM, grouped_mm_op, _setup_context, _backward)
 
 

@@ -178,7 +178,6 @@ def _backward(ctx, grad: Tensor):
     return (d_rows if need_rows else None), (d_w if need_w else None), None, None
 
 
-moe_combine_op.register_autograd(_backward, setup_context=_setup_context)
 _moe_combine_eager = eager_call(MOE_COMBINE, moe_combine_op, _setup_context, _backward)
 
 

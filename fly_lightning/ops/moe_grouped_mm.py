@@ -281,7 +281,6 @@ def _backward(ctx, grad: Tensor):
     return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None
 
 
-moe_grouped_mm_op.register_autograd(_backward, setup_context=_setup_context)
 _moe_grouped_mm_eager = eager_call(MOE_GROUPED_MM, moe_grouped_mm_op, _setup_context, _backward)
 
 

@@ -300,7 +300,6 @@ def moe_route_backward(
     return grad_x.to(logits_TE.dtype)
 
 
-moe_route_op.register_autograd(_backward, setup_context=_setup_context)
 _moe_route_eager = eager_call(MOE_ROUTE, moe_route_op, _setup_context, _backward)
 
 

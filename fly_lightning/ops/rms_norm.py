@@ -155,7 +155,6 @@ def rms_norm_backward(
     return gx, gw
 
 
-rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 _rms_norm_eager = eager_call(RMS_NORM, rms_norm_op, _setup_context, _backward)
 
 

@@ -122,7 +122,6 @@ def _backward(ctx, grad: Tensor):
     return d_gate, (None if up is None else d_up)
 
 
-swiglu_op.register_autograd(_backward, setup_context=_setup_context)
 _swiglu_eager = eager_call(SWIGLU, swiglu_op, _setup_context, _backward)
 
 

@@ -81,7 +81,6 @@ def _backward(ctx, grad_values: Tensor, grad_indices: Tensor | None):
     return grad_x, None
 
 
-topk_op.register_autograd(_backward, setup_context=_setup_context)
 _topk_eager = eager_call(TOPK, topk_op, _setup_context, _backward)
 
 

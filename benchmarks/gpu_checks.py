@@ -15,6 +15,7 @@ import traceback
 from collections.abc import Callable
 
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import fly_lightning
@@ -226,6 +227,42 @@ def _moe_epilogue_graph_compile() -> str | None:
     if max(same) > 1e-5 or max(near) > 2e-2:
         return f"gradients: compiled vs eager {same}, vs ATen {near}"
     return None
+
+
+@check("forward-mode AD and torch.func on CUDA: tangents and gradients of the ATen formulas, fallbacks recorded")
+def _forward_mode() -> str | None:
+    """The Triton outputs carry no tangent: forward_ad / torch.func.jvp / torch.func.grad must run the reference."""
+    x = torch.randn(64, 256, device="cuda")
+    w = torch.randn(256, device="cuda")
+    logits = torch.randn(512, 8, device="cuda")
+
+    def aten_gates(z: torch.Tensor) -> torch.Tensor:
+        top, _ = torch.topk(z.softmax(-1), 2, dim=-1)
+        return top / top.sum(-1, keepdim=True)
+
+    cases = {  # op: (ours, ATen's formula, input)
+        "rms_norm": (lambda a: fly_lightning.rms_norm(a, w, 1e-6), lambda a: F.rms_norm(a, (256,), w, 1e-6), x),
+        "swiglu": (fly_lightning.swiglu, lambda a: F.silu(a[:, :128]) * a[:, 128:], x),
+        "topk": (lambda a: fly_lightning.topk(a, 4).values, lambda a: torch.topk(a, 4).values, x),
+        "moe_route": (lambda a: fly_lightning.moe_route(a, 2).weights_TK, aten_gates, logits),
+    }
+    for op, (ours, aten, inp) in cases.items():
+        tangent = torch.randn_like(inp)
+        _, want = torch.func.jvp(aten, (inp,), (tangent,))
+        with fwAD.dual_level():
+            got = fwAD.unpack_dual(ours(fwAD.make_dual(inp, tangent))).tangent
+        _, got_func = torch.func.jvp(ours, (inp,), (tangent,))
+        grad = torch.func.grad(lambda a, f=ours: f(a).square().sum())(inp)
+        grad_want = torch.func.grad(lambda a, f=aten: f(a).square().sum())(inp)
+        if got is None:
+            return f"{op}: no tangent under forward_ad"
+        errs = [_rel(got, want), _rel(got_func, want), _rel(grad, grad_want)]
+        reasons = [r["reason"] for r in DISPATCH_LOG.records(op) if "the reference runs" in r["reason"]]
+        if max(errs) > 1e-5 or len(reasons) != 3:
+            return f"{op}: rel errs (forward_ad, jvp, grad) {errs}; fallbacks recorded {reasons}"
+    DISPATCH_LOG.reset()
+    fly_lightning.rms_norm(x, w)  # a plain call afterwards still runs the kernel
+    return None if _backend("rms_norm") == "triton" else f"plain call after forward AD ran {_backend('rms_norm')}"
 
 
 def main() -> int:

@@ -5,13 +5,15 @@ us: eager calls are bound by the host. This probe times, per call, each layer fr
 launch, with the outputs' allocations and a one-argument Triton launch for scale, so the next change goes where the
 time is. Each figure is the best of 5 rounds of the mean over 2000 back-to-back calls (every layer timed in turn in
 each round), the GPU synchronised at both ends; the kernel is short enough that the host, not the GPU, sets the pace
-(its CUDA-graph replay time is reported alongside).
+(its CUDA-graph replay time is reported alongside). A small MoE block's forward and backward is timed too, with its
+backward passes calling their ATen formulas directly and, side by side, through their custom ops.
 
     python -m benchmarks.probe_route_host
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 
 import torch
@@ -22,8 +24,10 @@ import fly_lightning
 from benchmarks.bench_moe_route import aten_route
 from benchmarks.harness import Results, time_graph_ms
 from fly_lightning.kernels.triton import moe_route as tri
+from fly_lightning.kernels.triton import rms_norm as tri_rms
+from fly_lightning.modules.moe import FlyMoE
 from fly_lightning.ops.moe_route import MOE_ROUTE, moe_route_op
-from fly_lightning.ops.rms_norm import rms_norm_op
+from fly_lightning.ops.rms_norm import RMS_NORM, rms_norm_op
 
 CASES = [("mixtral", 16384, 8, 2), ("qwen3-moe", 16384, 128, 8)]
 
@@ -97,11 +101,74 @@ def _rms_layers() -> dict:
     w = torch.nn.Parameter(torch.ones(4096, device="cuda", dtype=torch.bfloat16))  # a module's weight
     xg = x.detach().requires_grad_()
     no_grad_rms_norm = torch.no_grad()(fly_lightning.rms_norm)
+    y, rstd = tri_rms.rms_norm_triton(x, w, 1e-6, 0.0, False)  # autotunes once: the tuned config below is its pick
+    best = tri_rms._rms_norm_rows_tuned.best_config
+    rows, consts = best.kwargs["ROWS"], dict(H=4096, BLOCK=4096, CHUNKED=False, HAS_W=True, CAST_FIRST=False)
+    args = (x, w, y, rstd, 16, 4096, 4096, 1e-6, 0.0)
+
+    def alloc() -> None:
+        torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        torch.empty((16, 1), dtype=torch.float32, device=x.device)
+
     return {
         "public rms_norm, input requiring grad": lambda: fly_lightning.rms_norm(xg, w, 1e-6),
         "custom op, input requiring grad": lambda: rms_norm_op(xg, w, 1e-6, 0.0, False),
         "public rms_norm, no grad": lambda: no_grad_rms_norm(x, w, 1e-6),
         "F.rms_norm, input requiring grad": lambda: torch.nn.functional.rms_norm(xg, (4096,), w, 1e-6),
+        "dispatcher (RMS_NORM)": lambda: RMS_NORM(x, w, 1e-6, 0.0, False),
+        "triton backend": lambda: tri_rms.rms_norm_triton(x, w, 1e-6, 0.0, False),
+        "two output allocations": alloc,
+        "autotuned launch only": lambda: tri_rms._rms_norm_rows_tuned[lambda m: (triton.cdiv(16, m["ROWS"]),)](
+            *args, **consts
+        ),
+        f"launch with the tuned config ({best}) only": lambda: tri_rms._rms_norm_rows[(triton.cdiv(16, rows),)](
+            *args, ROWS=rows, num_warps=best.num_warps, **consts
+        ),
+    }
+
+
+_BACKWARD_CALLS = {  # module -> (its eager backward call, the custom op it bypasses outside tracing)
+    "grouped_mm": ("_grouped_mm_backward_call", "grouped_mm_backward_op"),
+    "moe_grouped_mm": ("_moe_grouped_mm_backward_call", "moe_grouped_mm_backward_op"),
+    "moe_combine": ("_moe_combine_backward_call", "moe_combine_backward_op"),
+    "swiglu": ("_swiglu_backward_call", "swiglu_backward_op"),
+}
+
+
+class _OpaqueBackward:
+    """While entered, eager backward passes call their custom ops again (the path before ``traced_or_direct``)."""
+
+    def __enter__(self) -> None:
+        self.saved = {}
+        for name, (call, custom) in _BACKWARD_CALLS.items():
+            module = importlib.import_module(f"fly_lightning.ops.{name}")
+            self.saved[module] = getattr(module, call)
+            setattr(module, call, getattr(module, custom))
+
+    def __exit__(self, *exc) -> None:
+        for module, fn in self.saved.items():
+            setattr(module, _BACKWARD_CALLS[module.__name__.rsplit(".", 1)[1]][0], fn)
+
+
+def _moe_step_layers() -> dict:
+    """A small ``FlyMoE`` block's forward and backward (64 tokens, 8 experts, top-2, bf16): host-bound, so the
+    time per step is the host's. Side by side: the eager backward calling its ATen formulas directly, and through
+    the backward custom ops as before."""
+    moe = FlyMoE(256, 128, 8, 2, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step() -> None:
+        y = moe(x)
+        y = y[0] if isinstance(y, tuple) else y
+        y.backward(torch.ones_like(y))
+
+    def step_opaque() -> None:
+        with _OpaqueBackward():
+            step()
+
+    return {
+        "FlyMoE forward+backward, backward formulas called directly": step,
+        "FlyMoE forward+backward, backward through the custom ops": step_opaque,
     }
 
 
@@ -120,6 +187,8 @@ def main() -> None:
         )
     for layer, us in per_call_us(_rms_layers()).items():
         res.add(case="rms_norm", T=16, E=4096, layer=layer, host_us=round(us, 2))
+    for layer, us in per_call_us(_moe_step_layers(), calls=300).items():
+        res.add(case="moe_block", T=64, E=8, k=2, layer=layer, host_us=round(us, 2))
     res.notes.append("per layer: the best of 5 rounds, each round timing every layer in turn as the mean over 2000 "
                      "back-to-back eager calls, synchronised at both ends; deterministic algorithms off")  # fmt: skip
     path = res.save()

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call
+from fly_lightning.ops._eager import eager_call, traced_or_direct
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -224,13 +224,16 @@ def weight_grad_like(w: Tensor) -> Tensor:
 
 # The backward is an opaque op of its own: its implementation may read offsets on the host (the reference, for
 # layouts ATen refuses), which tracing could not follow; torch.compile sees only shapes.
-@torch.library.custom_op("fly::grouped_mm_backward", mutates_args=())
-def grouped_mm_backward_op(
+def _grouped_mm_backward_impl(
     grad: Tensor, x: Tensor, w: Tensor, offs: Tensor, need_x: bool, need_w: bool
 ) -> tuple[Tensor, Tensor]:
     """``(dx, dw)``; an unneeded gradient is an empty ``[0]`` tensor."""
     dx, dw = grouped_mm_backward(grad, x, w, offs, need_x, need_w)
     return (x.new_empty(0) if dx is None else dx), (w.new_empty(0) if dw is None else dw)
+
+
+grouped_mm_backward_op = torch.library.custom_op("fly::grouped_mm_backward", mutates_args=())(_grouped_mm_backward_impl)
+_grouped_mm_backward_call = traced_or_direct(grouped_mm_backward_op, _grouped_mm_backward_impl)
 
 
 @grouped_mm_backward_op.register_fake
@@ -247,7 +250,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: Tensor):
     x, w, offs = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = grouped_mm_backward_op(grad, x, w, offs, need_x, need_w)
+    dx, dw = _grouped_mm_backward_call(grad, x, w, offs, need_x, need_w)
     return (dx if need_x else None), (dw if need_w else None), None, None
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call
+from fly_lightning.ops._eager import eager_call, traced_or_direct
 from fly_lightning.ops.grouped_mm import _fake
 from fly_lightning.ops.moe_grouped_mm import check_permutation, inverse_permutation
 from fly_lightning.registry import register_op, tensor_key
@@ -149,14 +149,19 @@ def moe_combine_backward(
     return d_rows, d_w
 
 
-@torch.library.custom_op("fly::moe_combine_backward", mutates_args=())
-def moe_combine_backward_op(
+def _moe_combine_backward_impl(
     grad: Tensor, rows: Tensor, weights: Tensor, index: Tensor | None, need_rows: bool, need_weights: bool
 ) -> tuple[Tensor, Tensor]:
     """``(d rows, d weights)`` as an opaque op; an unneeded gradient is an empty ``[0]``. Autocast off (fp32 sums)."""
     with torch.autocast(rows.device.type, enabled=False):
         d_rows, d_w = moe_combine_backward(grad, rows, weights, index, need_rows, need_weights)
     return (rows.new_empty(0) if d_rows is None else d_rows), (weights.new_empty(0) if d_w is None else d_w)
+
+
+moe_combine_backward_op = torch.library.custom_op("fly::moe_combine_backward", mutates_args=())(
+    _moe_combine_backward_impl
+)
+_moe_combine_backward_call = traced_or_direct(moe_combine_backward_op, _moe_combine_backward_impl)
 
 
 @moe_combine_backward_op.register_fake
@@ -174,7 +179,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: Tensor):
     rows, weights, index = ctx.saved_tensors
     need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    d_rows, d_w = moe_combine_backward_op(grad, rows, weights, index, need_rows, need_w)
+    d_rows, d_w = _moe_combine_backward_call(grad, rows, weights, index, need_rows, need_w)
     return (d_rows if need_rows else None), (d_w if need_w else None), None, None
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call
+from fly_lightning.ops._eager import eager_call, traced_or_direct
 from fly_lightning.ops.grouped_mm import (
     _FLOATS,
     _aten_mm,
@@ -233,8 +233,7 @@ def moe_grouped_mm_backward(
     return dx, dw
 
 
-@torch.library.custom_op("fly::moe_grouped_mm_backward", mutates_args=())
-def moe_grouped_mm_backward_op(
+def _moe_grouped_mm_backward_impl(
     grad: Tensor,
     x: Tensor,
     w: Tensor,
@@ -249,6 +248,12 @@ def moe_grouped_mm_backward_op(
     """``(dx, dw)`` as an opaque op (see ``grouped_mm_backward_op``); an unneeded gradient is an empty ``[0]``."""
     dx, dw = moe_grouped_mm_backward(grad, x, w, offs, perm, topk, gather, scatter, need_x, need_w)
     return (x.new_empty(0) if dx is None else dx), (w.new_empty(0) if dw is None else dw)
+
+
+moe_grouped_mm_backward_op = torch.library.custom_op("fly::moe_grouped_mm_backward", mutates_args=())(
+    _moe_grouped_mm_backward_impl
+)
+_moe_grouped_mm_backward_call = traced_or_direct(moe_grouped_mm_backward_op, _moe_grouped_mm_backward_impl)
 
 
 @moe_grouped_mm_backward_op.register_fake
@@ -277,7 +282,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: Tensor):
     x, w, offs, perm = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = moe_grouped_mm_backward_op(grad, x, w, offs, perm, ctx.topk, ctx.gather, ctx.scatter, need_x, need_w)
+    dx, dw = _moe_grouped_mm_backward_call(grad, x, w, offs, perm, ctx.topk, ctx.gather, ctx.scatter, need_x, need_w)
     return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None
 
 

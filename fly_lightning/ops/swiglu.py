@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call
+from fly_lightning.ops._eager import eager_call, traced_or_direct
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -101,10 +101,9 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor | None) -> tuple[Tens
     return (d, gate.new_empty(0)) if up is None else (d_g, d_u)
 
 
-@torch.library.custom_op("fly::swiglu_backward", mutates_args=())
-def swiglu_backward_op(grad: Tensor, gate: Tensor, up: Tensor | None) -> tuple[Tensor, Tensor]:
-    """``(d gate, d up)`` as an opaque op; for a fused input ``d gate`` is ``[S, 2I]`` and ``d up`` empty."""
-    return swiglu_backward(grad, gate, up)
+# ``(d gate, d up)`` as an opaque op; for a fused input ``d gate`` is ``[S, 2I]`` and ``d up`` empty
+swiglu_backward_op = torch.library.custom_op("fly::swiglu_backward", mutates_args=())(swiglu_backward)
+_swiglu_backward_call = traced_or_direct(swiglu_backward_op, swiglu_backward)
 
 
 @swiglu_backward_op.register_fake
@@ -118,7 +117,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: Tensor):
     gate, up = ctx.saved_tensors
-    d_gate, d_up = swiglu_backward_op(grad, gate, up)
+    d_gate, d_up = _swiglu_backward_call(grad, gate, up)
     return d_gate, (None if up is None else d_up)
 
 

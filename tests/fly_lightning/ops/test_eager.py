@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import profile
@@ -169,3 +170,101 @@ def test_compiled_calls_take_the_custom_op(op):
     paths = _paths(lambda: compiled(*args))
     assert f"fly::{op}" in paths and f"fly_{op}_eager" not in paths
     torch.testing.assert_close(compiled(*args), case.public(*args))
+
+
+# --- differentiation the custom op cannot serve: forward-mode AD and torch.func --------------------------------------
+
+
+def _jvp_from_backward(op: str, primals: tuple, tangents: tuple, rest: tuple) -> torch.Tensor:
+    """J @ t from the Jacobian that the production backward formula gives (through the custom op): a check of the
+    reference's forward-mode tangent that shares none of its code."""
+    jac = torch.autograd.functional.jacobian(lambda *p: CASES[op].custom(*p, *rest), primals)
+    return sum(torch.tensordot(j, t, dims=t.dim()) for j, t in zip(jac, tangents, strict=True))
+
+
+def _primals(op: str) -> tuple[tuple, tuple, tuple]:
+    """(differentiable inputs, their tangents, the other inputs)."""
+    args = _args(op, ())
+    n = CASES[op].differentiable
+    g = torch.Generator().manual_seed(3)
+    return args[:n], tuple(torch.randn(a.shape, generator=g) for a in args[:n]), args[n:]
+
+
+def _fallbacks(op: str) -> list[str]:
+    """Reasons of the calls that ran the reference for differentiation (not the kernels' own support fallbacks)."""
+    return [r["reason"] for r in fly_lightning.DISPATCH_LOG.records(op) if "the reference runs" in r["reason"]]
+
+
+@pytest.mark.parametrize("mode", ["forward_ad", "func_jvp"])
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_forward_mode_ad_runs_the_reference_with_its_tangent(op, mode):
+    """The kernels compute no tangent (the custom op gave zeros under torch.func.jvp, the Triton path none under
+    forward_ad): those calls run the reference, recorded as a fallback."""
+    primals, tangents, rest = _primals(op)
+    case = CASES[op]
+    if mode == "forward_ad":
+        with fwAD.dual_level():
+            y = case.public(*(fwAD.make_dual(p, t) for p, t in zip(primals, tangents, strict=True)), *rest)
+            y, tangent = fwAD.unpack_dual(y)
+    else:
+        y, tangent = torch.func.jvp(lambda *p: case.public(*p, *rest), primals, tangents)
+    (reason,) = _fallbacks(op)
+    assert ("forward-mode AD" if mode == "forward_ad" else "torch.func transform (jvp)") in reason
+    assert tangent is not None
+    torch.testing.assert_close(y, case.public(*primals, *rest))
+    torch.testing.assert_close(tangent, _jvp_from_backward(op, primals, tangents, rest), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_func_grad_runs_the_reference(op):
+    """torch.func.grad refuses a custom op's autograd formula: the call runs the reference, with the same gradients
+    as autograd through the custom op."""
+    primals, _, rest = _primals(op)
+    case = CASES[op]
+    upstream = torch.randn(case.public(*primals, *rest).shape, generator=torch.Generator().manual_seed(5))
+    argnums = tuple(range(len(primals)))
+    got = torch.func.grad(lambda *p: (case.public(*p, *rest) * upstream).sum(), argnums=argnums)(*primals)
+    leaves = [p.clone().requires_grad_() for p in primals]
+    want = torch.autograd.grad((case.custom(*leaves, *rest) * upstream).sum(), leaves)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    (reason,) = _fallbacks(op)
+    assert "torch.func transform (grad)" in reason
+
+
+def test_plain_tensors_inside_a_dual_level_keep_the_kernels():
+    """A dual level alone (no tangent on the inputs) changes nothing: the call is dispatched as usual."""
+    x, w = _args("rms_norm", ())
+    with fwAD.dual_level():
+        fly_lightning.rms_norm(x, w, 1e-6)
+    assert _fallbacks("rms_norm") == []
+    assert [r["backend"] for r in fly_lightning.DISPATCH_LOG.records("rms_norm")] == ["triton"]
+
+
+def test_vmap_alone_keeps_the_custom_op():
+    """vmap does not differentiate: its batching fallback runs the custom op per sample, no reference fallback."""
+    x, w = _args("rms_norm", ())
+    y = torch.func.vmap(lambda r: fly_lightning.rms_norm(r, w, 1e-6))(x)
+    torch.testing.assert_close(y, fly_lightning.rms_norm(x, w, 1e-6))
+    assert _fallbacks("rms_norm") == []
+
+
+@pytest.mark.parametrize("op", ["grouped_mm", "moe_combine", "moe_grouped_mm", "swiglu"])
+def test_backward_op_is_opaque_only_when_traced(op):
+    """The eager backward calls its ATen formula directly; under torch.compile it stays one opaque custom op."""
+    case = CASES[op]
+    every = (True,) * case.differentiable
+
+    def backward_events(y: torch.Tensor) -> set[str]:
+        with profile() as prof:
+            y.backward(torch.ones_like(y))
+        return {e.name for e in prof.events() if e.name.startswith(f"fly::{op}_backward")}
+
+    args = _args(op, every)
+    assert backward_events(case.public(*args)) == set()
+    eager_grads = [a.grad for a in args if a.requires_grad]
+    args = _args(op, every)
+    compiled = torch.compile(case.public, backend="aot_eager", fullgraph=True)
+    assert backward_events(compiled(*args)) == {f"fly::{op}_backward"}
+    for a, b in zip([a.grad for a in args if a.requires_grad], eager_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -11,12 +12,18 @@ if TYPE_CHECKING:
     from fly_lightning.registry import Op
 
 
-def is_dtensor(t: Any) -> bool:
+@functools.cache
+def _dtensor_type() -> type | None:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+        return None
+    return DTensor
+
+
+def is_dtensor(t: Any) -> bool:
+    cls = _dtensor_type()  # looked up once: every public call asks
+    return cls is not None and isinstance(t, cls)
 
 
 def run_on_local_shards(

@@ -49,6 +49,7 @@ from fly_lightning.kernels.triton._grouped_mm_config import (
     table_config,
     tune_candidates,
 )
+from fly_lightning.kernels.triton._select import block_of, cdiv
 from fly_lightning.kernels.triton._support import interpreting, on_device
 
 
@@ -358,7 +359,7 @@ def _launch(
     if (tma_a or tma_w or tma_store) and x.is_cuda:
         triton.set_allocator(_tma_allocator)
     bm, bn = cfg.block_m, cfg.block_n
-    upper = (triton.cdiv(m, bm) + e) * triton.cdiv(n, bn)
+    upper = (cdiv(m, bm) + e) * cdiv(n, bn)  # plain arithmetic: triton.cdiv is a JIT function, slow on the host
     if interp:
         progs = min(INTERPRETER_PROGRAMS, upper)
     elif cfg.programs_per_sm:
@@ -371,7 +372,7 @@ def _launch(
     if table:  # per-group tile counts first, by a one-program kernel (still no host sync)
         tile_end = torch.empty_like(offs)
         _tile_schedule_kernel[(1,)](offs, tile_end, m, n, e, BLOCK_M=bm, BLOCK_N=bn,
-                                    E_POW2=max(16, triton.next_power_of_2(e)), num_warps=4)  # fmt: skip
+                                    E_POW2=max(16, block_of(e)), num_warps=4)  # fmt: skip
     _grouped_mm_kernel[(progs,)](
         x,
         w,
@@ -390,7 +391,7 @@ def _launch(
         w.stride(2),
         out.stride(0),
         progs,
-        E_POW2=max(1024, triton.next_power_of_2(e)),  # one compilation for every E up to 1024
+        E_POW2=max(1024, block_of(e)),  # one compilation for every E up to 1024
         TABLE=table,
         LOG2_E=8 if e <= 256 else 12,
         TOPK=topk,

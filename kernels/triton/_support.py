@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import triton
+from triton.runtime.autotuner import Autotuner
 
 
 def device_reason(*tensors: torch.Tensor | None) -> str | None:
@@ -53,3 +57,21 @@ def written_in_full() -> contextlib.AbstractContextManager:
     if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
         return _NoFill()
     return contextlib.nullcontext()
+
+
+_TUNED: dict[tuple, triton.Config] = {}
+
+
+def launch_tuned(tuned: Autotuner, grid: Callable[[dict], tuple], args: tuple, consts: dict[str, Any]) -> None:
+    """Launch the ``triton.autotune`` kernel ``tuned``: through its autotuner the first time a tuning key is seen
+    (which measures the configs), then straight through the kernel with the config it picked. The autotuner's
+    bookkeeping on every call cost 9.7 us of host time per RMSNorm launch on the H200 host (27.8 vs 18.1 us,
+    ``route_host.md``). The key holds what the autotuner's does: its key arguments and every tensor's dtype."""
+    key = (id(tuned), *(consts[k] for k in tuned.keys), *(a.dtype for a in args if isinstance(a, torch.Tensor)))
+    config = _TUNED.get(key)
+    if config is None:
+        tuned[grid](*args, **consts)
+        _TUNED[key] = tuned.best_config
+        return
+    meta = {**consts, **config.all_kwargs()}
+    tuned.fn[grid(meta)](*args, **meta)

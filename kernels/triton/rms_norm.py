@@ -9,13 +9,21 @@ Two kernels:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device, written_in_full
+from fly_lightning.kernels.triton._select import cdiv
+from fly_lightning.kernels.triton._support import (
+    device_reason,
+    interpreting,
+    launch_tuned,
+    on_device,
+    written_in_full,
+)
 from fly_lightning.ops.rms_norm import RMS_NORM
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -171,6 +179,7 @@ class LaunchConfig:
     num_warps: int = 4
 
 
+@functools.cache  # every call asks: the answer depends on these three only
 def launch_config(h: int, itemsize: int, contiguous_rows: bool) -> LaunchConfig:
     """Kernel and block per row width; rows per program and warps are autotuned unless a config is forced.
 
@@ -229,16 +238,16 @@ def _launch(
         args = (x2, w, y, rstd, eps, offset)
         consts = dict(H=h, VEC=16 // x2.element_size(), BLOCK=cfg.block, **flags)
         if tuned:
-            _rms_norm_unaligned_tuned[(n_rows,)](*args, **consts)
+            launch_tuned(_rms_norm_unaligned_tuned, lambda meta: (n_rows,), args, consts)
         else:
             _rms_norm_unaligned[(n_rows,)](*args, num_warps=cfg.num_warps, **consts)
     else:
         args = (x2, w, y, rstd, n_rows, x2.stride(0), h, eps, offset)
         consts = dict(H=h, BLOCK=cfg.block, CHUNKED=cfg.block < h, **flags)
         if tuned:
-            _rms_norm_rows_tuned[lambda meta: (triton.cdiv(n_rows, meta["ROWS"]),)](*args, **consts)
+            launch_tuned(_rms_norm_rows_tuned, lambda meta: (cdiv(n_rows, meta["ROWS"]),), args, consts)
         else:
-            _rms_norm_rows[(triton.cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, num_warps=cfg.num_warps, **consts)
+            _rms_norm_rows[(cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, num_warps=cfg.num_warps, **consts)
 
 
 @RMS_NORM.implement(

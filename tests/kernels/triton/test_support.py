@@ -1,15 +1,18 @@
 """``written_in_full``: with deterministic algorithms, the Triton backends allocate their outputs without PyTorch's
-fill (they store every element), and leave the fill setting as they found it."""
+fill (they store every element), and leave the fill setting as they found it. ``launch_tuned``: the autotuner runs
+once per tuning key."""
 
 import contextlib
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from torch.overrides import TorchFunctionMode
 from torch.profiler import profile
 
 from fly_lightning.kernels.triton import moe_combine, moe_route, rms_norm, swiglu, topk
-from fly_lightning.kernels.triton._support import written_in_full
+from fly_lightning.kernels.triton._support import launch_tuned, written_in_full
 
 
 @contextlib.contextmanager
@@ -95,3 +98,35 @@ def test_backends_allocate_outputs_without_the_fill(op):
         want = call()
     for a, b in zip(got, want if isinstance(want, tuple) else (want,), strict=True):
         assert torch.equal(a, b)
+
+
+# --- launch_tuned ---------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fill_block(Y, n, BLOCK: tl.constexpr, KEY: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    value = tl.full([BLOCK], BLOCK + KEY, tl.int32)  # which config ran, in the output
+    tl.store(Y + offs, value.to(Y.dtype.element_ty), mask=offs < n)
+
+
+def test_launch_tuned_tunes_once_per_key_then_launches_the_pick(monkeypatch):
+    """The autotuner runs the first time a key is seen (and picks the config it measured fastest); later calls launch
+    that config straight through the kernel; a new key value or dtype tunes again."""
+    tuned = triton.autotune([triton.Config({"BLOCK": 4}), triton.Config({"BLOCK": 16})], key=["KEY"])(_fill_block)
+    tuned._bench = lambda *args, config, **kwargs: [1.0 if config.kwargs["BLOCK"] == 16 else 2.0]
+    runs = []
+    real_run = type(tuned).run
+    monkeypatch.setattr(type(tuned), "run", lambda self, *a, **k: runs.append(k["KEY"]) or real_run(self, *a, **k))
+
+    def launch(dtype: torch.dtype, key: int) -> torch.Tensor:
+        y = torch.zeros(37, dtype=dtype)
+        launch_tuned(tuned, lambda meta: (triton.cdiv(37, meta["BLOCK"]),), (y, 37), {"KEY": key})
+        return y
+
+    for _ in range(3):
+        assert torch.equal(launch(torch.float32, 1), torch.full((37,), 17.0))  # BLOCK 16 ran, every element
+    assert runs == [1]
+    launch(torch.float32, 2)
+    launch(torch.int32, 2)
+    assert runs == [1, 2, 2]

@@ -4,9 +4,10 @@ Every operator is a ``torch.library`` custom op, which ``torch.compile`` and ten
 need. In eager mode its Python wrapper is costly: on the H200 host a routing call with logits that require grad
 measured 161-175 us through the custom op, 102-108 us through an ``autograd.Function`` around the dispatcher with
 the same setup and backward, 76-81 us through the dispatcher alone (two runs); RMSNorm with grad 129-133 us against
-87-94 (``benchmarks/probe_route_host.py`` -> ``route_host.md``, ``route_host_a886c46.md``). ``eager_call`` picks per
-call: the custom op when traced (see ``_traced``) or given a tensor subclass, the ``autograd.Function`` when a
-gradient is needed, the dispatcher otherwise.
+87-94 (``benchmarks/probe_route_host.py`` -> ``route_host_4d4e4db.md``, ``route_host_a886c46.md``). ``eager_call``
+picks per call: the custom op when traced (see ``_traced``) or given a tensor subclass, the ``autograd.Function``
+when a gradient is needed, the dispatcher otherwise. Eager backward passes likewise call their ATen formulas
+directly, the backward custom ops only when traced (``traced_or_direct``).
 
 Forward-mode AD and ``torch.func``'s differentiating transforms run the op's plain-torch reference instead, recorded
 as a fallback: a custom op has no forward-mode formula (under ``torch.func.jvp`` it returned a zero tangent, and the

@@ -68,6 +68,26 @@ def _run_reference(op: Op, args: tuple, reason: str) -> Any:
     return op.reference(*args)
 
 
+def create_graph_grads(
+    reference: Callable[..., Any], inputs: tuple, needs: tuple[bool, ...], grads: tuple[Tensor | None, ...]
+) -> tuple[Tensor | None, ...]:
+    """Gradients for a backward pass run with ``create_graph=True`` (double backward), by differentiating
+    ``reference(*inputs)`` (plain torch), so that they can be differentiated again. The fast formulas cannot serve
+    there: RMSNorm's treats the saved ``rstd`` as a constant (a wrong second derivative), others write into ``out=``
+    buffers (which autograd refuses). ``needs[i]``: whether ``inputs[i]`` (a tensor when True) wants a gradient."""
+    wanted = [t for t, need in zip(inputs, needs, strict=True) if need]
+    with torch.enable_grad():
+        outs = reference(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if g is not None and o.requires_grad]
+    got = iter(
+        torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True, allow_unused=True)
+        if pairs and wanted
+        else [None] * len(wanted)
+    )
+    return tuple(next(got) if need else None for need in needs)
+
+
 def traced_or_direct(custom_op: Callable[..., Any], impl: Callable[..., Any]) -> Callable[..., Any]:
     """``f(*args)``: ``custom_op`` where something traces the call or a tensor subclass is given (a backward op that
     ``torch.compile`` must see as one opaque call), else ``impl``, the function the custom op wraps, called directly

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call, traced_or_direct
+from fly_lightning.ops._eager import create_graph_grads, eager_call, traced_or_direct
 from fly_lightning.ops.grouped_mm import _fake
 from fly_lightning.ops.moe_grouped_mm import check_permutation, inverse_permutation
 from fly_lightning.registry import register_op, tensor_key
@@ -172,13 +172,17 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    rows, weights, index, _ = inputs
+    rows, weights, index, out_dtype = inputs
     ctx.save_for_backward(rows, weights, index)
+    ctx.out_dtype = out_dtype
 
 
 def _backward(ctx, grad: Tensor):
     rows, weights, index = ctx.saved_tensors
     need_rows, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if torch.is_grad_enabled():  # create_graph=True: the formula writes into out= buffers
+        args = (rows, weights, index, ctx.out_dtype)
+        return create_graph_grads(moe_combine_reference, args, (need_rows, need_w, False, False), (grad,))
     d_rows, d_w = _moe_combine_backward_call(grad, rows, weights, index, need_rows, need_w)
     return (d_rows if need_rows else None), (d_w if need_w else None), None, None
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from fly_lightning.dtensor import is_dtensor, run_on_local_shards
-from fly_lightning.ops._eager import eager_call
+from fly_lightning.ops._eager import create_graph_grads, eager_call
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -111,12 +111,18 @@ def _(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast_before_s
 def _setup_context(ctx, inputs, output) -> None:
     x, weight, eps, offset, cast_before_scale = inputs
     ctx.save_for_backward(x, weight, output[1])
-    ctx.offset, ctx.cast_before_scale = offset, cast_before_scale
+    ctx.eps, ctx.offset, ctx.cast_before_scale = eps, offset, cast_before_scale
 
 
 def _backward(ctx, grad_y: Tensor, grad_rstd: Tensor | None):
     x, weight, rstd = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], weight is not None and ctx.needs_input_grad[1]
+    if torch.is_grad_enabled():  # create_graph=True: rstd must not be a constant here
+        args = (x, weight, ctx.eps, ctx.offset, ctx.cast_before_scale)
+        gx, gw = create_graph_grads(
+            rms_norm_reference, args, (need_x, need_w, False, False, False), (grad_y, grad_rstd)
+        )[:2]
+        return gx, gw, None, None, None
     gx, gw = rms_norm_backward(grad_y, x, weight, rstd, ctx.offset, ctx.cast_before_scale, need_x, need_w)
     return gx, gw, None, None, None
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call, traced_or_direct
+from fly_lightning.ops._eager import create_graph_grads, eager_call, traced_or_direct
 from fly_lightning.registry import register_op, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -117,6 +117,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, grad: Tensor):
     gate, up = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph=True: the formula writes into out= buffers
+        needs = (ctx.needs_input_grad[0], up is not None and ctx.needs_input_grad[1])
+        return create_graph_grads(swiglu_reference, (gate, up), needs, (grad,))
     d_gate, d_up = _swiglu_backward_call(grad, gate, up)
     return d_gate, (None if up is None else d_up)
 

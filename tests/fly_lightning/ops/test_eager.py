@@ -268,3 +268,26 @@ def test_backward_op_is_opaque_only_when_traced(op):
     assert backward_events(compiled(*args)) == {f"fly::{op}_backward"}
     for a, b in zip([a.grad for a in args if a.requires_grad], eager_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("op", sorted(CASES))
+def test_double_backward_equals_the_references(op):
+    """create_graph=True: the first gradient must itself be differentiable and right. RMSNorm's formula treated the
+    saved rstd as a constant (a wrong second derivative, silently); SwiGLU's and the combine's wrote into ``out=``
+    buffers (autograd refused). The expected values come from torch.func over the references."""
+    primals, _, rest = _primals(op)
+    case = CASES[op]
+    n = len(primals)
+
+    def first_grad_norm(*p: torch.Tensor, public=case.public) -> torch.Tensor:
+        (g,) = torch.autograd.grad(public(*p, *rest).square().sum(), p[0], create_graph=True)
+        return g.square().sum()
+
+    leaves = [p.clone().requires_grad_() for p in primals]
+    got = torch.autograd.grad(first_grad_norm(*leaves), leaves, allow_unused=True)
+    want = torch.func.grad(
+        lambda *p: torch.func.grad(lambda *q: case.public(*q, *rest).square().sum())(*p).square().sum(),
+        argnums=tuple(range(n)),
+    )(*primals)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(torch.zeros_like(b) if a is None else a, b, rtol=1e-4, atol=1e-4)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,17 +11,17 @@ if TYPE_CHECKING:
     from fly_lightning.registry import Op
 
 
-@functools.cache
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch built without distributed
-        return None
-    return DTensor
+_DTENSOR: list[type | None] = []  # DTensor's class, looked up on first use (not functools.cache: Dynamo warns on it)
 
 
 def is_dtensor(t: Any) -> bool:
-    cls = _dtensor_type()  # looked up once: every public call asks
+    if not _DTENSOR:  # every public call asks: the import statement cost more than the check
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # torch built without distributed
+            DTensor = None
+        _DTENSOR.append(DTensor)
+    cls = _DTENSOR[0]
     return cls is not None and isinstance(t, cls)
 
 

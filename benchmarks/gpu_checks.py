@@ -265,6 +265,37 @@ def _forward_mode() -> str | None:
     return None if _backend("rms_norm") == "triton" else f"plain call after forward AD ran {_backend('rms_norm')}"
 
 
+@check("double backward (create_graph=True) on CUDA: second derivatives of the ATen formulas")
+def _double_backward() -> str | None:
+    """The forward runs the Triton kernels; the differentiable first gradient comes from the references."""
+    x = torch.randn(64, 256, device="cuda")
+    w = torch.randn(256, device="cuda")
+    idx = torch.randperm(128, device="cuda").int()
+    cases = {  # op: (ours, ATen's formula, inputs)
+        "rms_norm": (
+            lambda a, b: fly_lightning.rms_norm(a, b, 1e-6),
+            lambda a, b: F.rms_norm(a, (256,), b, 1e-6),
+            (x, w),
+        ),
+        "swiglu": (lambda a: fly_lightning.swiglu(a), lambda a: F.silu(a[:, :128]) * a[:, 128:], (x,)),
+        "moe_combine": (
+            lambda r, c: fly_lightning.moe_combine(r, c, idx, out_dtype=torch.float32),
+            lambda r, c: (r[idx.long()].view(64, 2, 256) * c.unsqueeze(-1)).sum(1),
+            (torch.randn(128, 256, device="cuda"), torch.rand(64, 2, device="cuda")),
+        ),
+    }
+    for op, (ours, aten, inputs) in cases.items():
+        got, want = [], []
+        for f, out in ((ours, got), (aten, want)):
+            leaves = [t.clone().requires_grad_() for t in inputs]
+            (g,) = torch.autograd.grad(f(*leaves).square().sum(), leaves[0], create_graph=True)
+            out += torch.autograd.grad(g.square().sum(), leaves, allow_unused=True)
+        errs = [_rel(a, b) for a, b in zip(got, want, strict=True) if b is not None]
+        if _backend(op) != "triton" or max(errs) > 1e-5:
+            return f"{op}: backend {_backend(op)}, rel errs {errs}"
+    return None
+
+
 def main() -> int:
     torch.manual_seed(0)
     results = []

@@ -85,9 +85,29 @@ CASES = {
 }
 
 
+VARIANTS = {  # variants whose create_graph path differs from the default case's (tests of double backward)
+    "rms_norm_gemma_llama": Case(
+        lambda g: (torch.randn(6, 32, generator=g), torch.randn(32, generator=g)),
+        lambda x, w: fly_lightning.rms_norm(x, w, 1e-6, offset=1.0, cast_before_scale=True),
+        lambda x, w: rms_norm_op(x, w, 1e-6, 1.0, True)[0],
+        2,
+    ),
+    "moe_combine_index_fp32": Case(
+        lambda g: (torch.randn(10, 16, generator=g), torch.rand(5, 2, generator=g), _perm()),
+        lambda rows, w, idx: fly_lightning.moe_combine(rows, w, idx, out_dtype=torch.float32),
+        lambda rows, w, idx: moe_combine_op(rows, w, idx, torch.float32),
+        2,
+    ),
+}
+
+
+def _case(op: str) -> Case:
+    return CASES[op] if op in CASES else VARIANTS[op]
+
+
 def _args(op: str, grads: tuple[bool, ...]) -> tuple:
     """The case's inputs, the i-th requiring grad where ``grads[i]`` (the index tensors never)."""
-    args = CASES[op].inputs(torch.Generator().manual_seed(1))
+    args = _case(op).inputs(torch.Generator().manual_seed(1))
     return tuple(
         a.requires_grad_(i < len(grads) and grads[i]) if a.is_floating_point() else a for i, a in enumerate(args)
     )
@@ -190,7 +210,7 @@ def _jvp_from_backward(op: str, primals: tuple, tangents: tuple, rest: tuple) ->
 def _primals(op: str) -> tuple[tuple, tuple, tuple]:
     """(differentiable inputs, their tangents, the other inputs)."""
     args = _args(op, ())
-    n = CASES[op].differentiable
+    n = _case(op).differentiable
     g = torch.Generator().manual_seed(3)
     return args[:n], tuple(torch.randn(a.shape, generator=g) for a in args[:n]), args[n:]
 
@@ -249,9 +269,26 @@ def test_plain_tensors_inside_a_dual_level_keep_the_kernels():
 def test_vmap_alone_keeps_the_custom_op():
     """vmap does not differentiate: its batching fallback runs the custom op per sample, no reference fallback."""
     x, w = _args("rms_norm", ())
+    paths = _paths(lambda: torch.func.vmap(lambda r: fly_lightning.rms_norm(r, w, 1e-6))(x))
+    assert "fly::rms_norm" in paths
     y = torch.func.vmap(lambda r: fly_lightning.rms_norm(r, w, 1e-6))(x)
     torch.testing.assert_close(y, fly_lightning.rms_norm(x, w, 1e-6))
     assert _fallbacks("rms_norm") == []
+
+
+@pytest.mark.parametrize("mode", ["forward_ad", "func_grad"])
+def test_reference_path_still_checks_values(mode):
+    """The reference path runs the op's per-call value checks too: offsets past the rows raise, as in a plain call."""
+    x, w, _ = _args("grouped_mm", ())
+    bad = torch.tensor([3, 3, 7, 12], dtype=torch.int32)  # 12 > the 10 rows
+    with pytest.raises(ValueError):
+        fly_lightning.grouped_mm(x, w, bad)
+    with pytest.raises(ValueError):
+        if mode == "forward_ad":
+            with fwAD.dual_level():
+                fly_lightning.grouped_mm(fwAD.make_dual(x, torch.ones_like(x)), w, bad)
+        else:
+            torch.func.grad(lambda a: fly_lightning.grouped_mm(a, w, bad).sum())(x)
 
 
 @pytest.mark.parametrize("op", ["grouped_mm", "moe_combine", "moe_grouped_mm", "swiglu"])
@@ -275,13 +312,25 @@ def test_backward_op_is_opaque_only_when_traced(op):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("op", sorted(CASES))
+@pytest.mark.parametrize("op", sorted(CASES | VARIANTS))
+def test_create_graph_first_gradient_equals_the_plain_one(op):
+    """The differentiable first gradient (create_graph=True) equals the one a plain backward gives."""
+    primals, _, rest = _primals(op)
+    case = _case(op)
+    leaves = [p.clone().requires_grad_() for p in primals]
+    plain = torch.autograd.grad(case.public(*leaves, *rest).square().sum(), leaves)
+    graph = torch.autograd.grad(case.public(*leaves, *rest).square().sum(), leaves, create_graph=True)
+    for a, b in zip(graph, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", sorted(CASES | VARIANTS))
 def test_double_backward_equals_the_references(op):
     """create_graph=True: the first gradient must itself be differentiable and right. RMSNorm's formula treated the
     saved rstd as a constant (a wrong second derivative, silently); SwiGLU's and the combine's wrote into ``out=``
     buffers (autograd refused). The expected values come from torch.func over the references."""
     primals, _, rest = _primals(op)
-    case = CASES[op]
+    case = _case(op)
     n = len(primals)
 
     def first_grad_norm(*p: torch.Tensor, public=case.public) -> torch.Tensor:

@@ -41,6 +41,11 @@ def _traced() -> bool:
     )
 
 
+def _opaque(tensors: list[Tensor]) -> bool:
+    """Whether the custom op must run: something traces the call, or a tensor is a subclass (FakeTensor, DTensor)."""
+    return _traced() or any(type(t) not in _PLAIN for t in tensors)
+
+
 _DIFFERENTIATING = (TransformType.Grad, TransformType.Jvp)
 
 
@@ -99,7 +104,7 @@ def traced_or_direct(custom_op: Callable[..., Any], impl: Callable[..., Any]) ->
     ``host_ab_d531afd_6d2294d.md``)."""
 
     def call(*args: Any) -> Any:
-        if _traced() or any(isinstance(a, Tensor) and type(a) not in _PLAIN for a in args):
+        if _opaque([a for a in args if isinstance(a, Tensor)]):
             return custom_op(*args)
         return impl(*args)
 
@@ -132,7 +137,7 @@ def eager_call(
         tensors = [a for a in args if isinstance(a, Tensor)]
         if (reason := _differentiated(tensors)) is not None:
             return _run_reference(op, args, reason)
-        if _traced() or any(type(t) not in _PLAIN for t in tensors):
+        if _opaque(tensors):
             return custom_op(*args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return function.apply(*args)

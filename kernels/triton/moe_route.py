@@ -832,7 +832,27 @@ def moe_route_triton(
     n_tokens, n_experts = logits_TE.shape
     dev = logits_TE.device
     i32 = dict(dtype=torch.int32, device=dev)
-    with written_in_full():  # every output element is stored (counts and offsets of every expert by the tail)
+    plan = None
+    if n_tokens:
+        plan = _plan(
+            n_tokens,
+            n_experts,
+            k,
+            logits_TE.dtype,
+            logits_TE.stride(0),
+            score,
+            renormalize,
+            bias_E is not None,
+            n_groups,
+            topk_groups,
+            return_permutation,
+            dev,
+            config,
+            interpreting(),
+        )
+    # every output element is stored (counts and offsets of every expert by the tail; each program's count of every
+    # expert in hist)
+    with written_in_full():
         weights = torch.empty((n_tokens, k), dtype=torch.float32, device=dev)
         ids = torch.empty((n_tokens, k), **i32)
         counts = torch.empty((n_experts,), **i32)
@@ -841,29 +861,12 @@ def moe_route_triton(
             sorted_slots, slot_pos = torch.empty((n_tokens * k,), **i32), torch.empty((n_tokens, k), **i32)
         else:
             sorted_slots, slot_pos = torch.empty((0,), **i32), torch.empty((0,), **i32)
-    if n_tokens == 0:
+        hist = torch.empty((plan.programs * n_experts,), **i32) if plan is not None and return_permutation else counts
+    if plan is None:  # no tokens
         counts.zero_()
         offsets.zero_()
         return weights, ids, counts, offsets, sorted_slots, slot_pos
-    plan = _plan(
-        n_tokens,
-        n_experts,
-        k,
-        logits_TE.dtype,
-        logits_TE.stride(0),
-        score,
-        renormalize,
-        bias_E is not None,
-        n_groups,
-        topk_groups,
-        return_permutation,
-        dev,
-        config,
-        interpreting(),
-    )
     with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
-        with written_in_full():  # each program stores its count of every expert
-            hist = torch.empty((plan.programs * n_experts,), **i32) if return_permutation else counts
         if plan.packed_tail:  # one int64 word per expert
             ws = _workspace(dev, 2 * n_experts)[: 2 * n_experts].view(torch.int64)
         else:

@@ -48,6 +48,8 @@ from fly_lightning.kernels.triton._select import (
     PAD,
     block_of,
     cdiv,
+    coarse,
+    coarse_tie,
     descent_step,
     exact_step,
     float_key,
@@ -60,6 +62,7 @@ from fly_lightning.kernels.triton._select import (
     row_max,
     row_sum,
     rows5,
+    step_shared,
     tile_cols,
 )
 from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device, written_in_full
@@ -203,28 +206,34 @@ def _route_tile(
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
         key = relative_keys(key32, col, CB)
     m = tl.zeros([ROWS], tl.int32)
+    tie = m != 0  # relative keys: chosen keys whose order by value is unknown (see coarse_tie)
     # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
     # read as NaN (relative keys near the row max) or flush those that read as denormals
     W_BITS = W_OUT.to(tl.pointer_type(tl.int32))
     out_j = W_BITS + rows64 * K
     for j in tl.static_range(K):
+        prev = m
         if PERM:
             key, m = marked_step(key, j)
         else:
             m = descent_step(key, m, j)
+        if not HALF_KEYS and j > 0:
+            tie = tie | coarse_tie(m, prev, CB)
         _store_step(out_j + j, m, row_ok, col, DIRECT_STORE)  # the winner's key, for the epilogue
         if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
             _, mx = packed_decode(m, INF16, X.dtype.element_ty, CB)
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
     chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
     if not HALF_KEYS:
-        if tl.max((row_ok & (m < CB)).to(tl.int32)) > 0:  # a chosen key was clamped: redo this tile exactly
-            key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
-            for j in tl.static_range(K):
-                key, idx, _ = exact_step(key, col, j, CB)
-                # stored in packed form with the column in the low bits (the epilogue only reads the column)
-                _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
-            chosen = key < INT_MIN + K
+        if tl.max((row_ok & (tie | coarse(m, CB))).to(tl.int32)) > 0:  # the last chosen key may share its step
+            tie = tie | step_shared(key, m, CB)
+            if tl.max((row_ok & tie).to(tl.int32)) > 0:  # an order unknown: redo this tile with exact keys
+                key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
+                for j in tl.static_range(K):
+                    key, idx, _ = exact_step(key, col, j, CB)
+                    # stored in packed form with the column in the low bits (the epilogue only reads the column)
+                    _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
+                chosen = key < INT_MIN + K
     chosen = chosen & rows5(row_ok)
     if PERM:
         c = chosen.to(tl.int32)
@@ -640,7 +649,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
         rows_per_thread=rows,
         num_warps=4,
         programs_per_sm=2 if grouped or biased else 4,
-        prefetch=not (itemsize == 2 and width <= 64) and not NEWER_TRITON,
+        prefetch=not (itemsize == 2 and width <= 64) and not grouped and not NEWER_TRITON,
     )
 
 

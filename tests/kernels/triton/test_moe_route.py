@@ -108,6 +108,21 @@ def test_exact_fallback_for_wide_dynamic_range(perm, bias, direct_store):
     _check(out, ref, 32, perm)
 
 
+@pytest.mark.parametrize("perm", [False, True])
+@pytest.mark.parametrize("k", [2, 3])
+def test_values_sharing_a_compressed_step(k, perm, shared_step):
+    """Far below a row's best, fp32 values 1 ulp apart share a compressed step, where the keys order them by column;
+    the larger one sits at the higher column, as the last chosen (k=3) or the first left out (k=2): the tile must be
+    ranked again with exact keys. The other rows are spread too (distinct steps: no second pass needed)."""
+    top, a, b = shared_step(32)
+    logits = torch.randn(40, 32) * 3 - 2  # chosen logits across zero: compressed distances
+    logits[17, :] = -5.0 + torch.arange(32) * 1e-3
+    logits[17, 0], logits[17, 4], logits[17, 9] = top, a, b
+    out, ref = _run(logits, k, LaunchConfig(num_warps=1, programs=2), renorm=False, perm=perm)
+    assert ref[1][17].tolist() == [0, 9, 4][:k]
+    _check(out, ref, 32, perm)
+
+
 def test_ties_inside_a_relative_key_tile():
     logits = torch.randint(-3, 3, (50, 40)).float()  # fp32 ties: the relative keys break them by index
     out, ref = _run(logits, 7, LaunchConfig(num_warps=1, programs=3), score="sigmoid", renorm=True)

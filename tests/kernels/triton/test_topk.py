@@ -42,5 +42,16 @@ def test_exact_fallback_for_wide_dynamic_range():
     _check(x, 6, LaunchConfig(num_warps=1))
 
 
+@pytest.mark.parametrize("k", [2, 3])
+def test_values_sharing_a_compressed_step(k, shared_step):
+    """As in the routing kernel: the larger of two values 1 ulp apart in one compressed step, at the higher column,
+    chosen last (k=3) or left out first (k=2) by the compressed keys."""
+    top, a, b = shared_step(64)
+    x = torch.randn(20, 64) * 3 - 2
+    x[11, :] = -5.0 + torch.arange(64) * 1e-3
+    x[11, 0], x[11, 4], x[11, 9] = top, a, b
+    _check(x, k, LaunchConfig(num_warps=1))
+
+
 def test_fp32_ties():
     _check(torch.randint(-2, 2, (40, 50)).float(), 9, LaunchConfig(num_warps=1))

@@ -1,7 +1,9 @@
 """Does the routing kernel's speed depend on the data? The fp32-key paths (fp32 logits, or biased / grouped scores) rank
-relative keys that are exact only within a fixed distance of each row's best (``_select.py``), and a tile whose chosen
-keys reach past it is ranked again with exact keys. The suite's inputs (``2 * randn`` logits) never need that; router
-logits whose chosen scores span several binades, or cross zero, do.
+relative keys (``_select.py``): each value's distance below its row's best, exact up to a limit. Up to 2c62ad9 the
+distance was clamped there, and a tile whose chosen keys reached past it was ranked again with exact keys; now it is
+compressed past the limit, and only a tile where two of the chosen keys (or the last chosen and the next) share a
+compressed step takes that exact pass. The suite's inputs (``2 * randn`` logits) need neither; router logits whose
+chosen scores span several binades, or cross zero, reach past the limit.
 
 For each suite case on those paths, two inputs side by side in one run:
 
@@ -9,13 +11,17 @@ For each suite case on those paths, two inputs side by side in one run:
 - ``spread``: the same shapes with spread scores: sigmoid routers get ``2 * randn - 4`` logits (small scores several
   binades apart), softmax routers ``randn - 1`` (the chosen logits cross zero).
 
-Per input: the share of rows and tiles whose chosen keys need the exact pass (computed from the reference's choice),
-the check against the reference (as the suite checks), and CUDA-graph times of ours and of the ATen sequence.
+Per input: the share of tiles that take the exact pass under each rule, computed on the host from the values
+(``tiles_past_clamp``: the clamp's rule; ``tiles_shared_step``: the compressed keys' rule, the kernel's now), the
+check against the reference (as the suite checks), and CUDA-graph times of ours and of the ATen sequence.
 
-    python -m benchmarks.probe_route_spread
+    python -m benchmarks.probe_route_spread             # about 2 minutes on an H200
+    python -m benchmarks.probe_route_spread --no-check  # timings only (variant A/B runs)
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -32,18 +38,30 @@ def float_key(v: torch.Tensor) -> torch.Tensor:
     return torch.where(s <= -0x800000, -mag, mag)
 
 
-def exact_pass_share(case, x: torch.Tensor, bias, rows_per_tile: int, cb: int) -> tuple[float, float]:
-    """(rows, tiles) whose k-th chosen key lies more than the relative keys' limit below the row's best."""
-    w, ids, *_ = aten_route(x, *_args(case, bias))
+def exact_pass_tiles(case, x: torch.Tensor, bias, rows_per_tile: int, cb: int) -> tuple[float, float]:
+    """Shares of tiles that take the exact pass: (under the clamp, under the compressed keys' shared steps)."""
     s = torch.softmax(x.float(), -1) if case.score == "softmax" else torch.sigmoid(x.float())
     sel = x.float() if bias is None and case.n_groups is None else (s if bias is None else s + bias)
-    key = float_key(sel.gather(1, ids.long()))
-    far = (key.max(1).values - key.min(1).values) > (2**31 // cb - 1)
-    n = far.numel() // rows_per_tile * rows_per_tile
-    return far.float().mean().item(), far[:n].view(-1, rows_per_tile).any(1).float().mean().item()
+    if case.n_groups is not None:  # node-limited groups: the other groups' experts are out of the ranking
+        t, e = sel.shape
+        best = sel.view(t, case.n_groups, -1).topk(2, dim=-1).values.sum(-1).topk(case.topk_groups, dim=-1).indices
+        keep = torch.zeros(t, case.n_groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
+        sel = sel.masked_fill(~keep.repeat_interleave(e // case.n_groups, dim=1), float("-inf"))
+    key = float_key(sel)
+    dist = key.max(1, keepdim=True).values - key
+    near, step = 2**30 // cb, 4 * cb
+    # the k + 1 smallest distances (the chosen and the next), as the kernel compresses them
+    d = torch.minimum(dist, dist // step + near - near // step).topk(case.k + 1, 1, largest=False).values
+    clamp = dist.topk(case.k, 1, largest=False).values[:, -1] > 2**31 // cb - 1
+    shared = ((d[:, 1:] == d[:, :-1]) & (d[:, 1:] >= near)).any(1)
+    n = key.shape[0] // rows_per_tile * rows_per_tile
+    return tuple(f[:n].view(-1, rows_per_tile).any(1).float().mean().item() for f in (clamp, shared))
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--no-check", action="store_true", help="skip the check against the reference")
+    run_checks = not parser.parse_args().no_check
     from fly_lightning import moe_route
     from fly_lightning.kernels.triton import moe_route as kernel
 
@@ -64,14 +82,14 @@ def main() -> None:
                 sets = rotation_count(case.tokens * case.experts * itemsize)
                 draw = lambda: torch.randn(case.tokens, case.experts, device=dev, generator=g)  # noqa: B023
                 inputs = [(SPREAD[case.score](draw()).to(case.dtype),) for _ in range(sets)]
-            rows, tiles = exact_pass_share(case, inputs[0][0], bias, plan.rows, plan.constexprs["CB"])
-            err, info = check(case, inputs[0][0], bias)
+            clamp, shared = exact_pass_tiles(case, inputs[0][0], bias, plan.rows, plan.constexprs["CB"])
+            err, info = check(case, inputs[0][0], bias) if run_checks else ("not checked", {})
             args = _args(case, bias)
             ours = time_graph_ms(_bind(moe_route, *args), inputs, calls_per_graph=20, replays=20)["median_ms"]
             aten = time_graph_ms(_bind(aten_route, *args), inputs, calls_per_graph=20, replays=20)
             times[name] = ours
             res.add(case=case.name, input=name, T=case.tokens, E=case.experts, k=case.k, dtype=str(case.dtype)[6:],
-                    rows_exact_pass=round(rows, 4), tiles_exact_pass=round(tiles, 3), check=err or "ok",
+                    tiles_past_clamp=round(clamp, 3), tiles_shared_step=round(shared, 3), check=err or "ok",
                     rows_differ=info.get("rows_differ"), ours_us=ours * 1e3, aten_us=aten["median_ms"] * 1e3,
                     speedup_vs_aten=aten["median_ms"] / ours)  # fmt: skip
         ratios.append(times["spread"] / times["suite"])

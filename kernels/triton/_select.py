@@ -139,14 +139,6 @@ def coarse_tie(a, b, CB: tl.constexpr):
 
 
 @triton.jit
-def step_shared(key, m, CB: tl.constexpr):
-    """Whether a key below each row's last winner ``m`` shares its compressed step (marked keys never do)."""
-    lo = (m // CB) * CB  # the step's lowest key
-    below = (key - rows5(lo)).to(tl.uint32, bitcast=True) < rows5(m - lo).to(tl.uint32, bitcast=True)
-    return (row_max(below.to(tl.int32)) > 0) & coarse(m, CB)
-
-
-@triton.jit
 def packed_col(m, CB: tl.constexpr):
     return (CB - 1) - (m & (CB - 1))
 

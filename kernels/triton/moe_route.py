@@ -62,7 +62,6 @@ from fly_lightning.kernels.triton._select import (
     row_max,
     row_sum,
     rows5,
-    step_shared,
     tile_cols,
 )
 from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device, written_in_full
@@ -226,7 +225,11 @@ def _route_tile(
     chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
     if not HALF_KEYS:
         if tl.max((row_ok & (tie | coarse(m, CB))).to(tl.int32)) > 0:  # the last chosen key may share its step
-            tie = tie | step_shared(key, m, CB)
+            if PERM:  # the marked keys lie below every other
+                nxt = row_max(key)
+            else:
+                nxt = descent_step(key, m, K)
+            tie = tie | coarse_tie(nxt, m, CB)
             if tl.max((row_ok & tie).to(tl.int32)) > 0:  # an order unknown: redo this tile with exact keys
                 key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
                 for j in tl.static_range(K):

@@ -49,7 +49,7 @@ def written_in_full() -> contextlib.AbstractContextManager:
     With ``torch.use_deterministic_algorithms(True)`` PyTorch fills every new tensor (NaN, or the largest integer) so
     that reading memory nobody wrote is reproducible. For such outputs the fill is a wasted pass: one more kernel per
     tensor (the routing op on Mixtral's shape, H200, CUDA-graph replay: 6.0 us with deterministic algorithms before
-    this, 2.4 us after, the same as without them; ``moe_route_9e1325c.md``, ``moe_route.md``). The flag is
+    this, 2.4 us after, the same as without them; ``moe_route_9e1325c.md``, ``moe_route_6bee48c.md``). The flag is
     process-wide, so another thread allocating at the same moment skips its fill too (results stay right, only
     unwritten memory would not read as NaN there), and leaving sets it back to True, which would undo another
     thread's switching it off in between.

@@ -607,7 +607,10 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     - the next tile prefetched, except for 16-bit rows of up to 64 experts (one tile per program at the suite's
       sizes; prefetching cost Mixtral 3.9 -> 4.1 us, OLMoE 7.1 -> 7.3): DeepSeek-V2-Lite 14.7 -> 13.6 us,
       Qwen3 65k 16.5 -> 16.0 (``moe_route_sweep_pipeline_explore.md``; Triton 3.6, off with later versions, see
-      ``NEWER_TRITON``).
+      ``NEWER_TRITON``). Off for grouped scores since the compressed keys' check (f26d70a): with it the grouped
+      kernels spilled (DeepSeek-V3 fp32 120 bytes, sm_90, Triton 3.6). Both changes together, side by side
+      (``moe_route_spread_2c62ad9_repeat.md`` / ``moe_route_spread_108eedf.md``): DeepSeek-V3 fp32 20.1 -> 20.1 us,
+      65k 53.7 -> 56.9 on the suite's inputs.
     - biased or grouped scores: 2 programs per SM. Those kernels take 255 registers, so only two programs of 4 warps
       fit on an SM and a 4-per-SM grid runs in two waves (GLM-4.5 26.3 -> 20.6 us, DeepSeek-V3 65k 58.4 -> 54.7, fp32
       16k 25.6 -> 21.7, with the prefetch; ``moe_route_sweep_pipeline_explore.md``).

@@ -17,6 +17,7 @@ check against the reference (as the suite checks), and CUDA-graph times of ours 
 
     python -m benchmarks.probe_route_spread             # about 2 minutes on an H200
     python -m benchmarks.probe_route_spread --no-check  # timings only (variant A/B runs)
+    python -m benchmarks.probe_route_spread --topk-host # CPU only: the same shares for the top-k suite's fp32 cases
 """
 
 from __future__ import annotations
@@ -25,43 +26,63 @@ import argparse
 
 import torch
 
-from benchmarks.bench_moe_route import CASES, _args, _bind, _inputs, aten_route, check
+from benchmarks.bench_moe_route import CASES, TOPK_CASES, _args, _bind, _inputs, aten_route, check
 from benchmarks.harness import Results, geomean, rotation_count, time_graph_ms
+from fly_lightning.kernels.triton._select import float_key_host, relative_distance
 
 SPREAD = {"sigmoid": lambda x: 2 * x - 4, "softmax": lambda x: x - 1}
 
 
-def float_key(v: torch.Tensor) -> torch.Tensor:
-    """The kernel's ``float_key`` on the host (int64)."""
-    s = v.float().view(torch.int32).long()
-    mag = s & 0x7FFFFFFF
-    return torch.where(s <= -0x800000, -mag, mag)
+def exact_pass_tiles(sel: torch.Tensor, k: int, rows_per_tile: int, cb: int) -> tuple[float, float]:
+    """Shares of tiles whose ranked values ``sel`` [T, E] take the exact pass: (under the clamp, under the
+    compressed keys' shared steps)."""
+    key = float_key_host(sel)
+    # the clamp's rule: the k-th chosen more than LIMIT ulps below the row's best
+    clamp = (key.max(1, keepdim=True).values - key).topk(k, 1, largest=False).values[:, -1] > 2**31 // cb - 1
+    # the k + 1 smallest distances (the chosen and the next), as the kernel compresses them
+    d = relative_distance(sel, cb).topk(k + 1, 1, largest=False).values
+    shared = ((d[:, 1:] == d[:, :-1]) & (d[:, 1:] >= 2**30 // cb)).any(1)
+    n = sel.shape[0] // rows_per_tile * rows_per_tile
+    return tuple(f[:n].view(-1, rows_per_tile).any(1).float().mean().item() for f in (clamp, shared))
 
 
-def exact_pass_tiles(case, x: torch.Tensor, bias, rows_per_tile: int, cb: int) -> tuple[float, float]:
-    """Shares of tiles that take the exact pass: (under the clamp, under the compressed keys' shared steps)."""
+def ranked_values(case, x: torch.Tensor, bias) -> torch.Tensor:
+    """The fp32 values the kernel ranks: the logits, or the scores plus bias with node-limited groups applied."""
     s = torch.softmax(x.float(), -1) if case.score == "softmax" else torch.sigmoid(x.float())
     sel = x.float() if bias is None and case.n_groups is None else (s if bias is None else s + bias)
-    if case.n_groups is not None:  # node-limited groups: the other groups' experts are out of the ranking
+    if case.n_groups is not None:  # the other groups' experts are out of the ranking
         t, e = sel.shape
         best = sel.view(t, case.n_groups, -1).topk(2, dim=-1).values.sum(-1).topk(case.topk_groups, dim=-1).indices
         keep = torch.zeros(t, case.n_groups, dtype=torch.bool, device=x.device).scatter_(1, best, True)
         sel = sel.masked_fill(~keep.repeat_interleave(e // case.n_groups, dim=1), float("-inf"))
-    key = float_key(sel)
-    dist = key.max(1, keepdim=True).values - key
-    near, step = 2**30 // cb, 4 * cb
-    # the k + 1 smallest distances (the chosen and the next), as the kernel compresses them
-    d = torch.minimum(dist, dist // step + near - near // step).topk(case.k + 1, 1, largest=False).values
-    clamp = dist.topk(case.k, 1, largest=False).values[:, -1] > 2**31 // cb - 1
-    shared = ((d[:, 1:] == d[:, :-1]) & (d[:, 1:] >= near)).any(1)
-    n = key.shape[0] // rows_per_tile * rows_per_tile
-    return tuple(f[:n].view(-1, rows_per_tile).any(1).float().mean().item() for f in (clamp, shared))
+    return sel
+
+
+def topk_host_shares() -> None:
+    """Shares of the top-k suite's fp32 tiles (``bench_moe_route.TOPK_CASES``, ``randn`` inputs as timed there) that
+    take the exact pass under each rule, on the CPU."""
+    from fly_lightning.kernels.triton import topk as kernel
+
+    res = Results("topk_exact_pass_host")
+    g = torch.Generator().manual_seed(0)
+    for t, n, k, dtype in TOPK_CASES:
+        if dtype != torch.float32:
+            continue  # 16-bit values are ranked directly: exact packed keys
+        _, const = kernel._plan(n, k, dtype, n, t, None)
+        tiles = exact_pass_tiles(torch.randn(t, n, generator=g), k, const["ROWS"], const["CB"])
+        res.add(T=t, N=n, k=k, rows_per_tile=const["ROWS"], tiles_past_clamp=round(tiles[0], 3),
+                tiles_shared_step=round(tiles[1], 3))  # fmt: skip
+    res.save()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-check", action="store_true", help="skip the check against the reference")
-    run_checks = not parser.parse_args().no_check
+    parser.add_argument("--topk-host", action="store_true", help="only the top-k suite's exact-pass shares (CPU)")
+    opts = parser.parse_args()
+    if opts.topk_host:
+        return topk_host_shares()
+    run_checks = not opts.no_check
     from fly_lightning import moe_route
     from fly_lightning.kernels.triton import moe_route as kernel
 
@@ -82,7 +103,8 @@ def main() -> None:
                 sets = rotation_count(case.tokens * case.experts * itemsize)
                 draw = lambda: torch.randn(case.tokens, case.experts, device=dev, generator=g)  # noqa: B023
                 inputs = [(SPREAD[case.score](draw()).to(case.dtype),) for _ in range(sets)]
-            clamp, shared = exact_pass_tiles(case, inputs[0][0], bias, plan.rows, plan.constexprs["CB"])
+            sel = ranked_values(case, inputs[0][0], bias)
+            clamp, shared = exact_pass_tiles(sel, case.k, plan.rows, plan.constexprs["CB"])
             err, info = check(case, inputs[0][0], bias) if run_checks else ("not checked", {})
             args = _args(case, bias)
             ours = time_graph_ms(_bind(moe_route, *args), inputs, calls_per_graph=20, replays=20)["median_ms"]

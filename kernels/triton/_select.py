@@ -32,6 +32,7 @@ rate, so each form is costed in operations per element and step:
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -139,6 +140,23 @@ def coarse_tie(a, b, CB: tl.constexpr):
 
 
 @triton.jit
+def order_unknown(key, m, tie, row_ok, K: tl.constexpr, MARKED: tl.constexpr, CB: tl.constexpr):
+    """After K descent or marking steps over relative keys (``m``: each row's last winner; ``tie``: rows where two
+    chosen keys share a compressed step): whether any row of the tile has an order by value that the keys do not
+    know, the last chosen key and the next one included. The next key is looked up only in tiles where some last
+    chosen key lies in the compressed range. ``MARKED``: the chosen keys were marked (they lie below every other)."""
+    gate = tl.max((row_ok & (tie | coarse(m, CB))).to(tl.int32))
+    unknown = gate < 0
+    if gate > 0:
+        if MARKED:
+            nxt = row_max(key)
+        else:
+            nxt = descent_step(key, m, K)
+        unknown = tl.max((row_ok & (tie | coarse_tie(nxt, m, CB))).to(tl.int32)) > 0
+    return unknown
+
+
+@triton.jit
 def packed_col(m, CB: tl.constexpr):
     return (CB - 1) - (m & (CB - 1))
 
@@ -174,6 +192,22 @@ def exact_step(key, col, j: tl.constexpr, CB: tl.constexpr):
     m = row_max(key)
     idx = row_min(tl.where(key == rows5(m), col, CB))
     return tl.where(col == rows5(idx), INT_MIN + j, key), idx, m
+
+
+def float_key_host(values: torch.Tensor) -> torch.Tensor:
+    """Host copy of ``float_key`` (int64), for tests and probes."""
+    s = values.float().view(torch.int32).long()
+    mag = s & 0x7FFFFFFF
+    return torch.where(s <= -0x800000, -mag, mag).clamp(max=0x7F800001)
+
+
+def relative_distance(values: torch.Tensor, cb: int) -> torch.Tensor:
+    """Host copy of ``relative_keys``' distance (int64, per row of fp32 values): each value's distance in ulps below
+    its row's best, exact up to NEAR and compressed beyond, as the kernels rank it (for tests and probes)."""
+    key = float_key_host(values)
+    dist = key.max(-1, keepdim=True).values - key
+    near, step = 2**30 // cb, 4 * cb
+    return torch.minimum(dist, dist // step + near - near // step)
 
 
 def block_of(n: int) -> int:

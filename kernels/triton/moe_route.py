@@ -48,13 +48,13 @@ from fly_lightning.kernels.triton._select import (
     PAD,
     block_of,
     cdiv,
-    coarse,
     coarse_tie,
     descent_step,
     exact_step,
     float_key,
     key_float,
     marked_step,
+    order_unknown,
     packed_col,
     packed_decode,
     packed_keys,
@@ -224,19 +224,13 @@ def _route_tile(
             z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
     chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
     if not HALF_KEYS:
-        if tl.max((row_ok & (tie | coarse(m, CB))).to(tl.int32)) > 0:  # the last chosen key may share its step
-            if PERM:  # the marked keys lie below every other
-                nxt = row_max(key)
-            else:
-                nxt = descent_step(key, m, K)
-            tie = tie | coarse_tie(nxt, m, CB)
-            if tl.max((row_ok & tie).to(tl.int32)) > 0:  # an order unknown: redo this tile with exact keys
-                key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
-                for j in tl.static_range(K):
-                    key, idx, _ = exact_step(key, col, j, CB)
-                    # stored in packed form with the column in the low bits (the epilogue only reads the column)
-                    _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
-                chosen = key < INT_MIN + K
+        if order_unknown(key, m, tie, row_ok, K, PERM, CB):  # redo this tile with exact keys
+            key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
+            for j in tl.static_range(K):
+                key, idx, _ = exact_step(key, col, j, CB)
+                # stored in packed form with the column in the low bits (the epilogue only reads the column)
+                _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
+            chosen = key < INT_MIN + K
     chosen = chosen & rows5(row_ok)
     if PERM:
         c = chosen.to(tl.int32)

@@ -23,11 +23,11 @@ from fly_lightning.kernels.triton._select import (
     PAD,
     block_of,
     cdiv,
-    coarse,
     coarse_tie,
     descent_step,
     exact_step,
     float_key,
+    order_unknown,
     packed_col,
     packed_keys,
     relative_keys,
@@ -82,17 +82,15 @@ def _topk_fwd(
         # the winner's key, stored by the thread holding column 0 (no layout conversion)
         tl.store(rows5(out_j + j) + col * 0, rows5(m.to(tl.int64)) + col * 0, mask=rows5(row_ok) & (col == 0))
     if not HALF_KEYS:
-        if tl.max((row_ok & (tie | coarse(m, CB))).to(tl.int32)) > 0:  # the last chosen key may share its step
-            tie = tie | coarse_tie(descent_step(key, m, K), m, CB)
-            if tl.max((row_ok & tie).to(tl.int32)) > 0:  # an order unknown: redo this tile with exact keys
-                key = tl.where(valid, float_key(x.to(tl.float32)), PAD)
-                for j in tl.static_range(K):
-                    key, idx, _ = exact_step(key, col, j, CB)
-                    tl.store(
-                        rows5(out_j + j) + col * 0,
-                        rows5(((CB - 1) - idx).to(tl.int64)) + col * 0,
-                        mask=rows5(row_ok) & (col == 0),
-                    )
+        if order_unknown(key, m, tie, row_ok, K, False, CB):  # redo this tile with exact keys
+            key = tl.where(valid, float_key(x.to(tl.float32)), PAD)
+            for j in tl.static_range(K):
+                key, idx, _ = exact_step(key, col, j, CB)
+                tl.store(
+                    rows5(out_j + j) + col * 0,
+                    rows5(((CB - 1) - idx).to(tl.int64)) + col * 0,
+                    mask=rows5(row_ok) & (col == 0),
+                )
 
     # epilogue, compact layout: the program's own stores above are visible after the barrier
     tl.debug_barrier()

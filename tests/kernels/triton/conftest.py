@@ -43,30 +43,19 @@ def poisoned_outputs():
         yield
 
 
-def _compressed_distance(values, cb: int):
-    """A host copy of ``_select.relative_keys``' distance: each fp32 value's distance below the row's best, in ulps,
-    exact up to NEAR and compressed beyond (int64)."""
-    import torch
-
-    s = values.float().view(torch.int32).long()
-    mag = s & 0x7FFFFFFF
-    key = torch.where(s <= -0x800000, -mag, mag).clamp(max=0x7F800001)
-    dist = key.max() - key
-    near, step = 2**30 // cb, 4 * cb
-    return torch.minimum(dist, dist // step + near - near // step)
-
-
 @pytest.fixture
 def shared_step():
     """``shared_step(cb) -> (top, a, b)``: ``b`` the next fp32 above ``a``, both far below ``top``, where the relative
     keys of a row with ``cb`` columns compress them into one step (their order by value is then unknown to the keys)."""
     import torch
 
+    from fly_lightning.kernels.triton._select import relative_distance
+
     def pair(cb: int) -> tuple[float, float, float]:
         top, a = torch.tensor(1e30), torch.tensor(1.0)
         while True:
             b = torch.nextafter(a, torch.tensor(2.0))
-            d = _compressed_distance(torch.stack([top, a, b]), cb)
+            d = relative_distance(torch.stack([top, a, b]), cb)
             if d[1] == d[2]:
                 return top.item(), a.item(), b.item()
             a = b

@@ -57,6 +57,7 @@ for phase in "$@"; do
     route_pipeline) run route_pipeline 300 python3 -m benchmarks.bench_moe_route --sweep --pipeline ;;
     route_floor) run route_floor 420 python3 -m benchmarks.probe_route_floor ;;
     route_spread) run route_spread 300 python3 -m benchmarks.probe_route_spread ;;
+    route_variants) run route_variants 420 python3 -m benchmarks.probe_route_variants ;;
     route_ncu) run route_ncu 400 bash /tmp/site/benchmarks/ncu_route.sh ;;
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
     grouped_all) run grouped_all 570 python3 -m benchmarks.bench_grouped_mm --peer all ;;

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from fly_lightning.kernels.triton._select import (
     BF16_INF,
@@ -76,6 +77,7 @@ MAX_E = 1024
 NEWER_TRITON = tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", triton.__version__).groups()) >= (3, 7)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EPS = tl.constexpr(RENORM_EPS)
+_MINUS_LOG2E = tl.constexpr(-1.4426950408889634)  # tl.exp(v) is ex2(v * log2(e)): the same product, negated
 
 
 @triton.jit
@@ -109,15 +111,23 @@ def _exact_values(
     G: tl.constexpr,
     NG: tl.constexpr,
     TOPK_G: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
 ):
-    """Exact keys of the values ranked (``score + bias``, or the logits), groups applied; softmax row max and sum."""
+    """Exact keys of the values ranked (``score + bias``, or the logits), groups applied; softmax row max and sum.
+
+    ``FAST_SIGMOID``: the sigmoid as ``ex2.approx.ftz`` and ``div.approx.ftz``, where ``1 / (1 + exp(-x))`` compiles
+    to ``ex2.approx`` and ``div.full`` with subnormal fix-ups around each (eight more instructions per element). The
+    values are the same bits wherever the sigmoid is a normal float (x > -87.3); below, the score is 0 instead of a
+    subnormal. The interpreter has no ``div.approx``: there the plain division."""
     xf = x.to(tl.float32)
     mx = tl.zeros([x.shape[2]], tl.float32)
     z = tl.zeros([x.shape[2]], tl.float32)
     if SEL_LOGITS:  # increasing score functions: ranking the logits ranks the scores
         v = xf
     else:
-        if SIGMOID:
+        if SIGMOID and FAST_SIGMOID:
+            v = libdevice.fast_dividef(1.0, 1.0 + tl.math.exp2(xf * _MINUS_LOG2E))
+        elif SIGMOID:
             v = 1.0 / (1.0 + tl.exp(-xf))
         else:
             mx = row_max(tl.where(valid, xf, float("-inf")))
@@ -155,8 +165,160 @@ def _store_step(ptr, v, row_ok, col, DIRECT_STORE: tl.constexpr):
 
 
 @triton.jit
-def _route_tile(
+def _select_tile(
     tile,
+    x,
+    bias,
+    W_OUT,
+    POS_OUT,
+    carry,
+    T,
+    col,
+    valid,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    G: tl.constexpr,
+    NG: tl.constexpr,
+    CB: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SEL_LOGITS: tl.constexpr,
+    HALF_KEYS: tl.constexpr,
+    INF16: tl.constexpr,
+    TOPK_G: tl.constexpr,
+    PERM: tl.constexpr,
+    DIRECT_STORE: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
+):
+    """Rank one tile of ROWS tokens (``x``: its logits) and store each step's winning key into the tile's rows of
+    ``W_OUT`` (raw int32 bits, read back by ``_finish_tile`` in a compact layout, so per-row work is not replicated
+    across a row's lanes). Selection: descent without permutation, marking with it (the marks give each chosen element
+    its rank in place). Returns the updated per-expert carry (``PERM``) and the softmax row max and sum where the
+    weights need them over all experts."""
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    mx = tl.zeros([ROWS], tl.float32)
+    z = tl.zeros([ROWS], tl.float32)
+    if HALF_KEYS:  # 16-bit logits ranked directly: exact packed keys
+        key = packed_keys(x, col, valid, INF16, CB)
+    else:
+        key32, mx, z = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G, FAST_SIGMOID)
+        if SEL_LOGITS and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
+            mx = key_float(row_max(key32))
+            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
+        key = relative_keys(key32, col, CB)
+    m = tl.zeros([ROWS], tl.int32)
+    tie = m != 0  # relative keys: chosen keys whose order by value is unknown (see coarse_tie)
+    # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
+    # read as NaN (relative keys near the row max) or flush those that read as denormals
+    out_j = W_OUT.to(tl.pointer_type(tl.int32)) + rows64 * K
+    for j in tl.static_range(K):
+        prev = m
+        if PERM:
+            key, m = marked_step(key, j)
+        else:
+            m = descent_step(key, m, j)
+        if not HALF_KEYS and j > 0:
+            tie = tie | coarse_tie(m, prev, CB)
+        _store_step(out_j + j, m, row_ok, col, DIRECT_STORE)  # the winner's key, for the epilogue
+        if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
+            _, mx = packed_decode(m, INF16, x.dtype, CB)
+            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
+    chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
+    if not HALF_KEYS:
+        if order_unknown(key, m, tie, row_ok, K, PERM, CB):  # redo this tile with exact keys
+            key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G, FAST_SIGMOID)
+            for j in tl.static_range(K):
+                key, idx, _ = exact_step(key, col, j, CB)
+                # stored in packed form with the column in the low bits (the epilogue only reads the column)
+                _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
+            chosen = key < INT_MIN + K
+    if PERM:
+        c = (chosen & rows5(row_ok)).to(tl.int32)
+        rank = tl.cumsum(c, axis=2) - c + carry[:, :, None, :, :]  # earlier slots of the same expert here
+        carry += tl.sum(c, axis=2)
+        tl.store(POS_OUT + rows5(rows64) * K + (key - INT_MIN), rank, mask=c != 0)
+    return carry, mx, z
+
+
+@triton.jit
+def _load_keys(tile, first, W_OUT, T, kk, K: tl.constexpr, ROWS: tl.constexpr):
+    """The winning keys ``_select_tile`` stored for ``tile``, as ``[ROWS, KP]`` (nothing before tile ``first``)."""
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    out_ok = ((rows < T) & (rows >= first * ROWS))[:, None] & (kk < K)[None, :]
+    return tl.load(W_OUT.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=out_ok,
+                   other=0)  # fmt: skip
+
+
+@triton.jit
+def _finish_tile(
+    tile,
+    first,
+    mk,
+    mx,
+    z,
+    X,
+    stride_x,
+    W_OUT,
+    ID_OUT,
+    sel_count,
+    T,
+    route_scale,
+    kk,
+    K: tl.constexpr,
+    ROWS: tl.constexpr,
+    CB: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    RENORM: tl.constexpr,
+    SEL_LOGITS: tl.constexpr,
+    HALF_KEYS: tl.constexpr,
+    INF16: tl.constexpr,
+    PERM: tl.constexpr,
+):
+    """The epilogue of ``tile`` in the compact ``[ROWS, KP]`` layout, from its winning keys ``mk``: ids, gate weights
+    (from the unbiased scores: softmax row max ``mx`` and sum ``z``, or sigmoid; renormalised, scaled) and the
+    program's per-expert tally. Stores nothing before tile ``first``."""
+    rows = tile * ROWS + tl.arange(0, ROWS)
+    row_ok = (rows < T) & (rows >= first * ROWS)
+    rows64 = rows.to(tl.int64)
+    out = rows64[:, None] * K + kk[None, :]
+    out_ok = row_ok[:, None] & (kk < K)[None, :]
+    idx = packed_col(mk, CB)
+    tl.store(ID_OUT + out, idx, mask=out_ok)
+    if not PERM:
+        # padding slots (k < KP, rows past T) go to bin 0 and are taken off again, instead of tl.histogram's mask:
+        # with the mask, this kernel's counts came out wrong on the H200 for k=6 (KP=8) in every launch configuration
+        # (moe_route_sweep_register_epilogue.md), while the interpreter and a standalone masked histogram
+        # (benchmarks/probe_histogram_mask.py) were right; this form measured right everywhere (moe_route_sweep*.md)
+        flat_ok = tl.reshape(out_ok, [ROWS * kk.shape[0]])
+        flat = tl.where(flat_ok, tl.reshape(idx, [ROWS * kk.shape[0]]), 0)
+        n_pad = ROWS * kk.shape[0] - tl.sum(flat_ok.to(tl.int32))
+        bins = tl.arange(0, sel_count.shape[0])
+        sel_count += tl.histogram(flat, sel_count.shape[0]) - tl.where(bins == 0, n_pad, 0)
+    if HALF_KEYS:
+        _, val = packed_decode(mk, INF16, X.dtype.element_ty, CB)
+    else:  # the chosen logit (exact; in cache)
+        val = tl.load(X + rows64[:, None] * stride_x + idx, mask=out_ok, other=0.0).to(tl.float32)
+    if SIGMOID:
+        w = 1.0 / (1.0 + tl.exp(-val))
+    elif SEL_LOGITS and RENORM:  # softmax renormalised over the chosen: exp(x_j - x_top) / their sum
+        top = tl.sum(tl.where(kk[None, :] == 0, val, 0.0), axis=1)
+        w = tl.exp(val - top[:, None])
+    else:
+        w = tl.exp(val - mx[:, None]) / z[:, None]
+    w = tl.where(out_ok, w, 0.0)
+    if RENORM:
+        w = w / (tl.sum(w, axis=1) + _EPS)[:, None]
+    tl.store(W_OUT + out, w * route_scale, mask=out_ok)
+    return sel_count
+
+
+@triton.jit
+def _route_tile(
+    t,
+    first,
     x,
     X,
     stride_x,
@@ -166,6 +328,8 @@ def _route_tile(
     POS_OUT,
     sel_count,
     carry,
+    mx_prev,
+    z_prev,
     T,
     route_scale,
     col,
@@ -185,92 +349,29 @@ def _route_tile(
     TOPK_G: tl.constexpr,
     PERM: tl.constexpr,
     DIRECT_STORE: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
+    DEFER: tl.constexpr,
 ):
-    """One tile of ROWS tokens (``x``: its logits); returns the updated per-expert tallies.
-
-    The selection runs on the wide tile and stores only each step's winning key; the weights and ids are then computed
-    in a compact ``[ROWS, KP]`` layout from those keys, so per-row work is not replicated across a row's lanes.
-    Selection: descent without permutation, marking with it (the marks give each chosen element its rank in place).
-    """
-    rows = tile * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < T
-    rows64 = rows.to(tl.int64)
-    x_row = X + rows64 * stride_x
-    if HALF_KEYS:  # 16-bit logits ranked directly: exact packed keys
-        key = packed_keys(x, col, valid, INF16, CB)
+    """One loop step: rank tile ``t``, and finish it (``DEFER`` false) or finish the previous tile instead (``DEFER``:
+    its keys are loaded before ranking and used after, so their round trip through memory overlaps the ranking;
+    nothing is finished when ``t`` is the program's ``first`` tile). Returns the tallies, the carry, and tile ``t``'s
+    softmax row max and sum (``DEFER``: for the next step)."""
+    if DEFER:
+        mk = _load_keys(t - 1, first, W_OUT, T, kk, K, ROWS)
+    carry, mx, z = _select_tile(t, x, bias, W_OUT, POS_OUT, carry, T, col, valid, K, ROWS, G, NG, CB, SIGMOID, RENORM,
+                                HAS_BIAS, SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
+                                FAST_SIGMOID)  # fmt: skip
+    if DEFER:
+        sel_count = _finish_tile(t - 1, first, mk, mx_prev, z_prev, X, stride_x, W_OUT, ID_OUT, sel_count, T,
+                                 route_scale, kk, K, ROWS, CB, SIGMOID, RENORM, SEL_LOGITS, HALF_KEYS, INF16,
+                                 PERM)  # fmt: skip
+        tl.debug_barrier()  # this tile's keys are visible to every thread of the program at the next step
     else:
-        key32, mx, z = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
-        if SEL_LOGITS and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
-            mx = key_float(row_max(key32))
-            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
-        key = relative_keys(key32, col, CB)
-    m = tl.zeros([ROWS], tl.int32)
-    tie = m != 0  # relative keys: chosen keys whose order by value is unknown (see coarse_tie)
-    # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
-    # read as NaN (relative keys near the row max) or flush those that read as denormals
-    W_BITS = W_OUT.to(tl.pointer_type(tl.int32))
-    out_j = W_BITS + rows64 * K
-    for j in tl.static_range(K):
-        prev = m
-        if PERM:
-            key, m = marked_step(key, j)
-        else:
-            m = descent_step(key, m, j)
-        if not HALF_KEYS and j > 0:
-            tie = tie | coarse_tie(m, prev, CB)
-        _store_step(out_j + j, m, row_ok, col, DIRECT_STORE)  # the winner's key, for the epilogue
-        if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
-            _, mx = packed_decode(m, INF16, X.dtype.element_ty, CB)
-            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
-    chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
-    if not HALF_KEYS:
-        if order_unknown(key, m, tie, row_ok, K, PERM, CB):  # redo this tile with exact keys
-            key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G)
-            for j in tl.static_range(K):
-                key, idx, _ = exact_step(key, col, j, CB)
-                # stored in packed form with the column in the low bits (the epilogue only reads the column)
-                _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
-            chosen = key < INT_MIN + K
-    chosen = chosen & rows5(row_ok)
-    if PERM:
-        c = chosen.to(tl.int32)
-        rank = tl.cumsum(c, axis=2) - c + carry[:, :, None, :, :]  # earlier slots of the same expert here
-        carry += tl.sum(c, axis=2)
-        tl.store(POS_OUT + rows5(rows64) * K + (key - INT_MIN), rank, mask=chosen)
-
-    # epilogue, compact layout: the program's own stores above are visible after the barrier
-    tl.debug_barrier()
-    out = rows64[:, None] * K + kk[None, :]
-    out_ok = row_ok[:, None] & (kk < K)[None, :]
-    mk = tl.load(W_BITS + out, mask=out_ok, other=0)
-    idx = packed_col(mk, CB)
-    tl.store(ID_OUT + out, idx, mask=out_ok)
-    if not PERM:
-        # padding slots (k < KP, rows past T) go to bin 0 and are taken off again, instead of tl.histogram's mask:
-        # with the mask, this kernel's counts came out wrong on the H200 for k=6 (KP=8) in every launch configuration
-        # (moe_route_sweep_register_epilogue.md), while the interpreter and a standalone masked histogram
-        # (benchmarks/probe_histogram_mask.py) were right; this form measured right everywhere (moe_route_sweep*.md)
-        flat_ok = tl.reshape(out_ok, [ROWS * kk.shape[0]])
-        flat = tl.where(flat_ok, tl.reshape(idx, [ROWS * kk.shape[0]]), 0)
-        n_pad = ROWS * kk.shape[0] - tl.sum(flat_ok.to(tl.int32))
-        bins = tl.arange(0, sel_count.shape[0])
-        sel_count += tl.histogram(flat, sel_count.shape[0]) - tl.where(bins == 0, n_pad, 0)
-    if HALF_KEYS:
-        _, val = packed_decode(mk, INF16, X.dtype.element_ty, CB)
-    else:  # the chosen logit (exact; in cache)
-        val = tl.load(x_row[:, None] + idx, mask=out_ok, other=0.0).to(tl.float32)
-    if SIGMOID:
-        w = 1.0 / (1.0 + tl.exp(-val))
-    elif SEL_LOGITS and RENORM:  # softmax renormalised over the chosen: exp(x_j - x_top) / their sum
-        top = tl.sum(tl.where(kk[None, :] == 0, val, 0.0), axis=1)
-        w = tl.exp(val - top[:, None])
-    else:
-        w = tl.exp(val - mx[:, None]) / z[:, None]
-    w = tl.where(out_ok, w, 0.0)
-    if RENORM:
-        w = w / (tl.sum(w, axis=1) + _EPS)[:, None]
-    tl.store(W_OUT + out, w * route_scale, mask=out_ok)
-    return sel_count, carry
+        tl.debug_barrier()  # the keys just stored are visible to every thread of the program
+        mk = _load_keys(t, first, W_OUT, T, kk, K, ROWS)
+        sel_count = _finish_tile(t, first, mk, mx, z, X, stride_x, W_OUT, ID_OUT, sel_count, T, route_scale, kk, K,
+                                 ROWS, CB, SIGMOID, RENORM, SEL_LOGITS, HALF_KEYS, INF16, PERM)  # fmt: skip
+    return sel_count, carry, mx, z
 
 
 @triton.jit
@@ -312,6 +413,8 @@ def _moe_route_fwd(
     PERM: tl.constexpr,
     DIRECT_STORE: tl.constexpr,
     PREFETCH: tl.constexpr,
+    FAST_SIGMOID: tl.constexpr,
+    DEFER: tl.constexpr,
     TALLY_SEM: tl.constexpr,
     READ_SEM: tl.constexpr,
     PACKED_TAIL: tl.constexpr,
@@ -327,87 +430,40 @@ def _moe_route_fwd(
         bias = tl.load(BIAS + col, mask=valid, other=0.0).to(tl.float32)
     sel_count = tl.zeros([BLOCK_E], tl.int32)  # slots per expert, over this program's tiles
     carry = tl.zeros([G, LG, C, VEC], tl.int32)  # PERM: this program's slots per expert so far
-    tile = pid * tiles_per_prog
-    last = tl.minimum(tile + tiles_per_prog, n_tiles)
+    first = pid * tiles_per_prog
+    last = tl.minimum(first + tiles_per_prog, n_tiles)
+    mx = tl.zeros([ROWS], tl.float32)  # DEFER: the previous tile's softmax row max and sum
+    z = tl.zeros([ROWS], tl.float32)
     if PREFETCH:
-        x = _load_tile(tile, last, X, stride_x, T, col, valid, ROWS)
+        x = _load_tile(first, last, X, stride_x, T, col, valid, ROWS)
     if INTERPRET:  # the interpreter cannot take runtime scalars as range() bounds
-        while tile < last:
+        t = first
+        while t < last:
             if PREFETCH:
                 x_cur = x
-                x = _load_tile(tile + 1, last, X, stride_x, T, col, valid, ROWS)
+                x = _load_tile(t + 1, last, X, stride_x, T, col, valid, ROWS)
             else:
-                x_cur = _load_tile(tile, last, X, stride_x, T, col, valid, ROWS)
-            sel_count, carry = _route_tile(
-                tile,
-                x_cur,
-                X,
-                stride_x,
-                bias,
-                W_OUT,
-                ID_OUT,
-                POS_OUT,
-                sel_count,
-                carry,
-                T,
-                route_scale,
-                col,
-                valid,
-                kk,
-                K,
-                ROWS,
-                G,
-                NG,
-                CB,
-                SIGMOID,
-                RENORM,
-                HAS_BIAS,
-                SEL_LOGITS,
-                HALF_KEYS,
-                INF16,
-                TOPK_G,
-                PERM,
-                DIRECT_STORE,
-            )
-            tile += 1
+                x_cur = _load_tile(t, last, X, stride_x, T, col, valid, ROWS)
+            sel_count, carry, mx, z = _route_tile(t, first, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT,
+                                                  sel_count, carry, mx, z, T, route_scale, col, valid, kk, K, ROWS,
+                                                  G, NG, CB, SIGMOID, RENORM, HAS_BIAS, SEL_LOGITS, HALF_KEYS, INF16,
+                                                  TOPK_G, PERM, DIRECT_STORE, False, DEFER)  # fmt: skip
+            t += 1
     else:
-        for t in tl.range(tile, last, num_stages=NUM_STAGES):
+        for t in tl.range(first, last, num_stages=NUM_STAGES):
             if PREFETCH:  # the next tile's loads are in flight while this one is ranked
                 x_cur = x
                 x = _load_tile(t + 1, last, X, stride_x, T, col, valid, ROWS)
             else:
                 x_cur = _load_tile(t, last, X, stride_x, T, col, valid, ROWS)
-            sel_count, carry = _route_tile(
-                t,
-                x_cur,
-                X,
-                stride_x,
-                bias,
-                W_OUT,
-                ID_OUT,
-                POS_OUT,
-                sel_count,
-                carry,
-                T,
-                route_scale,
-                col,
-                valid,
-                kk,
-                K,
-                ROWS,
-                G,
-                NG,
-                CB,
-                SIGMOID,
-                RENORM,
-                HAS_BIAS,
-                SEL_LOGITS,
-                HALF_KEYS,
-                INF16,
-                TOPK_G,
-                PERM,
-                DIRECT_STORE,
-            )
+            sel_count, carry, mx, z = _route_tile(t, first, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT,
+                                                  sel_count, carry, mx, z, T, route_scale, col, valid, kk, K, ROWS,
+                                                  G, NG, CB, SIGMOID, RENORM, HAS_BIAS, SEL_LOGITS, HALF_KEYS, INF16,
+                                                  TOPK_G, PERM, DIRECT_STORE, FAST_SIGMOID, DEFER)  # fmt: skip
+    if DEFER:  # the last tile's epilogue (its keys were made visible by the step's barrier)
+        mk = _load_keys(last - 1, first, W_OUT, T, kk, K, ROWS)
+        sel_count = _finish_tile(last - 1, first, mk, mx, z, X, stride_x, W_OUT, ID_OUT, sel_count, T, route_scale, kk,
+                                 K, ROWS, CB, SIGMOID, RENORM, SEL_LOGITS, HALF_KEYS, INF16, PERM)  # fmt: skip
     # Integer atomics: exact and order-independent, hence deterministic.
     if PACKED_TAIL:
         _packed_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E, BLOCK_E, PERM)
@@ -544,6 +600,8 @@ class LaunchConfig:
     programs_per_sm: int = 4  # persistent grid: SMs * programs_per_sm programs (fewer when there are fewer tiles)
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
+    defer_epilogue: bool = False  # finish each tile one step later (see _route_tile)
+    fast_sigmoid: bool = True  # see _exact_values
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
     relaxed_tail: bool = False  # see _ticket_tail
     # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail; None: by row width, as
@@ -804,6 +862,8 @@ def _plan(
         PERM=perm,
         DIRECT_STORE=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
         PREFETCH=cfg.prefetch,
+        FAST_SIGMOID=cfg.fast_sigmoid,
+        DEFER=cfg.defer_epilogue,
         TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
         READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
         PACKED_TAIL=packed,

@@ -64,7 +64,11 @@ def _check(out, ref, n_experts, perm=True):
         # each tile finished one step later (3 programs of 1-2 tiles: the first step finishes nothing, the last tile
         # after the loop), with the prefetch, on 16-bit (packed keys) and fp32 rows (relative keys, row max and sum)
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=2, defer_epilogue=True)),
-        (60, torch.float16, LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True, defer_epilogue=1)),
+        (
+            60,
+            torch.float16,
+            LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True, defer_epilogue=True),
+        ),
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, defer_epilogue=True)),
         # (rows over 128 experts above name the packed tail: without a tail they would get the ticket, default_tail)
         # the packed tail with the permutation: offsets from the counts across several 32-expert blocks

@@ -4,8 +4,10 @@ Variants (each a ``LaunchConfig`` change from the launcher's own choice, timed o
 
 - ``default``: ``launch_config`` as it stands (checked against the reference, as the suite checks);
 - ``exact_sigmoid``: ``fast_sigmoid=False`` (sigmoid routers that rank scores, not logits);
-- ``defer``: ``defer_epilogue=True``; ``defer_no_prefetch``: also ``prefetch=False``; ``no_prefetch`` alone where the
-  launcher prefetches. Kernels of 255 registers (biased or grouped scores) are left out: deferring spills there.
+- ``no_prefetch``: ``prefetch=False`` where the launcher prefetches.
+
+(At 23207fe it also timed a deferred epilogue, each tile finished one loop step later, with and without the
+prefetch: slower on every case, ``moe_route_variants_23207fe.md``; the option is gone.)
 
 Every variant's outputs must equal the default's (``same_as_default``). Rounds alternate the variants; the table
 gives each variant's median over rounds of CUDA-graph times.
@@ -29,11 +31,8 @@ def variants(case, cfg) -> dict:
     out = {"default": cfg}
     if case.score == "sigmoid" and (case.bias or case.n_groups is not None):
         out["exact_sigmoid"] = replace(cfg, fast_sigmoid=False)
-    if not case.bias and case.n_groups is None:
-        out["defer"] = replace(cfg, defer_epilogue=True)
-        if cfg.prefetch:
-            out["defer_no_prefetch"] = replace(cfg, defer_epilogue=True, prefetch=False)
-            out["no_prefetch"] = replace(cfg, prefetch=False)
+    if cfg.prefetch:
+        out["no_prefetch"] = replace(cfg, prefetch=False)
     return out
 
 

@@ -244,10 +244,10 @@ def _select_tile(
 
 
 @triton.jit
-def _load_keys(tile, first, W_OUT, T, kk, K: tl.constexpr, ROWS: tl.constexpr):
-    """The winning keys ``_select_tile`` stored for ``tile``, as ``[ROWS, KP]`` (nothing before tile ``first``)."""
+def _load_keys(tile, W_OUT, T, kk, K: tl.constexpr, ROWS: tl.constexpr):
+    """The winning keys ``_select_tile`` stored for ``tile``, as ``[ROWS, KP]``."""
     rows = tile * ROWS + tl.arange(0, ROWS)
-    out_ok = ((rows < T) & (rows >= first * ROWS))[:, None] & (kk < K)[None, :]
+    out_ok = (rows < T)[:, None] & (kk < K)[None, :]
     return tl.load(W_OUT.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=out_ok,
                    other=0)  # fmt: skip
 
@@ -255,7 +255,6 @@ def _load_keys(tile, first, W_OUT, T, kk, K: tl.constexpr, ROWS: tl.constexpr):
 @triton.jit
 def _finish_tile(
     tile,
-    first,
     mk,
     mx,
     z,
@@ -279,9 +278,9 @@ def _finish_tile(
 ):
     """The epilogue of ``tile`` in the compact ``[ROWS, KP]`` layout, from its winning keys ``mk``: ids, gate weights
     (from the unbiased scores: softmax row max ``mx`` and sum ``z``, or sigmoid; renormalised, scaled) and the
-    program's per-expert tally. Stores nothing before tile ``first``."""
+    program's per-expert tally."""
     rows = tile * ROWS + tl.arange(0, ROWS)
-    row_ok = (rows < T) & (rows >= first * ROWS)
+    row_ok = rows < T
     rows64 = rows.to(tl.int64)
     out = rows64[:, None] * K + kk[None, :]
     out_ok = row_ok[:, None] & (kk < K)[None, :]
@@ -318,7 +317,6 @@ def _finish_tile(
 @triton.jit
 def _route_tile(
     t,
-    first,
     x,
     X,
     stride_x,
@@ -328,8 +326,6 @@ def _route_tile(
     POS_OUT,
     sel_count,
     carry,
-    mx_prev,
-    z_prev,
     T,
     route_scale,
     col,
@@ -350,28 +346,20 @@ def _route_tile(
     PERM: tl.constexpr,
     DIRECT_STORE: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
-    DEFER: tl.constexpr,
 ):
-    """One loop step: rank tile ``t``, and finish it (``DEFER`` false) or finish the previous tile instead (``DEFER``:
-    its keys are loaded before ranking and used after, so their round trip through memory overlaps the ranking;
-    nothing is finished when ``t`` is the program's ``first`` tile). Returns the tallies, the carry, and tile ``t``'s
-    softmax row max and sum (``DEFER``: for the next step)."""
-    if DEFER:
-        mk = _load_keys(t - 1, first, W_OUT, T, kk, K, ROWS)
+    """Rank tile ``t`` and finish it; returns the updated tallies and carry.
+
+    (Finishing each tile one step later instead, its keys loaded before the next tile's ranking so that their round
+    trip through memory overlaps it, measured slower on every case it applies to: 0.83-0.97x, with and without the
+    prefetch, ``moe_route_variants_23207fe.md``.)"""
     carry, mx, z = _select_tile(t, x, bias, W_OUT, POS_OUT, carry, T, col, valid, K, ROWS, G, NG, CB, SIGMOID, RENORM,
                                 HAS_BIAS, SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
                                 FAST_SIGMOID)  # fmt: skip
-    if DEFER:
-        sel_count = _finish_tile(t - 1, first, mk, mx_prev, z_prev, X, stride_x, W_OUT, ID_OUT, sel_count, T,
-                                 route_scale, kk, K, ROWS, CB, SIGMOID, RENORM, SEL_LOGITS, HALF_KEYS, INF16,
-                                 PERM)  # fmt: skip
-        tl.debug_barrier()  # this tile's keys are visible to every thread of the program at the next step
-    else:
-        tl.debug_barrier()  # the keys just stored are visible to every thread of the program
-        mk = _load_keys(t, first, W_OUT, T, kk, K, ROWS)
-        sel_count = _finish_tile(t, first, mk, mx, z, X, stride_x, W_OUT, ID_OUT, sel_count, T, route_scale, kk, K,
-                                 ROWS, CB, SIGMOID, RENORM, SEL_LOGITS, HALF_KEYS, INF16, PERM)  # fmt: skip
-    return sel_count, carry, mx, z
+    tl.debug_barrier()  # the keys just stored are visible to every thread of the program
+    mk = _load_keys(t, W_OUT, T, kk, K, ROWS)
+    sel_count = _finish_tile(t, mk, mx, z, X, stride_x, W_OUT, ID_OUT, sel_count, T, route_scale, kk, K, ROWS, CB,
+                             SIGMOID, RENORM, SEL_LOGITS, HALF_KEYS, INF16, PERM)  # fmt: skip
+    return sel_count, carry
 
 
 @triton.jit
@@ -414,7 +402,6 @@ def _moe_route_fwd(
     DIRECT_STORE: tl.constexpr,
     PREFETCH: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
-    DEFER: tl.constexpr,
     TALLY_SEM: tl.constexpr,
     READ_SEM: tl.constexpr,
     PACKED_TAIL: tl.constexpr,
@@ -430,40 +417,33 @@ def _moe_route_fwd(
         bias = tl.load(BIAS + col, mask=valid, other=0.0).to(tl.float32)
     sel_count = tl.zeros([BLOCK_E], tl.int32)  # slots per expert, over this program's tiles
     carry = tl.zeros([G, LG, C, VEC], tl.int32)  # PERM: this program's slots per expert so far
-    first = pid * tiles_per_prog
-    last = tl.minimum(first + tiles_per_prog, n_tiles)
-    mx = tl.zeros([ROWS], tl.float32)  # DEFER: the previous tile's softmax row max and sum
-    z = tl.zeros([ROWS], tl.float32)
+    tile = pid * tiles_per_prog
+    last = tl.minimum(tile + tiles_per_prog, n_tiles)
     if PREFETCH:
-        x = _load_tile(first, last, X, stride_x, T, col, valid, ROWS)
+        x = _load_tile(tile, last, X, stride_x, T, col, valid, ROWS)
     if INTERPRET:  # the interpreter cannot take runtime scalars as range() bounds
-        t = first
-        while t < last:
+        while tile < last:
             if PREFETCH:
                 x_cur = x
-                x = _load_tile(t + 1, last, X, stride_x, T, col, valid, ROWS)
+                x = _load_tile(tile + 1, last, X, stride_x, T, col, valid, ROWS)
             else:
-                x_cur = _load_tile(t, last, X, stride_x, T, col, valid, ROWS)
-            sel_count, carry, mx, z = _route_tile(t, first, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT,
-                                                  sel_count, carry, mx, z, T, route_scale, col, valid, kk, K, ROWS,
-                                                  G, NG, CB, SIGMOID, RENORM, HAS_BIAS, SEL_LOGITS, HALF_KEYS, INF16,
-                                                  TOPK_G, PERM, DIRECT_STORE, False, DEFER)  # fmt: skip
-            t += 1
+                x_cur = _load_tile(tile, last, X, stride_x, T, col, valid, ROWS)
+            sel_count, carry = _route_tile(tile, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT, sel_count, carry, T,
+                                           route_scale, col, valid, kk, K, ROWS, G, NG, CB, SIGMOID, RENORM, HAS_BIAS,
+                                           SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
+                                           False)  # fmt: skip
+            tile += 1
     else:
-        for t in tl.range(first, last, num_stages=NUM_STAGES):
+        for t in tl.range(tile, last, num_stages=NUM_STAGES):
             if PREFETCH:  # the next tile's loads are in flight while this one is ranked
                 x_cur = x
                 x = _load_tile(t + 1, last, X, stride_x, T, col, valid, ROWS)
             else:
                 x_cur = _load_tile(t, last, X, stride_x, T, col, valid, ROWS)
-            sel_count, carry, mx, z = _route_tile(t, first, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT,
-                                                  sel_count, carry, mx, z, T, route_scale, col, valid, kk, K, ROWS,
-                                                  G, NG, CB, SIGMOID, RENORM, HAS_BIAS, SEL_LOGITS, HALF_KEYS, INF16,
-                                                  TOPK_G, PERM, DIRECT_STORE, FAST_SIGMOID, DEFER)  # fmt: skip
-    if DEFER:  # the last tile's epilogue (its keys were made visible by the step's barrier)
-        mk = _load_keys(last - 1, first, W_OUT, T, kk, K, ROWS)
-        sel_count = _finish_tile(last - 1, first, mk, mx, z, X, stride_x, W_OUT, ID_OUT, sel_count, T, route_scale, kk,
-                                 K, ROWS, CB, SIGMOID, RENORM, SEL_LOGITS, HALF_KEYS, INF16, PERM)  # fmt: skip
+            sel_count, carry = _route_tile(t, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT, sel_count, carry, T,
+                                           route_scale, col, valid, kk, K, ROWS, G, NG, CB, SIGMOID, RENORM, HAS_BIAS,
+                                           SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
+                                           FAST_SIGMOID)  # fmt: skip
     # Integer atomics: exact and order-independent, hence deterministic.
     if PACKED_TAIL:
         _packed_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E, BLOCK_E, PERM)
@@ -600,7 +580,6 @@ class LaunchConfig:
     programs_per_sm: int = 4  # persistent grid: SMs * programs_per_sm programs (fewer when there are fewer tiles)
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
-    defer_epilogue: bool = False  # finish each tile one step later (see _route_tile)
     fast_sigmoid: bool = True  # see _exact_values
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
     relaxed_tail: bool = False  # see _ticket_tail
@@ -666,6 +645,10 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     - biased or grouped scores: 2 programs per SM. Those kernels take 255 registers, so only two programs of 4 warps
       fit on an SM and a 4-per-SM grid runs in two waves (GLM-4.5 26.3 -> 20.6 us, DeepSeek-V3 65k 58.4 -> 54.7, fp32
       16k 25.6 -> 21.7, with the prefetch; ``moe_route_sweep_pipeline_explore.md``).
+    - the sigmoid of ranked scores (biased or grouped sigmoid routers) as ``ex2.approx.ftz`` and ``div.approx.ftz``
+      (``fast_sigmoid``, see ``_exact_values``), side by side at 23207fe (``moe_route_variants_23207fe.md``):
+      DeepSeek-V3 65k 57.0 -> 52.0 us, GLM-4.5 19.8 -> 19.1, DeepSeek-V3 fp32 20.4 -> 20.2 (its scores are fp32
+      logits' sigmoids: the same instructions, a smaller share of the time).
     - the relaxed counting tail (``_ticket_tail``): 1.04-1.35x on every case, most on the small ones
       (Mixtral 4.10 -> 3.03 us, Qwen3 65k 15.8 -> 14.8; ``moe_route_sweep_pipeline.md``).
     - rows of up to 128 experts: the packed tail (``_packed_tail``). Ticket -> packed, side by side in one run at
@@ -676,6 +659,11 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
       tallies, but GLM-4.5's 128-token programs have few of those). (The floors agree, though their stand-in tally
       leaves half the experts at zero, which favours the ticket tail. DeepSeek-V3 65k tied, 53.3 vs 52.5.) In the
       255-register biased kernels over 128 experts it also spilled 16 bytes (outside the main loop; sm_90, Triton 3.6).
+
+    Tried and dropped: finishing each tile one loop step later, its winning keys loaded before the next tile is
+    ranked (the profile, ``route_ncu_5b20dfb.md``, has the reload after the barrier as the loop's most sampled stall
+    on Qwen3 65k): slower on all seven cases it compiled for without spilling, 0.83-0.97x, with or without the
+    prefetch (``moe_route_variants_23207fe.md``).
 
     Tried and dropped before the packed tail (``moe_route_sweep_pipeline_{98ecaa1,8285c4e,d578312}.md``, ticket vs the
     alternative in each run): an atomic tail (every program adds its tally into zeroed ``counts_E`` and its prefix into
@@ -863,7 +851,6 @@ def _plan(
         DIRECT_STORE=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
         PREFETCH=cfg.prefetch,
         FAST_SIGMOID=cfg.fast_sigmoid,
-        DEFER=cfg.defer_epilogue,
         TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
         READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
         PACKED_TAIL=packed,

@@ -61,15 +61,6 @@ def _check(out, ref, n_experts, perm=True):
         (64, torch.bfloat16, LaunchConfig(num_warps=1, programs=3, relaxed_tail=True, tail="ticket")),
         (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=5, tail="ticket")),
         (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=2, relaxed_tail=True, tail="ticket")),
-        # each tile finished one step later (3 programs of 1-2 tiles: the first step finishes nothing, the last tile
-        # after the loop), with the prefetch, on 16-bit (packed keys) and fp32 rows (relative keys, row max and sum)
-        (8, torch.bfloat16, LaunchConfig(rows_per_thread=2, num_warps=1, programs=2, defer_epilogue=True)),
-        (
-            60,
-            torch.float16,
-            LaunchConfig(elems_per_thread=8, num_warps=1, programs=1, prefetch=True, defer_epilogue=True),
-        ),
-        (160, torch.float32, LaunchConfig(elems_per_thread=64, num_warps=2, programs=2, defer_epilogue=True)),
         # (rows over 128 experts above name the packed tail: without a tail they would get the ticket, default_tail)
         # the packed tail with the permutation: offsets from the counts across several 32-expert blocks
         (100, torch.bfloat16, LaunchConfig(elems_per_thread=16, num_warps=1, programs=4)),
@@ -112,7 +103,7 @@ def test_exact_fallback_for_wide_dynamic_range(perm, bias, direct_store):
     logits[20, :4] = torch.tensor([1e25, -1e25, 1e-30, 0.0])
     b = torch.zeros(32) if bias else None
     score = "sigmoid" if bias else "softmax"
-    cfg = LaunchConfig(num_warps=1, programs=2, direct_store=direct_store, defer_epilogue=direct_store)
+    cfg = LaunchConfig(num_warps=1, programs=2, direct_store=direct_store)
     out, ref = _run(logits, 5, cfg, score=score, bias=b, perm=perm)
     _check(out, ref, 32, perm)
 
@@ -153,13 +144,11 @@ def test_ties_inside_a_relative_key_tile():
     direct_store=st.sampled_from([None, False, True]),
     relaxed_tail=st.booleans(),
     tail=st.sampled_from(["packed", "ticket"]),
-    defer=st.booleans(),
 )
 def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail,
-                               tail, defer):  # fmt: skip
+                               tail):  # fmt: skip
     cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs,
-                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail,
-                       defer_epilogue=defer)  # fmt: skip
+                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail)  # fmt: skip
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)

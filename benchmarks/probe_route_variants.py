@@ -4,7 +4,10 @@ Variants (each a ``LaunchConfig`` change from the launcher's own choice, timed o
 
 - ``default``: ``launch_config`` as it stands (checked against the reference, as the suite checks);
 - ``exact_sigmoid``: ``fast_sigmoid=False`` (sigmoid routers that rank scores, not logits);
-- ``no_prefetch``: ``prefetch=False`` where the launcher prefetches.
+- ``no_prefetch``: ``prefetch=False`` where the launcher prefetches;
+- ``roll_steps``, ``roll_redo``, ``roll_both``: the selection steps after the first, the exact pass's steps, or
+  both, as loops instead of unrolled (a third to a half of the kernel's code; the exact pass only exists on fp32-key
+  paths).
 
 (At 23207fe it also timed a deferred epilogue, each tile finished one loop step later, with and without the
 prefetch: slower on every case, ``moe_route_variants_23207fe.md``; the option is gone.)
@@ -12,7 +15,7 @@ prefetch: slower on every case, ``moe_route_variants_23207fe.md``; the option is
 Every variant's outputs must equal the default's (``same_as_default``). Rounds alternate the variants; the table
 gives each variant's median over rounds of CUDA-graph times.
 
-    python -m benchmarks.probe_route_variants [--rounds 3] [--cases a,b]
+    python -m benchmarks.probe_route_variants [--rounds 3] [--cases a,b] [--variants a,b] [--spread] [--no-check]
 """
 
 from __future__ import annotations
@@ -25,21 +28,30 @@ import torch
 
 from benchmarks.bench_moe_route import CASES, _args, _bind, _inputs, check
 from benchmarks.harness import Results, geomean, time_graph_ms
+from benchmarks.probe_route_spread import SPREAD
 
 
-def variants(case, cfg) -> dict:
+def variants(case, cfg, names: list[str] | None) -> dict:
+    """The variants that change this case's kernel (``names``: only those, and the default)."""
     out = {"default": cfg}
     if case.score == "sigmoid" and (case.bias or case.n_groups is not None):
         out["exact_sigmoid"] = replace(cfg, fast_sigmoid=False)
     if cfg.prefetch:
         out["no_prefetch"] = replace(cfg, prefetch=False)
-    return out
+    out["roll_steps"] = replace(cfg, roll_steps=True)
+    if case.dtype == torch.float32 or case.bias or case.n_groups is not None:  # the exact pass exists
+        out["roll_redo"] = replace(cfg, roll_redo=True)
+        out["roll_both"] = replace(cfg, roll_steps=True, roll_redo=True)
+    return {k: v for k, v in out.items() if names is None or k == "default" or k in names}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cases", default=None, help="comma-separated suite case names (default: all)")
+    parser.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
+    parser.add_argument("--spread", action="store_true", help="also time probe_route_spread's spread inputs")
+    parser.add_argument("--no-check", action="store_true", help="skip the default's check against the reference")
     opts = parser.parse_args()
     from fly_lightning.kernels.triton.moe_route import launch_config, moe_route_triton
 
@@ -50,28 +62,35 @@ def main() -> None:
     for case in chosen:
         inputs, bias = _inputs(case, dev)
         args = _args(case, bias)
-        err, _ = check(case, inputs[0][0], bias)
+        err = check(case, inputs[0][0], bias)[0] if not opts.no_check else "not checked"
         cfg = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None,
                             case.bias)  # fmt: skip
-        configs = variants(case, cfg)
-        want = moe_route_triton(inputs[0][0], *args, False, config=cfg)
-        same = {}
-        for name, c in configs.items():
-            got = moe_route_triton(inputs[0][0], *args, False, config=c)
-            same[name] = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-        times: dict[str, list[float]] = {name: [] for name in configs}
-        for _ in range(opts.rounds):
+        configs = variants(case, cfg, opts.variants.split(",") if opts.variants else None)
+        sets = {"suite": inputs}
+        if opts.spread:
+            g = torch.Generator(device=dev).manual_seed(1)
+            draw = lambda: torch.randn(case.tokens, case.experts, device=dev, generator=g)  # noqa: B023
+            sets["spread"] = [(SPREAD[case.score](draw()).to(case.dtype),) for _ in range(len(inputs))]
+        for input_name, xs in sets.items():
+            want = moe_route_triton(xs[0][0], *args, False, config=cfg)
+            same = {}
             for name, c in configs.items():
-                fn = _bind(moe_route_triton, *args, False, config=c)
-                times[name].append(time_graph_ms(fn, inputs, calls_per_graph=20, replays=20)["median_ms"] * 1e3)
-        base = statistics.median(times["default"])
-        for name in configs:
-            us = statistics.median(times[name])
-            if name != "default":
-                gains.setdefault(name, []).append(base / us)
-            res.add(case=case.name, variant=name, check=(err or "ok") if name == "default" else "",
-                    same_as_default=same[name], us=round(us, 2), rounds_us=[round(t, 2) for t in times[name]],
-                    default_over_variant=round(base / us, 3))  # fmt: skip
+                got = moe_route_triton(xs[0][0], *args, False, config=c)
+                same[name] = all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+            times: dict[str, list[float]] = {name: [] for name in configs}
+            for _ in range(opts.rounds):
+                for name, c in configs.items():
+                    fn = _bind(moe_route_triton, *args, False, config=c)
+                    times[name].append(time_graph_ms(fn, xs, calls_per_graph=20, replays=20)["median_ms"] * 1e3)
+            base = statistics.median(times["default"])
+            for name in configs:
+                us = statistics.median(times[name])
+                if name != "default":
+                    gains.setdefault(f"{name}_{input_name}", []).append(base / us)
+                res.add(case=case.name, input=input_name, variant=name,
+                        check=(err or "ok") if name == "default" and input_name == "suite" else "",
+                        same_as_default=same[name], us=round(us, 2), rounds_us=[round(t, 2) for t in times[name]],
+                        default_over_variant=round(base / us, 3))  # fmt: skip
     for name, g in gains.items():
         res.summary[f"geomean_default_over_{name}"] = round(geomean(g), 3)
     res.notes.append(f"{opts.rounds} rounds alternating the variants; graph replay, 20 calls per graph")

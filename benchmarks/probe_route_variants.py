@@ -5,12 +5,10 @@ Variants (each a ``LaunchConfig`` change from the launcher's own choice, timed o
 - ``default``: ``launch_config`` as it stands (checked against the reference, as the suite checks);
 - ``exact_sigmoid``: ``fast_sigmoid=False`` (sigmoid routers that rank scores, not logits);
 - ``no_prefetch``: ``prefetch=False`` where the launcher prefetches;
-- ``roll_steps``, ``roll_redo``, ``roll_both``: the selection steps after the first, the exact pass's steps, or
-  both, as loops instead of unrolled (a third to a half of the kernel's code; the exact pass only exists on fp32-key
-  paths).
 
-(At 23207fe it also timed a deferred epilogue, each tile finished one loop step later, with and without the
-prefetch: slower on every case, ``moe_route_variants_23207fe.md``; the option is gone.)
+Options it timed and that are gone, slower where they applied: at 23207fe a deferred epilogue (each tile finished one
+loop step later, ``moe_route_variants_23207fe.md``), at 9547a40 the selection or exact-pass steps as loops instead of
+unrolled (``moe_route_variants_roll_9547a40.md``).
 
 Every variant's outputs must equal the default's (``same_as_default``). Rounds alternate the variants; the table
 gives each variant's median over rounds of CUDA-graph times.
@@ -38,10 +36,6 @@ def variants(case, cfg, names: list[str] | None) -> dict:
         out["exact_sigmoid"] = replace(cfg, fast_sigmoid=False)
     if cfg.prefetch:
         out["no_prefetch"] = replace(cfg, prefetch=False)
-    out["roll_steps"] = replace(cfg, roll_steps=True)
-    if case.dtype == torch.float32 or case.bias or case.n_groups is not None:  # the exact pass exists
-        out["roll_redo"] = replace(cfg, roll_redo=True)
-        out["roll_both"] = replace(cfg, roll_steps=True, roll_redo=True)
     return {k: v for k, v in out.items() if names is None or k == "default" or k in names}
 
 

@@ -175,12 +175,6 @@ def descent_step(key, prev, j: tl.constexpr):
     """Largest packed key of each row below ``prev`` (step 0: the largest)."""
     if j == 0:
         return row_max(key)
-    return descent_next(key, prev)
-
-
-@triton.jit
-def descent_next(key, prev):
-    """Largest packed key of each row below ``prev``."""
     d = (key - rows5(prev)).to(tl.uint32, bitcast=True)  # keys >= prev wrap to small values
     return prev + row_max(d).to(tl.int32, bitcast=True)
 

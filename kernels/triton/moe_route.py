@@ -50,7 +50,7 @@ from fly_lightning.kernels.triton._select import (
     block_of,
     cdiv,
     coarse_tie,
-    descent_next,
+    descent_step,
     exact_step,
     float_key,
     key_float,
@@ -165,30 +165,6 @@ def _store_step(ptr, v, row_ok, col, DIRECT_STORE: tl.constexpr):
 
 
 @triton.jit
-def _next_step(key, m, tie, j, out_j, row_ok, col, CB: tl.constexpr, PERM: tl.constexpr, HALF_KEYS: tl.constexpr,
-               DIRECT_STORE: tl.constexpr):  # fmt: skip
-    """Selection step ``j > 0``: the next winner (stored for the epilogue) and whether its order is known."""
-    prev = m
-    if PERM:
-        key, m = marked_step(key, j)
-    else:
-        m = descent_next(key, prev)
-    if not HALF_KEYS:
-        tie = tie | coarse_tie(m, prev, CB)
-    _store_step(out_j + j, m, row_ok, col, DIRECT_STORE)
-    return key, m, tie
-
-
-@triton.jit
-def _exact_next(key, j, out_j, row_ok, col, CB: tl.constexpr, DIRECT_STORE: tl.constexpr):
-    """Exact-key step ``j``; the winner is stored in packed form with the column in the low bits (the epilogue only
-    reads the column)."""
-    key, idx, _ = exact_step(key, col, j, CB)
-    _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
-    return key
-
-
-@triton.jit
 def _select_tile(
     tile,
     x,
@@ -214,8 +190,6 @@ def _select_tile(
     PERM: tl.constexpr,
     DIRECT_STORE: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
-    ROLL_STEPS: tl.constexpr,
-    ROLL_REDO: tl.constexpr,
 ):
     """Rank one tile of ROWS tokens (``x``: its logits) and store each step's winning key into the tile's rows of
     ``W_OUT`` (raw int32 bits, read back by ``_finish_tile`` in a compact layout, so per-row work is not replicated
@@ -240,30 +214,26 @@ def _select_tile(
     # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
     # read as NaN (relative keys near the row max) or flush those that read as denormals
     out_j = W_OUT.to(tl.pointer_type(tl.int32)) + rows64 * K
-    if PERM:
-        key, m = marked_step(key, 0)
-    else:
-        m = row_max(key)
-    _store_step(out_j, m, row_ok, col, DIRECT_STORE)  # the winner's key, for the epilogue
-    if HALF_KEYS and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
-        _, mx = packed_decode(m, INF16, x.dtype, CB)
-        z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
-    if ROLL_STEPS:
-        for s in range(1, K):
-            key, m, tie = _next_step(key, m, tie, s, out_j, row_ok, col, CB, PERM, HALF_KEYS, DIRECT_STORE)
-    else:
-        for s in tl.static_range(1, K):
-            key, m, tie = _next_step(key, m, tie, s, out_j, row_ok, col, CB, PERM, HALF_KEYS, DIRECT_STORE)
+    for j in tl.static_range(K):
+        prev = m
+        if PERM:
+            key, m = marked_step(key, j)
+        else:
+            m = descent_step(key, m, j)
+        if not HALF_KEYS and j > 0:
+            tie = tie | coarse_tie(m, prev, CB)
+        _store_step(out_j + j, m, row_ok, col, DIRECT_STORE)  # the winner's key, for the epilogue
+        if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
+            _, mx = packed_decode(m, INF16, x.dtype, CB)
+            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
     chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
     if not HALF_KEYS:
         if order_unknown(key, m, tie, row_ok, K, PERM, CB):  # redo this tile with exact keys
             key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G, FAST_SIGMOID)
-            if ROLL_REDO:
-                for r in range(K):
-                    key = _exact_next(key, r, out_j, row_ok, col, CB, DIRECT_STORE)
-            else:
-                for r in tl.static_range(K):
-                    key = _exact_next(key, r, out_j, row_ok, col, CB, DIRECT_STORE)
+            for j in tl.static_range(K):
+                key, idx, _ = exact_step(key, col, j, CB)
+                # stored in packed form with the column in the low bits (the epilogue only reads the column)
+                _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
             chosen = key < INT_MIN + K
     if PERM:
         c = (chosen & rows5(row_ok)).to(tl.int32)
@@ -376,8 +346,6 @@ def _route_tile(
     PERM: tl.constexpr,
     DIRECT_STORE: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
-    ROLL_STEPS: tl.constexpr,
-    ROLL_REDO: tl.constexpr,
 ):
     """Rank tile ``t`` and finish it; returns the updated tallies and carry.
 
@@ -386,7 +354,7 @@ def _route_tile(
     prefetch, ``moe_route_variants_23207fe.md``.)"""
     carry, mx, z = _select_tile(t, x, bias, W_OUT, POS_OUT, carry, T, col, valid, K, ROWS, G, NG, CB, SIGMOID, RENORM,
                                 HAS_BIAS, SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
-                                FAST_SIGMOID, ROLL_STEPS, ROLL_REDO)  # fmt: skip
+                                FAST_SIGMOID)  # fmt: skip
     tl.debug_barrier()  # the keys just stored are visible to every thread of the program
     mk = _load_keys(t, W_OUT, T, kk, K, ROWS)
     sel_count = _finish_tile(t, mk, mx, z, X, stride_x, W_OUT, ID_OUT, sel_count, T, route_scale, kk, K, ROWS, CB,
@@ -434,8 +402,6 @@ def _moe_route_fwd(
     DIRECT_STORE: tl.constexpr,
     PREFETCH: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
-    ROLL_STEPS: tl.constexpr,
-    ROLL_REDO: tl.constexpr,
     TALLY_SEM: tl.constexpr,
     READ_SEM: tl.constexpr,
     PACKED_TAIL: tl.constexpr,
@@ -465,7 +431,7 @@ def _moe_route_fwd(
             sel_count, carry = _route_tile(tile, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT, sel_count, carry, T,
                                            route_scale, col, valid, kk, K, ROWS, G, NG, CB, SIGMOID, RENORM, HAS_BIAS,
                                            SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
-                                           False, ROLL_STEPS, ROLL_REDO)  # fmt: skip
+                                           False)  # fmt: skip
             tile += 1
     else:
         for t in tl.range(tile, last, num_stages=NUM_STAGES):
@@ -477,7 +443,7 @@ def _moe_route_fwd(
             sel_count, carry = _route_tile(t, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT, sel_count, carry, T,
                                            route_scale, col, valid, kk, K, ROWS, G, NG, CB, SIGMOID, RENORM, HAS_BIAS,
                                            SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
-                                           FAST_SIGMOID, ROLL_STEPS, ROLL_REDO)  # fmt: skip
+                                           FAST_SIGMOID)  # fmt: skip
     # Integer atomics: exact and order-independent, hence deterministic.
     if PACKED_TAIL:
         _packed_tail(WS, HIST, COUNTS, OFFSETS, sel_count, carry, col, valid, pid, E, BLOCK_E, PERM)
@@ -615,8 +581,6 @@ class LaunchConfig:
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
     fast_sigmoid: bool = True  # see _exact_values
-    roll_steps: bool = False  # selection steps after the first as a loop, not unrolled (smaller code)
-    roll_redo: bool = False  # the exact pass's steps as a loop
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
     relaxed_tail: bool = False  # see _ticket_tail
     # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail; None: by row width, as
@@ -696,7 +660,11 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
       leaves half the experts at zero, which favours the ticket tail. DeepSeek-V3 65k tied, 53.3 vs 52.5.) In the
       255-register biased kernels over 128 experts it also spilled 16 bytes (outside the main loop; sm_90, Triton 3.6).
 
-    Tried and dropped: finishing each tile one loop step later, its winning keys loaded before the next tile is
+    Tried and dropped: the selection steps after the first, the exact pass's steps, or both, as loops instead of
+    unrolled (a third to a half of the code, against the instruction-fetch stalls the profile shows on the long
+    biased/grouped loops): 0.93-1.01x on DeepSeek-V3 fp32 and 65k and DeepSeek-V2-Lite fp32, suite and spread inputs
+    (``moe_route_variants_roll_9547a40.md``; GLM-4.5 spilled with either, Qwen3 65k needed 168 registers).
+    Finishing each tile one loop step later, its winning keys loaded before the next tile is
     ranked (the profile, ``route_ncu_5b20dfb.md``, has the reload after the barrier as the loop's most sampled stall
     on Qwen3 65k): slower on all seven cases it compiled for without spilling, 0.83-0.97x, with or without the
     prefetch (``moe_route_variants_23207fe.md``).
@@ -887,8 +855,6 @@ def _plan(
         DIRECT_STORE=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
         PREFETCH=cfg.prefetch,
         FAST_SIGMOID=cfg.fast_sigmoid,
-        ROLL_STEPS=cfg.roll_steps,
-        ROLL_REDO=cfg.roll_redo,
         TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
         READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
         PACKED_TAIL=packed,

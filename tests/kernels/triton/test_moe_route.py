@@ -103,16 +103,14 @@ def test_exact_fallback_for_wide_dynamic_range(perm, bias, direct_store):
     logits[20, :4] = torch.tensor([1e25, -1e25, 1e-30, 0.0])
     b = torch.zeros(32) if bias else None
     score = "sigmoid" if bias else "softmax"
-    # (the steps as loops with one of the two store forms)
-    cfg = LaunchConfig(num_warps=1, programs=2, direct_store=direct_store, roll_steps=direct_store, roll_redo=True)
+    cfg = LaunchConfig(num_warps=1, programs=2, direct_store=direct_store)
     out, ref = _run(logits, 5, cfg, score=score, bias=b, perm=perm)
     _check(out, ref, 32, perm)
 
 
-@pytest.mark.parametrize("roll", [False, True])
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("k", [2, 3])
-def test_values_sharing_a_compressed_step(k, perm, roll, shared_step):
+def test_values_sharing_a_compressed_step(k, perm, shared_step):
     """Far below a row's best, fp32 values 1 ulp apart share a compressed step, where the keys order them by column;
     the larger one sits at the higher column, as the last chosen (k=3) or the first left out (k=2): the tile must be
     ranked again with exact keys. The other rows are spread too (distinct steps: no second pass needed)."""
@@ -120,8 +118,7 @@ def test_values_sharing_a_compressed_step(k, perm, roll, shared_step):
     logits = torch.randn(40, 32) * 3 - 2  # chosen logits across zero: compressed distances
     logits[17, :] = -5.0 + torch.arange(32) * 1e-3
     logits[17, 0], logits[17, 4], logits[17, 9] = top, a, b
-    cfg = LaunchConfig(num_warps=1, programs=2, roll_steps=roll, roll_redo=roll)
-    out, ref = _run(logits, k, cfg, renorm=False, perm=perm)
+    out, ref = _run(logits, k, LaunchConfig(num_warps=1, programs=2), renorm=False, perm=perm)
     assert ref[1][17].tolist() == [0, 9, 4][:k]
     _check(out, ref, 32, perm)
 
@@ -147,13 +144,11 @@ def test_ties_inside_a_relative_key_tile():
     direct_store=st.sampled_from([None, False, True]),
     relaxed_tail=st.booleans(),
     tail=st.sampled_from(["packed", "ticket"]),
-    roll=st.booleans(),
 )
 def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail,
-                               tail, roll):  # fmt: skip
+                               tail):  # fmt: skip
     cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs,
-                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail,
-                       roll_steps=roll, roll_redo=roll)  # fmt: skip
+                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail)  # fmt: skip
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)

@@ -58,8 +58,6 @@ for phase in "$@"; do
     route_floor) run route_floor 420 python3 -m benchmarks.probe_route_floor ;;
     route_spread) run route_spread 300 python3 -m benchmarks.probe_route_spread ;;
     route_variants) run route_variants 420 python3 -m benchmarks.probe_route_variants ;;
-    route_dynamic) run route_dynamic 300 python3 -m benchmarks.probe_route_variants --rounds 2 --spread --no-check \
-      --variants dynamic --cases deepseek-v3-64k,glm-4.5,deepseek-v3-fp32,deepseek-v2-lite-fp32,qwen3-moe-64k,olmoe ;;
     route_ncu) run route_ncu 400 bash /tmp/site/benchmarks/ncu_route.sh ;;
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
     grouped_all) run grouped_all 570 python3 -m benchmarks.bench_grouped_mm --peer all ;;

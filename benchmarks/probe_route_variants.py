@@ -4,12 +4,12 @@ Variants (each a ``LaunchConfig`` change from the launcher's own choice, timed o
 
 - ``default``: ``launch_config`` as it stands (checked against the reference, as the suite checks);
 - ``exact_sigmoid``: ``fast_sigmoid=False`` (sigmoid routers that rank scores, not logits);
-- ``no_prefetch``: ``prefetch=False`` where the launcher prefetches;
-- ``dynamic``: ``dynamic_tiles=True`` (tiles drawn from a counter instead of fixed ranges per program).
+- ``no_prefetch``: ``prefetch=False`` where the launcher prefetches.
 
 Options it timed and that are gone, slower where they applied: at 23207fe a deferred epilogue (each tile finished one
 loop step later, ``moe_route_variants_23207fe.md``), at 9547a40 the selection or exact-pass steps as loops instead of
-unrolled (``moe_route_variants_roll_9547a40.md``).
+unrolled (``moe_route_variants_roll_9547a40.md``), at 0bc91f4 tiles drawn from a counter instead of a fixed range
+per program (``moe_route_variants_dynamic_0bc91f4.md``).
 
 Every variant's outputs must equal the default's (``same_as_default``). Rounds alternate the variants; the table
 gives each variant's median over rounds of CUDA-graph times.
@@ -37,7 +37,6 @@ def variants(case, cfg, names: list[str] | None) -> dict:
         out["exact_sigmoid"] = replace(cfg, fast_sigmoid=False)
     if cfg.prefetch:
         out["no_prefetch"] = replace(cfg, prefetch=False)
-    out["dynamic"] = replace(cfg, dynamic_tiles=True)
     return {k: v for k, v in out.items() if names is None or k == "default" or k in names}
 
 

@@ -374,7 +374,6 @@ def _moe_route_fwd(
     COUNTS,
     OFFSETS,
     WS,
-    CTR,
     T,
     n_tiles,
     tiles_per_prog,
@@ -403,7 +402,6 @@ def _moe_route_fwd(
     DIRECT_STORE: tl.constexpr,
     PREFETCH: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
-    DYNAMIC: tl.constexpr,
     TALLY_SEM: tl.constexpr,
     READ_SEM: tl.constexpr,
     PACKED_TAIL: tl.constexpr,
@@ -421,29 +419,9 @@ def _moe_route_fwd(
     carry = tl.zeros([G, LG, C, VEC], tl.int32)  # PERM: this program's slots per expert so far
     tile = pid * tiles_per_prog
     last = tl.minimum(tile + tiles_per_prog, n_tiles)
-    if DYNAMIC:  # tiles drawn from a counter: a slow tile delays one program's next draw, not a fixed range
-        tile = tl.atomic_add(CTR, 1, sem="relaxed")
-        last = n_tiles
     if PREFETCH:
         x = _load_tile(tile, last, X, stride_x, T, col, valid, ROWS)
-    if DYNAMIC:
-        while tile < last:
-            nxt = tl.atomic_add(CTR, 1, sem="relaxed")  # drawn early: its round trip overlaps this tile
-            if PREFETCH:
-                x_cur = x
-                x = _load_tile(nxt, last, X, stride_x, T, col, valid, ROWS)
-            else:
-                x_cur = _load_tile(tile, last, X, stride_x, T, col, valid, ROWS)
-            sel_count, carry = _route_tile(tile, x_cur, X, stride_x, bias, W_OUT, ID_OUT, POS_OUT, sel_count, carry, T,
-                                           route_scale, col, valid, kk, K, ROWS, G, NG, CB, SIGMOID, RENORM, HAS_BIAS,
-                                           SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
-                                           FAST_SIGMOID and not INTERPRET)  # fmt: skip
-            tile = nxt
-        # every program stops at its first draw past the tiles: n_tiles + programs draws in all, and the program
-        # holding the last one re-zeroes the counter for the next launch
-        if tile == n_tiles + tl.num_programs(0) - 1:
-            tl.atomic_xchg(CTR, 0, sem="relaxed")
-    elif INTERPRET:  # the interpreter cannot take runtime scalars as range() bounds
+    if INTERPRET:  # the interpreter cannot take runtime scalars as range() bounds
         while tile < last:
             if PREFETCH:
                 x_cur = x
@@ -603,9 +581,6 @@ class LaunchConfig:
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
     fast_sigmoid: bool = True  # see _exact_values
-    # programs draw tiles from a counter instead of walking a fixed range (not with the permutation, whose ranks
-    # follow the programs' tile order)
-    dynamic_tiles: bool = False
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
     relaxed_tail: bool = False  # see _ticket_tail
     # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail; None: by row width, as
@@ -685,7 +660,11 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
       leaves half the experts at zero, which favours the ticket tail. DeepSeek-V3 65k tied, 53.3 vs 52.5.) In the
       255-register biased kernels over 128 experts it also spilled 16 bytes (outside the main loop; sm_90, Triton 3.6).
 
-    Tried and dropped: the selection steps after the first, the exact pass's steps, or both, as loops instead of
+    Tried and dropped: tiles drawn from a counter (one relaxed atomic per tile, the next one drawn while the current
+    is ranked) instead of a fixed range per program, against the load imbalance that makes spread inputs slower (the
+    programs that draw an exact-pass tile finish last, ``route_ncu_5b20dfb.md``): 0.80-0.94x on the suite's inputs
+    of six cases, 0.88-1.01x on spread ones (``moe_route_variants_dynamic_0bc91f4.md``).
+    The selection steps after the first, the exact pass's steps, or both, as loops instead of
     unrolled (a third to a half of the code, against the instruction-fetch stalls the profile shows on the long
     biased/grouped loops): 0.93-1.01x on DeepSeek-V3 fp32 and 65k and DeepSeek-V2-Lite fp32, suite and spread inputs
     (``moe_route_variants_roll_9547a40.md``; GLM-4.5 spilled with either, Qwen3 65k needed 168 registers).
@@ -880,7 +859,6 @@ def _plan(
         DIRECT_STORE=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
         PREFETCH=cfg.prefetch,
         FAST_SIGMOID=cfg.fast_sigmoid,
-        DYNAMIC=cfg.dynamic_tiles and not perm,
         TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
         READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
         PACKED_TAIL=packed,
@@ -953,11 +931,10 @@ def moe_route_triton(
         offsets.zero_()
         return weights, ids, counts, offsets, sorted_slots, slot_pos
     with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
-        # then the tile counter (DYNAMIC), one int32 past the tail's part
-        used = 2 * n_experts if plan.packed_tail else 1 + n_experts
-        base = _workspace(dev, used + 1)
-        ws = base[:used].view(torch.int64) if plan.packed_tail else base
-        ctr = base[used : used + 1]
+        if plan.packed_tail:  # one int64 word per expert
+            ws = _workspace(dev, 2 * n_experts)[: 2 * n_experts].view(torch.int64)
+        else:
+            ws = _workspace(dev, 1 + n_experts)
         _moe_route_fwd[(plan.programs,)](
             logits_TE,
             logits_TE.stride(0),
@@ -969,7 +946,6 @@ def moe_route_triton(
             counts,
             offsets,
             ws,
-            ctr,
             n_tokens,
             plan.tiles,
             plan.tiles_per_program,

@@ -37,7 +37,7 @@ def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None,
                            torch.device("cpu"), cfg, False)  # fmt: skip
     sig = dict(X=TYPES[dtype], stride_x="i32", BIAS="*fp32" if bias else TYPES[dtype], W_OUT="*fp32",
                ID_OUT="*i32", POS_OUT="*i32", HIST="*i32", COUNTS="*i32", OFFSETS="*i32",
-               WS="*i64" if plan.packed_tail else "*i32", CTR="*i32", T="i32",
+               WS="*i64" if plan.packed_tail else "*i32", T="i32",
                n_tiles="i32", tiles_per_prog="i32", route_scale="fp32")  # fmt: skip
     aligned = ("X", "W_OUT", "ID_OUT", "POS_OUT", "HIST", "COUNTS", "OFFSETS", "WS")
     out = _compile(moe_route._moe_route_fwd, sig, dict(plan.constexprs), aligned)

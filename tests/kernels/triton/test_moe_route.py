@@ -103,7 +103,7 @@ def test_exact_fallback_for_wide_dynamic_range(perm, bias, direct_store):
     logits[20, :4] = torch.tensor([1e25, -1e25, 1e-30, 0.0])
     b = torch.zeros(32) if bias else None
     score = "sigmoid" if bias else "softmax"
-    cfg = LaunchConfig(num_warps=1, programs=2, direct_store=direct_store, dynamic_tiles=direct_store)
+    cfg = LaunchConfig(num_warps=1, programs=2, direct_store=direct_store)
     out, ref = _run(logits, 5, cfg, score=score, bias=b, perm=perm)
     _check(out, ref, 32, perm)
 
@@ -144,13 +144,11 @@ def test_ties_inside_a_relative_key_tile():
     direct_store=st.sampled_from([None, False, True]),
     relaxed_tail=st.booleans(),
     tail=st.sampled_from(["packed", "ticket"]),
-    dynamic=st.booleans(),
 )
 def test_random_configurations(t, e, k, ept, rpt, warps, programs, dtype, perm, prefetch, direct_store, relaxed_tail,
-                               tail, dynamic):  # fmt: skip
+                               tail):  # fmt: skip
     cfg = LaunchConfig(elems_per_thread=ept, rows_per_thread=rpt, num_warps=warps, programs=programs,
-                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail,
-                       dynamic_tiles=dynamic)  # fmt: skip
+                       prefetch=prefetch, direct_store=direct_store, relaxed_tail=relaxed_tail, tail=tail)  # fmt: skip
     logits = torch.randn(t, e).to(dtype)
     out, ref = _run(logits, k, cfg, perm=perm)
     _check(out, ref, e, perm)
@@ -165,15 +163,12 @@ def test_non_contiguous_rows():
 
 @pytest.mark.parametrize("perm", [False, True])
 @pytest.mark.parametrize("tail", ["packed", "ticket"])
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_workspace_is_zero_after_each_launch_and_counts_repeat(tail, perm, dynamic):
-    """(``dynamic``: the tile counter, kept in the workspace, is re-zeroed too.)"""
+def test_workspace_is_zero_after_each_launch_and_counts_repeat(tail, perm):
     logits = torch.randn(50, 16)
     args = (logits, 2, "softmax", True, None, 1.0, None, None, perm)
-    cfg = LaunchConfig(programs=3, tail=tail, dynamic_tiles=dynamic)
-    first = moe_route_triton(*args, config=cfg)
+    first = moe_route_triton(*args, config=LaunchConfig(programs=3, tail=tail))
     assert not _workspace(logits.device).any()
-    second = moe_route_triton(*args, config=cfg)
+    second = moe_route_triton(*args, config=LaunchConfig(programs=3, tail=tail))
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
     assert not _workspace(logits.device).any()
 

@@ -116,7 +116,8 @@ def _exact_values(
     """Exact keys of the values ranked (``score + bias``, or the logits), groups applied; softmax row max and sum.
 
     ``FAST_SIGMOID``: the sigmoid as ``ex2.approx.ftz`` and ``div.approx.ftz``, where ``1 / (1 + exp(-x))`` compiles
-    to ``ex2.approx`` and ``div.full`` with subnormal fix-ups around each (eight more instructions per element). The
+    to ``ex2.approx`` and ``div.full`` with subnormal fix-ups around each (about three more static instructions per
+    element: DeepSeek-V3 fp32's loop, two 64-element passes, 6258 -> 5877, ``moe_route_sm90_sass_triton3.6.json``). The
     values are the same bits wherever the sigmoid is a normal float (x > -87.3); below, the score is 0 instead of a
     subnormal. The interpreter has no ``div.approx``: there the plain division."""
     xf = x.to(tl.float32)
@@ -165,87 +166,8 @@ def _store_step(ptr, v, row_ok, col, DIRECT_STORE: tl.constexpr):
 
 
 @triton.jit
-def _select_tile(
-    tile,
-    x,
-    bias,
-    W_OUT,
-    POS_OUT,
-    carry,
-    T,
-    col,
-    valid,
-    K: tl.constexpr,
-    ROWS: tl.constexpr,
-    G: tl.constexpr,
-    NG: tl.constexpr,
-    CB: tl.constexpr,
-    SIGMOID: tl.constexpr,
-    RENORM: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    SEL_LOGITS: tl.constexpr,
-    HALF_KEYS: tl.constexpr,
-    INF16: tl.constexpr,
-    TOPK_G: tl.constexpr,
-    PERM: tl.constexpr,
-    DIRECT_STORE: tl.constexpr,
-    FAST_SIGMOID: tl.constexpr,
-):
-    """Rank one tile of ROWS tokens (``x``: its logits) and store each step's winning key into the tile's rows of
-    ``W_OUT`` (raw int32 bits, read back by ``_finish_tile`` in a compact layout, so per-row work is not replicated
-    across a row's lanes). Selection: descent without permutation, marking with it (the marks give each chosen element
-    its rank in place). Returns the updated per-expert carry (``PERM``) and the softmax row max and sum where the
-    weights need them over all experts."""
-    rows = tile * ROWS + tl.arange(0, ROWS)
-    row_ok = rows < T
-    rows64 = rows.to(tl.int64)
-    mx = tl.zeros([ROWS], tl.float32)
-    z = tl.zeros([ROWS], tl.float32)
-    if HALF_KEYS:  # 16-bit logits ranked directly: exact packed keys
-        key = packed_keys(x, col, valid, INF16, CB)
-    else:
-        key32, mx, z = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G, FAST_SIGMOID)
-        if SEL_LOGITS and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
-            mx = key_float(row_max(key32))
-            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
-        key = relative_keys(key32, col, CB)
-    m = tl.zeros([ROWS], tl.int32)
-    tie = m != 0  # relative keys: chosen keys whose order by value is unknown (see coarse_tie)
-    # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
-    # read as NaN (relative keys near the row max) or flush those that read as denormals
-    out_j = W_OUT.to(tl.pointer_type(tl.int32)) + rows64 * K
-    for j in tl.static_range(K):
-        prev = m
-        if PERM:
-            key, m = marked_step(key, j)
-        else:
-            m = descent_step(key, m, j)
-        if not HALF_KEYS and j > 0:
-            tie = tie | coarse_tie(m, prev, CB)
-        _store_step(out_j + j, m, row_ok, col, DIRECT_STORE)  # the winner's key, for the epilogue
-        if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
-            _, mx = packed_decode(m, INF16, x.dtype, CB)
-            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
-    chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
-    if not HALF_KEYS:
-        if order_unknown(key, m, tie, row_ok, K, PERM, CB):  # redo this tile with exact keys
-            key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G, FAST_SIGMOID)
-            for j in tl.static_range(K):
-                key, idx, _ = exact_step(key, col, j, CB)
-                # stored in packed form with the column in the low bits (the epilogue only reads the column)
-                _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
-            chosen = key < INT_MIN + K
-    if PERM:
-        c = (chosen & rows5(row_ok)).to(tl.int32)
-        rank = tl.cumsum(c, axis=2) - c + carry[:, :, None, :, :]  # earlier slots of the same expert here
-        carry += tl.sum(c, axis=2)
-        tl.store(POS_OUT + rows5(rows64) * K + (key - INT_MIN), rank, mask=c != 0)
-    return carry, mx, z
-
-
-@triton.jit
 def _load_keys(tile, W_OUT, T, kk, K: tl.constexpr, ROWS: tl.constexpr):
-    """The winning keys ``_select_tile`` stored for ``tile``, as ``[ROWS, KP]``."""
+    """The winning keys ``_route_tile`` stored for ``tile``, as ``[ROWS, KP]``."""
     rows = tile * ROWS + tl.arange(0, ROWS)
     out_ok = (rows < T)[:, None] & (kk < K)[None, :]
     return tl.load(W_OUT.to(tl.pointer_type(tl.int32)) + rows.to(tl.int64)[:, None] * K + kk[None, :], mask=out_ok,
@@ -347,14 +269,58 @@ def _route_tile(
     DIRECT_STORE: tl.constexpr,
     FAST_SIGMOID: tl.constexpr,
 ):
-    """Rank tile ``t`` and finish it; returns the updated tallies and carry.
+    """Rank tile ``t`` (``x``: its logits), store each step's winning key into the tile's rows of ``W_OUT`` (raw int32
+    bits), then finish the tile from those keys in a compact layout (``_finish_tile``: per-row work is not replicated
+    across a row's lanes). Selection: descent without permutation, marking with it (the marks give each chosen element
+    its rank in place). Returns the updated tallies and carry.
 
     (Finishing each tile one step later instead, its keys loaded before the next tile's ranking so that their round
     trip through memory overlaps it, measured slower on every case it applies to: 0.83-0.97x, with and without the
     prefetch, ``moe_route_variants_23207fe.md``.)"""
-    carry, mx, z = _select_tile(t, x, bias, W_OUT, POS_OUT, carry, T, col, valid, K, ROWS, G, NG, CB, SIGMOID, RENORM,
-                                HAS_BIAS, SEL_LOGITS, HALF_KEYS, INF16, TOPK_G, PERM, DIRECT_STORE,
-                                FAST_SIGMOID)  # fmt: skip
+    rows = t * ROWS + tl.arange(0, ROWS)
+    row_ok = rows < T
+    rows64 = rows.to(tl.int64)
+    mx = tl.zeros([ROWS], tl.float32)
+    z = tl.zeros([ROWS], tl.float32)
+    if HALF_KEYS:  # 16-bit logits ranked directly: exact packed keys
+        key = packed_keys(x, col, valid, INF16, CB)
+    else:
+        key32, mx, z = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G, FAST_SIGMOID)
+        if SEL_LOGITS and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
+            mx = key_float(row_max(key32))
+            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
+        key = relative_keys(key32, col, CB)
+    m = tl.zeros([ROWS], tl.int32)
+    tie = m != 0  # relative keys: chosen keys whose order by value is unknown (see coarse_tie)
+    # the winning keys go through W_OUT as raw int32 bits: a float view would let the GPU canonicalise keys whose bits
+    # read as NaN (relative keys near the row max) or flush those that read as denormals
+    out_j = W_OUT.to(tl.pointer_type(tl.int32)) + rows64 * K
+    for j in tl.static_range(K):
+        prev = m
+        if PERM:
+            key, m = marked_step(key, j)
+        else:
+            m = descent_step(key, m, j)
+        if not HALF_KEYS and j > 0:
+            tie = tie | coarse_tie(m, prev, CB)
+        _store_step(out_j + j, m, row_ok, col, DIRECT_STORE)  # the winner's key, for the epilogue
+        if HALF_KEYS and j == 0 and not SIGMOID and not RENORM:  # softmax over all experts needs the row's sum
+            _, mx = packed_decode(m, INF16, x.dtype, CB)
+            z = row_sum(tl.where(valid, tl.exp(x.to(tl.float32) - rows5(mx)), 0.0))
+    chosen = key < INT_MIN + K  # PERM: marks INT_MIN + j, j < K (unused otherwise)
+    if not HALF_KEYS:
+        if order_unknown(key, m, tie, row_ok, K, PERM, CB):  # redo this tile with exact keys
+            key, _, _ = _exact_values(x, bias, valid, SIGMOID, HAS_BIAS, SEL_LOGITS, G, NG, TOPK_G, FAST_SIGMOID)
+            for j in tl.static_range(K):
+                key, idx, _ = exact_step(key, col, j, CB)
+                # stored in packed form with the column in the low bits (the epilogue only reads the column)
+                _store_step(out_j + j, (CB - 1) - idx, row_ok, col, DIRECT_STORE)
+            chosen = key < INT_MIN + K
+    if PERM:
+        c = (chosen & rows5(row_ok)).to(tl.int32)
+        rank = tl.cumsum(c, axis=2) - c + carry[:, :, None, :, :]  # earlier slots of the same expert here
+        carry += tl.sum(c, axis=2)
+        tl.store(POS_OUT + rows5(rows64) * K + (key - INT_MIN), rank, mask=c != 0)
     tl.debug_barrier()  # the keys just stored are visible to every thread of the program
     mk = _load_keys(t, W_OUT, T, kk, K, ROWS)
     sel_count = _finish_tile(t, mk, mx, z, X, stride_x, W_OUT, ID_OUT, sel_count, T, route_scale, kk, K, ROWS, CB,

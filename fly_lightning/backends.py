@@ -98,8 +98,13 @@ def _probe_cached(name: str) -> str | None:
 
 
 def reset_availability() -> None:
-    """Forget cached availability (tests, or after changing TRITON_INTERPRET)."""
+    """Forget cached availability and every dispatch decision made under it (tests, or after changing
+    TRITON_INTERPRET): a cached decision would keep a backend that is no longer there."""
+    from fly_lightning.registry import OPS  # late: the registry imports this module
+
     _probe_cached.cache_clear()
+    for op in OPS.values():
+        op.cache.clear()
 
 
 _loaded = False

@@ -92,7 +92,32 @@ def _first_call(op: Op, dec: Decision, args: tuple) -> Any:
     return out
 
 
+_CHECKED_UIDS: set[int] = set()  # policies whose op names were checked against the registry
+
+
+def _no_impl_reason(backend: str) -> str:
+    """Why ``backend`` has no implementation of an op: a module that registered kernels for other ops shows the
+    library is there (FlyDSL's register even without it), so the op simply has none."""
+    from fly_lightning.registry import OPS
+
+    if BACKENDS[backend].library_installed() or any(backend in o.impls for o in OPS.values()):
+        return "no kernel for this op"
+    return "not installed"
+
+
+def _support_verdict(impl: BackendImpl, args: tuple) -> str | None:
+    """None when ``impl`` supports ``args``, else the reason (a predicate that raises counts as unsupported)."""
+    try:
+        verdict = impl.supports(*args)
+    except Exception as exc:
+        return f"support check raised {type(exc).__name__}: {str(exc)[:120]}"
+    return None if verdict is True else str(verdict)
+
+
 def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args: tuple) -> Decision:
+    if cfg.uid not in _CHECKED_UIDS:  # e.g. FLY_LIGHTNING_DISABLE, read before any op was registered
+        policy.check_op_names(cfg)
+        _CHECKED_UIDS.add(cfg.uid)
     if op.validate is not None:
         op.validate(*args)
     if op.check is not None:
@@ -107,13 +132,11 @@ def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args:
     for name in candidates:
         impl = op.impls.get(name)
         if impl is None:
-            backend = BACKENDS[name]
-            rejected.append((name, "not installed" if not backend.library_installed() else "no kernel for this op"))
+            rejected.append((name, _no_impl_reason(name)))
             continue
         reason = BACKENDS[name].unavailable_reason()
         if reason is None:
-            verdict = impl.supports(*args)
-            reason = None if verdict is True else str(verdict)
+            reason = _support_verdict(impl, args)
         if reason is not None:
             rejected.append((name, reason))
             continue
@@ -126,9 +149,13 @@ def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args:
             rejected.append(("measure", "skipped during CUDA graph capture; first supported candidate used"))
         else:
             start = time.perf_counter()
-            timings = {impl.backend: _time_ms(impl.fn, args) for impl in supported}
+            measured = {impl.backend: _time_ms(impl.fn, args) for impl in supported}
             tuning_s = time.perf_counter() - start
-            chosen = min(supported, key=lambda impl: timings[impl.backend])
+            timings = {b: t for b, t in measured.items() if isinstance(t, float)}
+            failed = [(b, f"raised when measured: {err}") for b, err in measured.items() if isinstance(err, str)]
+            ran = [impl for impl in supported if impl.backend in timings] or [op.impls["aten"]]
+            chosen = min(ran, key=lambda impl: timings.get(impl.backend, 0.0))
+            rejected += failed
             rejected += [(b, f"slower when measured ({t:.4f} ms)") for b, t in timings.items() if b != chosen.backend]
     shape, dtype = _describe(args)
     dec = Decision(
@@ -152,13 +179,14 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _time_ms(fn: Callable[..., Any], args: tuple, reps: int = 5) -> float:
-    """Median time of ``fn(*args)`` after one warm-up call (which also absorbs JIT compilation)."""
+def _time_ms(fn: Callable[..., Any], args: tuple, reps: int = 5) -> float | str:
+    """Median time of ``fn(*args)`` after one warm-up call (which also absorbs JIT compilation); if the warm-up
+    raises, the exception as a short string instead."""
     device = next((a.device for a in _tensors(args)), torch.device("cpu"))
     try:
         fn(*args)
-    except Exception:
-        return float("inf")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
     times = []
     for _ in range(reps):
         if device.type == "cuda":

@@ -32,14 +32,27 @@ def run_on_local_shards(
     x: Any,
     *others: Any,
     reduced_dims: tuple[int, ...],
+    scalars: tuple = (),
 ) -> Any:
     """Apply ``local_fn`` shard by shard when that computes the same function, else ``reference_fn`` on DTensors.
 
-    Local execution is exact when ``x`` is not sharded along a dim the op reduces over, has no pending partial sums,
-    and every other tensor argument is replicated (or a plain tensor). The output keeps ``x``'s placements.
+    The op's arguments are ``(x, *others, *scalars)``; they are validated first, on either path. Local execution is
+    exact when ``x`` is not sharded along a dim the op reduces over, has no pending partial sums, and every other
+    tensor argument is replicated. A plain tensor beside a DTensor counts as replicated (as torch's
+    ``implicit_replication`` treats it), on both paths: its gradient is then summed over the ranks too. The output
+    keeps ``x``'s placements.
     """
     from torch._prims_common import make_contiguous_strides_for
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    if op.validate is not None:
+        op.validate(x, *others, *scalars)
+    mesh = next(t.device_mesh for t in (x, *others) if isinstance(t, DTensor))
+
+    def as_dtensor(t: Any) -> Any:
+        if isinstance(t, Tensor) and not isinstance(t, DTensor):
+            return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        return t
 
     reason = None
     if not isinstance(x, DTensor):
@@ -58,19 +71,14 @@ def run_on_local_shards(
 
         placements = tuple(str(p) for p in getattr(x, "placements", ()))
         record_fallback(op, (placements, tuple(x.shape), x.dtype, reason), (x, *others), reason)
-        # DTensor ops refuse plain tensor operands: treat them as replicated (as torch's implicit_replication does)
-        mesh = next(t.device_mesh for t in (x, *others) if isinstance(t, DTensor))
-
-        def as_dtensor(t: Any) -> Any:
-            if isinstance(t, Tensor) and not isinstance(t, DTensor):
-                return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
-            return t
-
         return reference_fn(as_dtensor(x), *map(as_dtensor, others))
     # a replicated argument's gradient from this rank's shard is only this shard's part: a partial sum over each mesh
-    # dim along which x is sharded (reduced later, as for native DTensor ops), not a replicated value
+    # dim along which x is sharded (reduced later, as for native DTensor ops), not a replicated value; a plain tensor
+    # goes through a replicated DTensor so that its gradient gets that reduction too
     grad_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in x.placements]
-    local_others = [o.to_local(grad_placements=grad_placements) if isinstance(o, DTensor) else o for o in others]
+    local_others = [
+        as_dtensor(o).to_local(grad_placements=grad_placements) if isinstance(o, Tensor) else o for o in others
+    ]
     out = local_fn(x.to_local(), *local_others)
     stride = make_contiguous_strides_for(x.shape)  # our local outputs are contiguous
     return DTensor.from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape, stride=stride)

@@ -9,13 +9,18 @@ Three ways to set it, innermost wins: ``with dispatch_config(...)`` (context man
 - ``FLY_LIGHTNING_SELECT=measure``: time the supported candidates per shape and keep the fastest.
 
 Enabling a backend adds a candidate; it never forces one: support predicates are always checked and ATen is always
-the last candidate.
+the last candidate. Op names in a policy are checked against the registry when the policy is set and when it is first
+used (a misspelt name would otherwise do nothing).
+
+The policy is one per process, not per thread: ``dispatch_config`` blocks entered by two threads at once overlap
+(autograd's backward threads must see the training loop's policy, so it is deliberately not thread-local).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -24,6 +29,32 @@ from fly_lightning.backends import BACKENDS
 
 Select = Literal["first", "measure"]
 _UIDS: dict[tuple, int] = {}  # equal configs share a uid, so decisions cached under one are reused by the other
+_UIDS_LOCK = threading.Lock()
+
+
+class _FrozenMapping(Mapping):
+    """A read-only, hashable mapping (``op_backends``): a config's uid must not go stale after it is made."""
+
+    def __init__(self, items: Mapping) -> None:
+        self._d = dict(items)
+
+    def __getitem__(self, key: str) -> tuple[str, ...]:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._d.items())))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self._d) == dict(other)
+
+    def __repr__(self) -> str:
+        return repr(self._d)
 
 
 @dataclass(frozen=True)
@@ -49,7 +80,9 @@ class DispatchConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "backends", _order(self.backends))
         object.__setattr__(self, "disabled_ops", frozenset(self.disabled_ops))
-        object.__setattr__(self, "op_backends", {k: _order(v) for k, v in dict(self.op_backends).items()})
+        object.__setattr__(
+            self, "op_backends", _FrozenMapping({k: _order(v) for k, v in dict(self.op_backends).items()})
+        )
         if self.select not in ("first", "measure"):
             raise ValueError(f"select must be 'first' or 'measure', got {self.select!r}")
         key = (
@@ -59,7 +92,8 @@ class DispatchConfig:
             tuple(sorted(self.op_backends.items())),
             self.select,
         )
-        object.__setattr__(self, "uid", _UIDS.setdefault(key, len(_UIDS) + 1))
+        with _UIDS_LOCK:
+            object.__setattr__(self, "uid", _UIDS.setdefault(key, len(_UIDS) + 1))
 
     def candidates(self, op: str) -> tuple[str, ...]:
         """Backends to try for ``op``, in order; always ends with ``aten``."""
@@ -69,6 +103,20 @@ class DispatchConfig:
 
     def replace(self, **changes: object) -> DispatchConfig:
         return replace(self, **changes)
+
+    def unknown_ops(self, known: Iterable[str]) -> list[str]:
+        """Op names this policy mentions that are not in ``known``."""
+        known = set(known)
+        return sorted(n for n in (*self.disabled_ops, *self.op_backends) if n not in known)
+
+
+def check_op_names(config: DispatchConfig) -> None:
+    """Raise if ``config`` names an operator the registry does not have."""
+    import fly_lightning.ops  # noqa: F401  (late: the registry imports this module; the ops register on import)
+    from fly_lightning.registry import OPS
+
+    if unknown := config.unknown_ops(OPS):
+        raise ValueError(f"dispatch config names unknown operator(s) {unknown}; registered: {sorted(OPS)}")
 
 
 def _order(backends: Iterable[str]) -> tuple[str, ...]:
@@ -111,15 +159,19 @@ def set_dispatch_config(config: DispatchConfig | None = None, **changes: object)
     global _active
     previous = _active
     base = config or _active
-    _active = base.replace(**changes) if changes else base
+    new = base.replace(**changes) if changes else base
+    check_op_names(new)
+    _active = new
     return previous
 
 
 @contextlib.contextmanager
 def dispatch_config(config: DispatchConfig | None = None, **changes: object) -> Iterator[DispatchConfig]:
-    """Temporarily set the policy: ``with dispatch_config(disabled_ops={"rms_norm"}): ...``."""
+    """Temporarily set the policy: ``with dispatch_config(disabled_ops={"rms_norm"}): ...``. Process-wide while
+    inside (see the module docstring), restored on exit."""
+    global _active
     previous = set_dispatch_config(config, **changes)
     try:
         yield _active
     finally:
-        set_dispatch_config(previous)
+        _active = previous  # checked when it was set

@@ -5,7 +5,8 @@ validator, a shape-signature function and a set of backend implementations. Vali
 once per signature, so a signature must determine their outcome: it holds ``tensor_key`` of every tensor argument and
 every scalar the validator or a predicate inspects. What a signature cannot hold (the values of CPU index tensors)
 goes in ``check``, which runs on every call, after validation. Kernel modules register themselves with
-``@OP.implement("triton", supports=...)``; nothing else in the package lists operator names.
+``@OP.implement("triton", supports=...)``. ``OPS`` is the one table of operators: the package keeps no second list of
+op names (the public functions are exported by name, and a test checks they match the registry both ways).
 """
 
 from __future__ import annotations
@@ -84,7 +85,12 @@ class Op:
     def __call__(self, *args: Any) -> Any:
         """Run on the backend chosen for this (policy, shape signature); decide (and validate) on first sight."""
         key = (policy._active.uid, self.signature(*args))
-        decision = self.cache.get(key)
+        try:
+            decision = self.cache.get(key)
+        except TypeError:  # an unhashable argument (a list for an int, say): let validation name it
+            if self.validate is not None:
+                self.validate(*args)
+            raise
         if decision is None:
             return dispatch.decide_and_call(self, key, args)
         if self.check is not None:

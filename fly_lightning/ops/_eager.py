@@ -25,6 +25,7 @@ from torch import Tensor
 from torch._C._functorch import TransformType, get_interpreter_stack, peek_interpreter_stack
 from torch.autograd import forward_ad
 
+from fly_lightning.dtensor import is_dtensor
 from fly_lightning.registry import Op
 
 _PLAIN = (Tensor, torch.nn.Parameter)  # a module's weights are Parameters: plain data, no __torch_function__
@@ -138,9 +139,16 @@ def eager_call(
         if (reason := _differentiated(tensors)) is not None:
             return _run_reference(op, args, reason)
         if _opaque(tensors):
+            if not torch.compiler.is_compiling() and any(is_dtensor(t) for t in tensors):
+                return _run_reference(op, args, _NO_SHARD_RULE)
             return custom_op(*args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return function.apply(*args)
         return op(*args)
 
     return call
+
+
+# The custom ops have no DTensor sharding rule (only ``rms_norm`` runs on local shards, ``fly_lightning.dtensor``):
+# without this the call would fail in DTensor's dispatch with "does not have a sharding strategy registered".
+_NO_SHARD_RULE = "DTensor input: this op has no local-shard rule; the reference runs on the DTensors"

@@ -11,7 +11,10 @@ Router variants (explicit options):
 
 Semantics (the reference below is the oracle; the Triton kernel matches it exactly on expert ids, counts, offsets and
 the permutation when ranking the logits, i.e. without bias and groups; with them it ranks its own fp32 scores, so a
-row may swap two experts whose scores differ by fp32 rounding. Weights agree within fp32 rounding):
+row may swap two experts whose scores differ by fp32 rounding. On NVIDIA GPUs those ranked sigmoids use the fast
+exponential and division (``fast_sigmoid``): scores of logits below about -87.3, subnormal in the reference, are 0
+there, so such experts tie (lower index first) where the reference still orders them. Weights agree within fp32
+rounding):
 - Scores are computed in fp32. Without bias and groups the ranking is done on the logits themselves: softmax and
   sigmoid are increasing, so this is the same ranking, except that distinct logits whose fp32 probabilities round to
   the same value (saturated sigmoids, say) still rank by logit. With bias or groups the ranking is on
@@ -37,6 +40,8 @@ from torch import Tensor
 
 from fly_lightning.ops._eager import eager_call
 from fly_lightning.registry import register_op, tensor_key
+
+_FP32_MAX = torch.finfo(torch.float32).max
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _SCORES = ("softmax", "sigmoid")
@@ -99,8 +104,8 @@ def _validate(
             raise ValueError(f"moe_route: bias must be floating, got {bias_E.dtype}")
         if bias_E.device != logits_TE.device:
             raise ValueError(f"moe_route: bias on {bias_E.device}, logits on {logits_TE.device}")
-    if not math.isfinite(route_scale):
-        raise ValueError(f"moe_route: route_scale must be finite, got {route_scale}")
+    if not (math.isfinite(route_scale) and abs(route_scale) <= _FP32_MAX):  # the weights are fp32
+        raise ValueError(f"moe_route: route_scale must be finite in fp32, got {route_scale}")
     if (n_groups is None) != (topk_groups is None):
         raise ValueError("moe_route: n_groups and topk_groups must be given together")
     for name, v in (("n_groups", n_groups), ("topk_groups", topk_groups)):

@@ -192,5 +192,6 @@ def rms_norm(
             x,
             weight,
             reduced_dims=(x.dim() - 1,),
+            scalars=args,
         )
     return _rms_norm_eager(x, weight, *args)[0]

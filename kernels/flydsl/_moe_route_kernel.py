@@ -2,18 +2,24 @@
 
 Per token row t of logits [T, E]:
 
-    p = softmax(x.float())  or  sigmoid(x.float())        (fp32)
-    ids[t], w[t] = top-k of p, descending; equal scores -> lower expert id first
-    w[t] /= w[t].sum()                                      (optional renormalise)
+    ids[t] = top-k of x.float(), descending              (the op's semantics: see fly_lightning.ops.moe_route)
+    w[t]   = softmax(x.float())[ids] or sigmoid(x[ids])   (fp32)
+    w[t] /= w[t].sum() + 1e-20                             (optional renormalise)
     counts[e] += #(t, j) with ids[t, j] == e                (optional, atomics)
+
+Ranking is on the logits (softmax and sigmoid are increasing, and distinct logits whose fp32 scores round equal still
+rank apart), NaN above every number, equal values (and NaNs) by lower expert id, -0.0 equal to +0.0: the reference's
+order, so a row picks the same experts on every backend.
 
 Mapping: a group of G lanes (G = next power of two >= E, at most 64) owns one
 token, so a 256-thread workgroup routes 256 / G tokens. Lane j holds experts
 j, j + G, j + 2G, ... (E <= 256 -> at most 4 "slots" per lane), so each slot
 is one coalesced load across the group. Max / sum use xor-butterfly shuffles
 inside the group. Top-k is k rounds of (lane-local best, then butterfly
-arg-max with the (score desc, id asc) order), masking each winner to -inf;
-the order is total, so the result is deterministic. Lane j < k writes the
+arg-max), each slot ranked by a code, category * 1024 + expert id (category
+0: NaN, 1: a number, 2: padding or already chosen, never chosen again), then
+by value within category 1; the order is total, so the result is
+deterministic and a row never picks an expert twice (even among -inf). Lane j < k writes the
 j-th pair. Counts go to an LDS histogram first, then one global atomic per
 expert and workgroup (keeps contention at E addresses low).
 
@@ -54,8 +60,9 @@ def constraints() -> dict[str, Any]:
         "logits_layout": "2-D [T, E] with stride(1) == 1; any row stride, no alignment needed",
         "tokens_max": 2**31 - 1,
         "outputs": "weights float32 [T, k], ids int32 [T, k], optional counts int32 [E]",
-        "ties": "equal fp32 scores: lower expert id first",
-        "nan": "NaN logits are not handled specially (selection order unspecified)",
+        "ranking": "the logits (softmax/sigmoid are increasing), in fp32",
+        "ties": "equal logits: lower expert id first; -0.0 == +0.0",
+        "nan": "NaN ranks above every number (lower id first among NaN) and propagates into the weights",
     }
 
 
@@ -113,6 +120,7 @@ def build_moe_route(plan: Plan):
     x_bits = _BITS[plan.dtype]
     E, K, G, TPB, S = plan.E, plan.k, plan.lanes_per_token, plan.tokens_per_block, plan.slots
     NEG_INF = float("-inf")
+    RENORM_EPS = 1e-20  # as the op's reference (DeepSeek-V3 / torchtitan): an all-zero row stays 0, not NaN
 
     def butterfly(v, combine):
         # xor offsets < G keep the exchange inside this token's lane group.
@@ -121,9 +129,12 @@ def build_moe_route(plan: Plan):
                 v = combine(v, v.shuffle_xor(1 << s, WAVE))
         return v
 
-    def better(v, i, ov, oi):
-        # Total order: higher score first, then lower expert id.
-        return (ov > v) | ((ov == v) & (oi < i))
+    def better(v, c, ov, oc):
+        # Whether (ov, oc) ranks before (v, c): lower category first (code = category * 1024 + expert); within
+        # numbers the higher value, then the lower expert; NaNs (unequal to everything) by the lower expert.
+        cat, ocat = c // 1024, oc // 1024
+        tie = (ov == v) | (ocat == 0)
+        return (ocat < cat) | ((ocat == cat) & ((ov > v) | (tie & (oc < c))))
 
     def scalar_store(view, idx, value, ty, bits):
         r = fx.make_rmem_tensor(1, ty)
@@ -162,56 +173,57 @@ def build_moe_route(plan: Plan):
                 x = (j + s * G < E).select(x, NEG_INF)
             xs.append(x)
 
-        # Scores in fp32. Masked slots stay -inf (exp(-inf) = 0 adds nothing).
-        ps = []
+        # Ranking codes: category * 1024 + expert (0: NaN, 1: a number, 2: padding; chosen experts become 2 too).
+        codes = []
+        for s in range_constexpr(S):
+            e = j + s * G
+            c = (xs[s] != xs[s]).select(fx.Int32(0), fx.Int32(1024)) + e
+            if const_expr(G * (s + 1) > E):
+                c = (e < E).select(c, 2048 + e)
+            codes.append(c)
+
+        # Top-k: k rounds of arg-max over the codes; the winner's slot moves to category 2.
+        sel_x = []
+        sel_i = []
+        for _r in range_constexpr(K):
+            bv = xs[0]
+            bc = codes[0]
+            for s in range_constexpr(1, S):
+                take = better(bv, bc, xs[s], codes[s])
+                bv = take.select(xs[s], bv)
+                bc = take.select(codes[s], bc)
+            for sh in range_constexpr(6):
+                if const_expr((1 << sh) < G):
+                    ov = bv.shuffle_xor(1 << sh, WAVE)
+                    oc = bc.shuffle_xor(1 << sh, WAVE)
+                    take = better(bv, bc, ov, oc)
+                    bv = take.select(ov, bv)
+                    bc = take.select(oc, bc)
+            bi = bc % 1024
+            sel_x.append(bv)
+            sel_i.append(bi)
+            for s in range_constexpr(S):
+                codes[s] = (j + s * G == bi).select(2048 + j + s * G, codes[s])
+
+        # Gate weights of the chosen, in fp32 (padding slots hold -inf: exp(-inf) = 0 adds nothing to the sum).
         if const_expr(plan.score == "softmax"):
             m = xs[0]
             for s in range_constexpr(1, S):
                 m = fx.max(m, xs[s])
             m = butterfly(m, fx.max)
-            es = [fmath.exp(xs[s] - m) for s in range_constexpr(S)]
-            total = es[0]
+            total = fmath.exp(xs[0] - m)
             for s in range_constexpr(1, S):
-                total = total + es[s]
+                total = total + fmath.exp(xs[s] - m)
             total = butterfly(total, lambda a, b: a + b)
-            for s in range_constexpr(S):
-                p = es[s] / total
-                if const_expr(G * (s + 1) > E):
-                    p = (j + s * G < E).select(p, NEG_INF)
-                ps.append(p)
+            sel_v = [fmath.exp(v - m) / total for v in sel_x]
         else:
-            for s in range_constexpr(S):
-                p = 1.0 / (1.0 + fmath.exp(-xs[s]))
-                if const_expr(G * (s + 1) > E):
-                    p = (j + s * G < E).select(p, NEG_INF)
-                ps.append(p)
-
-        # Top-k: k rounds of arg-max; the winner's slot is masked to -inf.
-        sel_v = []
-        sel_i = []
-        for _r in range_constexpr(K):
-            bv = ps[0]
-            bi = j
-            for s in range_constexpr(1, S):
-                take = ps[s] > bv  # strict: equal scores keep the lower id
-                bv = take.select(ps[s], bv)
-                bi = take.select(j + s * G, bi)
-            for sh in range_constexpr(6):
-                if const_expr((1 << sh) < G):
-                    ov = bv.shuffle_xor(1 << sh, WAVE)
-                    oi = bi.shuffle_xor(1 << sh, WAVE)
-                    take = better(bv, bi, ov, oi)
-                    bv = take.select(ov, bv)
-                    bi = take.select(oi, bi)
-            sel_v.append(bv)
-            sel_i.append(bi)
-            for s in range_constexpr(S):
-                ps[s] = (j + s * G == bi).select(NEG_INF, ps[s])
+            sel_v = [1.0 / (1.0 + fmath.exp(-v)) for v in sel_x]
 
         if const_expr(plan.renormalize):
             denom = sel_v[0]
             for r_i in range_constexpr(1, K):
                 denom = denom + sel_v[r_i]
+            denom = denom + RENORM_EPS
             sel_v = [v / denom for v in sel_v]
 
         # Lane j < k writes pair j (select chain: the pairs are replicated in the group).

@@ -19,6 +19,8 @@ def _supports(logits_TE, k, score, renormalize, bias_E, route_scale, n_groups, t
         return "selection bias / expert groups not implemented"
     if return_permutation:
         return "permutation not implemented"
+    if logits_TE.shape[1] > 1 and logits_TE.stride(1) != 1:
+        return "last dim not contiguous"
     ok, reason = kernel.supports(logits_TE.shape[-1], k, logits_TE.dtype, score)
     return True if ok else reason
 

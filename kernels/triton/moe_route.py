@@ -75,6 +75,9 @@ MAX_E = 1024
 # 128 that 4 programs of 4 warps per SM allow (tests/kernels/triton/test_moe_route_sm90.py), so it stays off there.
 # Both choices are untimed on those versions.
 NEWER_TRITON = tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", triton.__version__).groups()) >= (3, 7)
+# ROCm: libdevice's fast division is CUDA's (__nv_fast_fdividef), which the AMD backend cannot link: there the fast
+# sigmoid is off (tests/kernels/triton/test_moe_route_gfx950.py compiles the biased kernels for gfx950)
+ON_HIP = torch.version.hip is not None
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EPS = tl.constexpr(RENORM_EPS)
 _MINUS_LOG2E = tl.constexpr(-1.4426950408889634)  # tl.exp(v) is ex2(v * log2(e)): the same product, negated
@@ -546,7 +549,7 @@ class LaunchConfig:
     programs_per_sm: int = 4  # persistent grid: SMs * programs_per_sm programs (fewer when there are fewer tiles)
     num_stages: int = 1  # software pipelining of the tile loop
     prefetch: bool = False  # load the next tile into registers before ranking this one
-    fast_sigmoid: bool = True  # see _exact_values
+    fast_sigmoid: bool = True  # see _exact_values (CUDA only: off on ROCm, see ON_HIP)
     direct_store: bool | None = None  # see _store_step; None: by the Triton version
     relaxed_tail: bool = False  # see _ticket_tail
     # "packed": _packed_tail where its fields fit (else the ticket); "ticket": _ticket_tail; None: by row width, as
@@ -824,7 +827,7 @@ def _plan(
         PERM=perm,
         DIRECT_STORE=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
         PREFETCH=cfg.prefetch,
-        FAST_SIGMOID=cfg.fast_sigmoid,
+        FAST_SIGMOID=cfg.fast_sigmoid and not ON_HIP,
         TALLY_SEM="relaxed" if cfg.relaxed_tail else "release",
         READ_SEM="relaxed" if cfg.relaxed_tail else "acq_rel",
         PACKED_TAIL=packed,

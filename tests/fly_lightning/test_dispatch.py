@@ -64,7 +64,8 @@ def test_policy_change_makes_a_new_decision():
     op(torch.ones(2))
     recs = DISPATCH_LOG.records("scratch")
     assert [(r["backend"], r["calls"]) for r in recs] == [("triton", 2), ("aten", 1)]
-    assert "not enabled" not in recs[1]["reason"]  # aten-only policy: triton simply not a candidate
+    # aten-only policy: triton is simply not a candidate, so it is passed over without a reason
+    assert not recs[1]["fallback"] and "triton" not in recs[1]["reason"]
 
 
 def test_backend_preference_order_respected():
@@ -110,19 +111,90 @@ def test_measure_selects_fastest_and_records_tuning():
 
 
 def test_validation_runs_once_per_signature_before_any_backend():
-    seen = []
-    op = Op(
-        name="v",
-        reference=lambda x: x,
-        signature=lambda x: (x.shape,),
-        validate=lambda x: seen.append(1) or (_ for _ in ()).throw(ValueError("bad")) if x.dim() == 0 else None,
-    )
-    op.implement("aten")(op.reference)
+    events = []
+
+    def validate(x):
+        events.append("validate")
+        if x.dim() == 0:
+            raise ValueError("bad")
+
+    op = Op(name="v", reference=lambda x: x, signature=lambda x: (x.shape,), validate=validate)
+    op.implement("aten")(lambda x: events.append("aten") or x)
+    op.implement("triton")(lambda x: events.append("triton") or x)
     op(torch.ones(2))
     op(torch.ones(2))
-    assert seen == []
+    assert events == ["validate", "triton", "triton"]
+    events.clear()
     with pytest.raises(ValueError, match="bad"):
         op(torch.tensor(1.0))
+    assert events == ["validate"]  # no backend ran
+
+
+def test_unhashable_argument_reported_by_validation():
+    def validate(x, k):
+        if not isinstance(k, int):
+            raise ValueError(f"k must be an int, got {type(k).__name__}")
+
+    op = Op(name="u", reference=lambda x, k: x, signature=lambda x, k: (x.shape, k), validate=validate)
+    op.implement("aten")(op.reference)
+    with pytest.raises(ValueError, match="k must be an int, got list"):
+        op(torch.ones(2), [2])
+
+
+def test_support_predicate_that_raises_is_a_recorded_fallback():
+    def predicate(x):
+        raise AttributeError("no such attribute")
+
+    op, calls = _scratch_op(triton_supports=predicate)
+    assert torch.equal(op(torch.ones(2)), torch.full((2,), 2.0))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "aten" and rec["fallback"] and calls == []
+    assert "triton: support check raised AttributeError: no such attribute" in rec["reason"]
+
+
+def test_measure_records_a_candidate_that_raises():
+    def broken(x):
+        raise RuntimeError("too many resources requested")
+
+    op, _ = _scratch_op(triton_fn=broken)
+    with dispatch_config(select="measure"):
+        out = op(torch.ones(2))
+    assert torch.equal(out, torch.full((2,), 2.0))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "aten" and set(rec["timings_ms"]) == {"aten"}
+    assert "triton: raised when measured: RuntimeError: too many resources requested" in rec["reason"]
+
+
+def test_reset_availability_forgets_decisions(monkeypatch):
+    x = torch.ones(2, 8)
+    fly_lightning.rms_norm(x, None, 1e-6)
+    assert DISPATCH_LOG.records("rms_norm")[-1]["backend"] == "triton"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    fly_lightning.backends.reset_availability()
+    try:
+        fly_lightning.rms_norm(x, None, 1e-6)  # the same signature: decided again, Triton gone
+    finally:
+        monkeypatch.undo()
+        fly_lightning.backends.reset_availability()
+    rec = DISPATCH_LOG.records("rms_norm")[-1]
+    assert rec["backend"] == "aten" and "triton: no CUDA/ROCm device" in rec["reason"]
+
+
+def test_unknown_op_name_in_policy_raises():
+    with pytest.raises(ValueError, match=r"unknown operator\(s\) \['rmsnorm'\]"):
+        with dispatch_config(disabled_ops={"rmsnorm"}):
+            pass
+    # a policy that reached dispatch without being set (the environment's) is checked on first use
+    from fly_lightning import policy
+
+    op, _ = _scratch_op()
+    monkey = policy.DispatchConfig(op_backends={"rms_nrom": ("aten",)})
+    previous, policy._active = policy._active, monkey
+    try:
+        with pytest.raises(ValueError, match="rms_nrom"):
+            op(torch.ones(2))
+    finally:
+        policy._active = previous
 
 
 def test_table_and_summary():

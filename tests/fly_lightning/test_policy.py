@@ -44,6 +44,23 @@ def test_equal_configs_share_a_uid():
     assert a.uid != DispatchConfig().uid
 
 
+def test_config_is_immutable_and_hashable():
+    cfg = DispatchConfig(op_backends={"grouped_mm": ("triton",)})
+    with pytest.raises(TypeError):
+        cfg.op_backends["rms_norm"] = ("triton",)  # a changed mapping under an unchanged uid would share its cache
+    same = DispatchConfig(op_backends={"grouped_mm": ["triton"]})
+    assert cfg == same and hash(cfg) == hash(same) and cfg.uid == same.uid
+    assert {cfg: 1}[same] == 1
+
+
+def test_unknown_op_names_reported():
+    cfg = DispatchConfig(disabled_ops={"rmsnorm"}, op_backends={"moe_route": ("triton",), "topK": ("triton",)})
+    assert cfg.unknown_ops({"rms_norm", "moe_route", "topk"}) == ["rmsnorm", "topK"]
+    with pytest.raises(ValueError, match=r"unknown operator\(s\) \['rmsnorm', 'topK'\]"):
+        set_dispatch_config(cfg)
+    assert get_dispatch_config() != cfg  # not set
+
+
 def test_env_vars():
     cfg = config_from_env(
         {

@@ -87,11 +87,12 @@ def test_flydsl_is_compile_only_and_everything_else_tested():
 
 
 def test_rows_report_availability_here():
-    for row in support.rows():
-        reason = BACKENDS[row["backend"]].unavailable_reason()
-        assert row["here"] == ("available" if reason is None else f"unavailable: {reason}")
-        if row["backend"] == "aten":
-            assert row["here"] == "available"
+    # this machine (CI and developers): no GPU, Triton through its interpreter (conftest), FlyDSL without ROCm
+    here = {(r["op"], r["backend"]): r["here"] for r in support.rows()}
+    assert {h for (_, b), h in here.items() if b == "aten"} == {"available"}
+    assert {h for (_, b), h in here.items() if b == "triton"} == {"available"}
+    flydsl = {h for (_, b), h in here.items() if b == "flydsl"}
+    assert len(flydsl) == 1 and next(iter(flydsl)).startswith("unavailable: ") and "ROCm" in next(iter(flydsl))
 
 
 def test_cli_markdown_is_the_module_output(cli_markdown):

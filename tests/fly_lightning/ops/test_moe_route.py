@@ -50,7 +50,7 @@ def assert_routing_matches(out, ref, args):
             v = _selection_values(logits, score, bias, n_groups, topk_groups)[differ]
             got = v.gather(1, ids[differ].long()).sort(1).values
             want = v.gather(1, rids[differ].long()).sort(1).values
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7, equal_nan=True)
             assert differ.float().mean() < 0.2, "too many rows differ for rounding alone"
         rows = ~differ
     torch.testing.assert_close(w[rows], rw[rows], equal_nan=True, **ATOL)
@@ -305,7 +305,7 @@ def test_compile_validates_at_trace_time():
 
 
 @pytest.mark.parametrize("perm", [False, True])
-def test_deterministic_algorithms_same_result_and_all_outputs_written(perm):
+def test_deterministic_algorithms_same_result_and_all_outputs_written(perm, poisoned_outputs):
     logits = torch.randn(70, 60, dtype=torch.bfloat16)
     args = (logits, 6, "softmax", True, None, 1.0, None, None, perm)
     out0 = moe_route_op(*args)
@@ -364,6 +364,7 @@ def test_disabled_op_runs_aten_with_reason():
         (dict(k=2, n_groups=2, topk_groups=3), r"topk_groups must be in \[1, n_groups=2\]"),
         (dict(k=5, n_groups=4, topk_groups=2), "larger than the 4 experts of 2 groups"),
         (dict(k=2, route_scale=float("nan")), "route_scale must be finite"),
+        (dict(k=2, route_scale=1e300), "route_scale must be finite in fp32"),
         (dict(k=2, n_groups=4, topk_groups=2.0), "topk_groups must be an int"),
         (dict(k=2, n_groups=True, topk_groups=1), "n_groups must be an int"),
     ],

@@ -42,6 +42,13 @@ def test_matches_reference_and_torch_topk(lead, n, k, dtype, scale):
     assert torch.equal(x.gather(-1, ti), x.gather(-1, i))
 
 
+@pytest.mark.parametrize("shape,k", [((3, 0), 0), ((0, 5), 2), ((2, 0, 5), 3)])
+def test_empty_input_runs_on_triton_without_a_launch(shape, k):
+    v, i = topk(torch.randn(shape), k)
+    assert v.shape == (*shape[:-1], k) and i.shape == v.shape
+    assert _last()["backend"] == "triton" and not _last()["fallback"]
+
+
 def test_ties_rank_lower_index_first_unlike_aten():
     x = torch.randint(0, 3, (64, 24)).float()
     _, i = topk(x, 5)
@@ -88,7 +95,7 @@ def test_torch_compile_fullgraph_forward_and_backward():
     assert _last()["backend"] == "triton"
 
 
-def test_deterministic_algorithms_same_result_and_all_outputs_written():
+def test_deterministic_algorithms_same_result_and_all_outputs_written(poisoned_outputs):
     x = torch.randn(70, 200, dtype=torch.bfloat16)
     v0, i0 = topk(x, 8)
     torch.use_deterministic_algorithms(True)

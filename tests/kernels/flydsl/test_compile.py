@@ -276,3 +276,34 @@ def test_ziglang_lld_is_a_working_fallback_linker():
     assert path is not None, "ziglang is part of the flydsl extra"
     out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "LLD" in out.stdout
+
+
+class _RocmLogits:
+    """Stands in for logits on a ROCm GPU (none here): what the registered support predicate reads."""
+
+    def __init__(self, shape, stride, dtype=torch.bfloat16):
+        self.shape, self._stride, self.dtype = torch.Size(shape), stride, dtype
+        self.device = torch.device("cuda", 0)
+
+    def stride(self, dim=None):
+        return self._stride if dim is None else self._stride[dim]
+
+
+@pytest.mark.parametrize(
+    "logits,kwargs,expect",
+    [
+        (_RocmLogits((16, 64), (64, 1)), {}, True),
+        (_RocmLogits((16, 64), (1, 16)), {}, "last dim not contiguous"),
+        (_RocmLogits((16, 64), (64, 1)), {"return_permutation": True}, "permutation not implemented"),
+        (_RocmLogits((16, 64), (64, 1)), {"n_groups": 8, "topk_groups": 4}, "selection bias / expert groups"),
+        (_RocmLogits((16, 512), (512, 1)), {}, "E=512"),
+    ],
+)
+def test_registered_moe_route_support_predicate(monkeypatch, logits, kwargs, expect):
+    from fly_lightning.kernels.flydsl import moe_route as backend
+
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    args = dict(k=2, score="softmax", renormalize=True, bias_E=None, route_scale=1.0, n_groups=None,
+                topk_groups=None, return_permutation=False) | kwargs  # fmt: skip
+    verdict = backend._supports(logits, **args)
+    assert verdict is True if expect is True else expect in verdict

@@ -3,7 +3,6 @@ report each variant as JSON on stdout (run by ``test_moe_route_gfx950.py``, with
 
 import json
 import sys
-from dataclasses import replace
 
 import torch
 import triton

@@ -26,8 +26,8 @@ from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts
 from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import inverse_permutation, moe_grouped_mm
-from fly_lightning.ops.moe_route import moe_route
-from fly_lightning.ops.swiglu import split_gate_up, swiglu
+from fly_lightning.ops.moe_route import moe_route, moe_route_reference
+from fly_lightning.ops.swiglu import split_gate_up, swiglu, swiglu_reference
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "fused"
@@ -99,6 +99,37 @@ def experts_forward(
         weights_Tk = torch.ones_like(weights_Tk)  # the combine is then a plain sum (still in fp32)
     rows = grouped_mm(swiglu(gate_up, up), down_EIH, offs_E)  # expert order
     return moe_combine(rows, weights_Tk, inv, out_dtype=x_TH.dtype)
+
+
+def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
+    """What ``moe`` computes, in plain torch with a loop over the experts hit (no dispatch, nothing logged, no state
+    updated): the oracle that the transform's probe compares a wrapped block with. Expert rows run in the weights'
+    dtype, the combine in fp32 (as ``moe_combine``)."""
+    x = hidden_states.reshape(-1, moe.hidden_size)
+    bias = moe.selection_bias()
+    weights, ids, *_ = moe_route_reference(
+        moe.router_logits(x), moe.top_k, moe.score_func, moe.norm_topk_prob, bias, moe.route_scale, moe.n_groups,
+        moe.topk_groups,
+    )  # fmt: skip
+    gate_up, up, down = moe.experts.projections()
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = torch.zeros(x.shape, dtype=acc, device=x.device)
+    for e in ids.unique().tolist():
+        tok, slot = torch.where(ids == e)
+        xe = x[tok].to(down.dtype)
+        w = weights[tok, slot].unsqueeze(1)
+        gate, u = split_gate_up(xe @ gate_up[e], None if up is None else xe @ up[e])
+        if moe.score_before_experts:
+            gate, u = gate * w.to(gate.dtype), u * w.to(u.dtype)
+            w = torch.ones_like(w)
+        rows = swiglu_reference(gate, u) @ down[e]
+        y.index_add_(0, tok, rows.to(acc) * w.to(acc))
+    y = y.to(x.dtype)
+    if moe.shared_experts is not None:
+        y = y + moe.shared_experts(x)
+    if getattr(moe, "shared_expert", None) is not None:
+        y = y + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+    return y.reshape(hidden_states.shape)
 
 
 class FlyMoE(nn.Module):

@@ -185,6 +185,12 @@ def _expert_list(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
             moe.experts.gate_up_proj[j, :i].copy_(getattr(ex, gate_n).weight)
             moe.experts.gate_up_proj[j, i:].copy_(getattr(ex, up_n).weight)
             moe.experts.down_proj[j].copy_(getattr(ex, down_n).weight)
+    # the stacked Parameters keep the experts' requires_grad (frozen experts stay frozen); one flag per stack
+    for stacked, names in ((moe.experts.gate_up_proj, (gate_n, up_n)), (moe.experts.down_proj, (down_n,))):
+        flags = {getattr(ex, n).weight.requires_grad for ex in experts for n in names}
+        if len(flags) > 1:
+            _reject(module, f"experts mix frozen and trainable {'/'.join(names)} weights (one stacked tensor each)")
+        stacked.requires_grad_(flags.pop())
     _attach_shared(moe, module)
     return moe
 

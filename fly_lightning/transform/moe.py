@@ -2,16 +2,40 @@
 
 Recognition is structural (an ``experts`` container plus a ``gate`` or ``router.gate``); ``FlyMoE.from_module``
 decides whether it computes the same function and says why not (DeepSeek-V3's group-limited router, non-SiLU experts,
-biases, router jitter).
+biases, router jitter). Structure cannot show everything a block computes (a sigmoid router without a bias, a clamp
+before the activation, an extra norm), so two checks follow:
+
+- state: the replacement's state_dict has exactly the original's keys and shapes (state it would drop or add means
+  it does not model the block, and checkpoints would change);
+- probe: with real weights, the original block and ``moe_reference`` of the replacement run on random tokens (of
+  unit and of large scale) and must agree (tokens whose k-th and next expert tie are skipped: tie order is not the
+  block's math). With weights on the meta device or sharded no probe can run, so only the block classes in
+  ``_KNOWN`` are swapped then.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections import OrderedDict
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
-from fly_lightning.modules.moe import FlyMoE
+from fly_lightning.dtensor import is_dtensor
+from fly_lightning.modules.moe import FlyMoE, moe_reference
 from fly_lightning.transform.core import Matcher, Unsupported, register_matcher
+
+# (module prefix, class): blocks whose math the conversion is known to reproduce (tests/fly_lightning/transform)
+_KNOWN = {
+    ("transformers.models.mixtral.", "MixtralSparseMoeBlock"),
+    ("transformers.models.qwen2_moe.", "Qwen2MoeSparseMoeBlock"),
+    ("transformers.models.qwen3_moe.", "Qwen3MoeSparseMoeBlock"),
+    ("transformers.models.olmoe.", "OlmoeSparseMoeBlock"),
+    ("transformers.models.deepseek_v3.", "DeepseekV3MoE"),
+    ("torchtitan.", "MoE"),
+}
+_PROBE_TOKENS = 64
 
 
 def _match(module: nn.Module) -> str | None:
@@ -38,6 +62,87 @@ def _records_router_logits(root: nn.Module) -> bool:
     return any(getattr(getattr(m, "config", None), "output_router_logits", False) for m in root.modules())
 
 
+def _check_state(module: nn.Module, new: FlyMoE) -> None:
+    old = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    got = {k: tuple(v.shape) for k, v in new.state_dict(keep_vars=True).items()}
+    if dropped := sorted(old.keys() - got.keys()):
+        raise Unsupported(f"state the swapped block does not model: {', '.join(dropped[:4])}")
+    if added := sorted(got.keys() - old.keys()):
+        raise Unsupported(f"the swapped block would add state: {', '.join(added[:4])}")
+    if changed := sorted(k for k in old if old[k] != got[k]):
+        raise Unsupported(f"state of another shape in the swapped block: {', '.join(changed[:4])}")
+
+
+@contextlib.contextmanager
+def _unobserved(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` for the probe only: its forward hooks (transformers' output recorders, user hooks) are off and
+    its buffers (torchtitan's ``tokens_per_expert``) are restored afterwards."""
+    hooks = [(m, m._forward_hooks, m._forward_pre_hooks) for m in module.modules()]
+    buffers = [(b, b.clone()) for b in module.buffers()]
+    try:
+        for m, _, _ in hooks:
+            m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, forward, pre in hooks:
+            m._forward_hooks, m._forward_pre_hooks = forward, pre
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+
+
+def _boundary_ties(moe: FlyMoE, x_TH: torch.Tensor) -> torch.Tensor:
+    """Tokens whose k-th and (k+1)-th ranked values are equal up to the logits' rounding: which expert such a token
+    takes depends on tie order, not on the block's math."""
+    logits = moe.router_logits(x_TH).float()
+    bias = moe.selection_bias()
+    sel = logits if bias is None else torch.sigmoid(logits) + bias.float()
+    if moe.top_k >= sel.shape[1]:
+        return torch.zeros(sel.shape[0], dtype=torch.bool, device=sel.device)
+    top = sel.topk(moe.top_k + 1, dim=-1).values
+    gap = top[:, -2] - top[:, -1]
+    return gap <= torch.finfo(moe.router_weight.dtype).eps * 4 * top[:, -2].abs().clamp_min(1e-3)
+
+
+def _probe(module: nn.Module, new: FlyMoE) -> None:
+    """Raise ``Unsupported`` unless ``new`` reproduces ``module`` on random tokens (see the module docstring)."""
+    dtype = new.experts.projections()[0].dtype
+    device = new.router_weight.device
+    g = torch.Generator().manual_seed(0)
+    # half the tokens at unit scale, half at 30x: clamps and saturations that unit inputs never reach show there
+    scale = torch.ones(_PROBE_TOKENS, 1).index_fill_(0, torch.arange(1, _PROBE_TOKENS, 2), 30.0)
+    x = (torch.randn(_PROBE_TOKENS, new.hidden_size, generator=g) * scale).to(device=device, dtype=dtype)
+    want, failure = None, None
+    for shape in ((2, _PROBE_TOKENS // 2, new.hidden_size), x.shape):  # [B, S, H] (transformers), else [T, H]
+        try:
+            with torch.no_grad(), _unobserved(module):
+                want = module(x.reshape(shape).clone())
+            x = x.reshape(shape)
+            break
+        except Exception as exc:  # noqa: BLE001 - a block that needs more than hidden states cannot be probed
+            failure = failure or exc
+    if want is None:
+        raise Unsupported(f"probe: the original block failed on random tokens ({type(failure).__name__})")
+    want = want[0] if isinstance(want, tuple) else want
+    with torch.no_grad():
+        got = moe_reference(new, x)
+        keep = ~_boundary_ties(new, x.reshape(-1, new.hidden_size))
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+        raise Unsupported("probe: the original block's output is not a tensor of its input's shape")
+    want, got = want.reshape(-1, new.hidden_size)[keep].float(), got.reshape(-1, new.hidden_size)[keep].float()
+    if not torch.isfinite(want).all():
+        raise Unsupported("probe: the original block gives non-finite outputs (uninitialised weights?)")
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
+    if not err <= tol:
+        raise Unsupported(f"probe: the swapped block computes something else (relative error {err:.1e} > {tol:.0e})")
+
+
+def _probeable(module: nn.Module) -> bool:
+    tensors = [*module.parameters(), *module.buffers()]
+    return not any(t.is_meta or is_dtensor(t) for t in tensors)
+
+
 def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
     if variant != "hf_v5":  # only transformers v5 blocks keep their router module, so only their router's hooks fire
         router = module.router.gate if variant == "torchtitan" else module.gate
@@ -49,6 +154,12 @@ def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
         new = FlyMoE.from_module(module)
     except ValueError as exc:
         raise Unsupported(str(exc).removeprefix("FlyMoE.from_module: ")) from None
+    _check_state(module, new)
+    cls = type(module)
+    if _probeable(module):
+        _probe(module, new)
+    elif not any(cls.__module__.startswith(prefix) and cls.__name__ == name for prefix, name in _KNOWN):
+        raise Unsupported("weights on meta / sharded: a block class not known to convert needs a probe on real weights")
     new.train(module.training)
     return new
 

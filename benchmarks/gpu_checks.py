@@ -299,6 +299,51 @@ def _double_backward() -> str | None:
     return None
 
 
+@check("MoE transform probe on CUDA: fp32 under TF32 and bf16 blocks swapped, a look-alike left")
+def _moe_transform_probe() -> str | None:
+    """The transform's probe runs the original block and the replacement's reference on the GPU: correct blocks must
+    pass it whatever the fp32 matmul precision (Lightning users set "high": TF32), a block with other math must not."""
+    import transformers
+    from torch import nn
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=16,
+                                      num_experts_per_tok=4, norm_topk_prob=True)  # fmt: skip
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            block = Qwen3MoeSparseMoeBlock(cfg).to("cuda", dtype)
+            with torch.no_grad():
+                for p in block.parameters():
+                    p.normal_(0, 0.05)
+            summary = fly_lightning.transform(nn.ModuleDict({"mlp": block}))
+            if [m for _, _, m in summary.swapped] != ["moe:hf_v5"]:
+                return f"{dtype}: not swapped: {summary.left}"
+        torch.manual_seed(0)
+        sigmoid_router = Qwen3MoeSparseMoeBlock(cfg).to("cuda")
+        with torch.no_grad():
+            for p in sigmoid_router.parameters():
+                p.normal_(0, 0.05)
+        sigmoid_router.gate.forward = lambda x, g=sigmoid_router.gate: _sigmoid_router(g, x)
+        summary = fly_lightning.transform(nn.ModuleDict({"mlp": sigmoid_router}))
+        if summary.swapped or not summary.left[0][2].startswith("probe:"):
+            return f"a sigmoid router was not told apart: {summary}"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    return None
+
+
+def _sigmoid_router(gate, x):
+    """Qwen3's router with sigmoid scores instead of softmax (same state, other math)."""
+    logits = F.linear(x.reshape(-1, x.shape[-1]), gate.weight)
+    scores = torch.sigmoid(logits.float())
+    w, ids = torch.topk(scores, gate.top_k, dim=-1)
+    return logits, (w / w.sum(-1, keepdim=True)).to(logits.dtype), ids
+
+
 def main() -> int:
     torch.manual_seed(0)
     results = []

@@ -31,7 +31,7 @@ import torch
 from fly_lightning.callbacks import _common
 from fly_lightning.callbacks.manifest import Usage, make_manifest, merge_sections, rank_sections, write_manifest
 from fly_lightning.dispatch_log import DISPATCH_LOG
-from fly_lightning.policy import get_dispatch_config
+from fly_lightning.policy import DispatchConfig, get_dispatch_config
 from fly_lightning.registry import OPS
 
 if TYPE_CHECKING:
@@ -71,11 +71,14 @@ class DispatchCoverage(pl.Callback):
         self._unsubscribe = None
         self._trainer: pl.Trainer | None = None
         self._dir: Path | None = None
+        self._policy = None
 
     # --- tracking ---------------------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
         self._dir = _common.resolve_dir(trainer, self.dirpath)
+        # the policy in force for the fit: a fly strategy restores the previous one in teardown, before on_fit_end
+        self._policy = get_dispatch_config()
         with self._lock:
             self._baseline = {d: d.calls for d in DISPATCH_LOG.decisions}
             self._new = {}
@@ -137,7 +140,7 @@ class DispatchCoverage(pl.Callback):
         if not trainer.is_global_zero:
             return
         sections = merge_sections(per_rank)
-        self.manifest = make_manifest(sections, _run_info(trainer, len(per_rank)))
+        self.manifest = make_manifest(sections, _run_info(trainer, len(per_rank), self._policy))
         directory = self._dir or _common.resolve_dir(trainer, self.dirpath)
         self.manifest_path = write_manifest(self.manifest, directory / self.filename)
         if self.print_table:
@@ -192,7 +195,7 @@ def coverage_table(manifest: dict[str, Any], title: str = "fly-lightning dispatc
     return table
 
 
-def _run_info(trainer: pl.Trainer, world_size: int) -> dict[str, Any]:
+def _run_info(trainer: pl.Trainer, world_size: int, policy: DispatchConfig | None = None) -> dict[str, Any]:
     import lightning
 
     import fly_lightning
@@ -214,7 +217,7 @@ def _run_info(trainer: pl.Trainer, world_size: int) -> dict[str, Any]:
         "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "world_size": world_size,
         "global_step": trainer.global_step,
-        "policy": repr(get_dispatch_config()),
+        "policy": repr(policy or get_dispatch_config()),
         "device": device,
         "versions": versions,
     }

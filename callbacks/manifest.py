@@ -126,8 +126,10 @@ def merge_sections(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
                 by_backend[backend] = by_backend.get(backend, 0) + calls
         op["by_backend"] = by_backend
         op["calls"] = sum(by_backend.values())
+        # ATen calls of signatures where a specialised backend was passed over, on whichever rank (ranks may decide
+        # differently under select="measure"): counted per call, not by the signature's majority backend
         op["fallback_calls"] = sum(
-            s["calls"] for s in op["signatures"].values() if s["backend"] == "aten" and _has_specialised(s)
+            s["by_backend"].get("aten", 0) for s in op["signatures"].values() if _has_specialised(s)
         )
         special = op["calls"] - by_backend.get("aten", 0)
         op["specialised_share"] = round(special / op["calls"], 6) if op["calls"] else 0.0

@@ -86,8 +86,11 @@ class OperatorTime(pl.Callback):
     """Step time by operator and backend, measured with the torch profiler on one step every ``every_n_steps``.
 
     Args:
-        every_n_steps: profile one training batch in this many.
-        first_step: the first profiled batch (counted from 0 in this fit); skip the warm-up and compile steps.
+        every_n_steps: profile one optimizer step in this many.
+        first_step: the first profiled step (counted from 0 in this fit); skip the warm-up and compile steps.
+
+    A step is an optimizer step: with ``accumulate_grad_batches`` > 1 the profile spans all micro-batches of the
+    window and ends after the update (each batch is a step under manual optimization).
         dirpath: where ``op_time.json``/``op_time.png`` go; default the trainer's ``log_dir``.
         plot: write the PNG (needs matplotlib; skipped with a warning without it).
         print_each: print the table of every profiled step (rank 0), not only the summary at the end of fit.
@@ -117,23 +120,27 @@ class OperatorTime(pl.Callback):
         self.local_results: list[StepBreakdown] = []  # this rank's
         self.json_path: Path | None = None
         self.png_path: Path | None = None
-        self._batches = 0
-        self._due = False  # the current batch is a profiled one
+        self._steps = 0  # optimizer steps begun in this fit
+        self._due = False  # the current step is a profiled one
+        self._in_step = False  # between a step's first micro-batch and the batch that ends it
         self._session: _Session | None = None
         self._dir: Path | None = None
 
-    def due(self, batch: int) -> bool:
-        """Whether training batch number ``batch`` (from 0) is profiled."""
-        return batch >= self.first_step and (batch - self.first_step) % self.every_n_steps == 0
+    def due(self, step: int) -> bool:
+        """Whether optimizer step number ``step`` (from 0) is profiled."""
+        return step >= self.first_step and (step - self.first_step) % self.every_n_steps == 0
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._dir = _common.resolve_dir(trainer, self.dirpath)
-        self._batches, self._due = 0, False
+        self._steps, self._due, self._in_step, self._stepped = 0, False, False, False
         self.results, self.local_results = [], []
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        n = self._batches
-        self._batches += 1
+        if self._in_step:  # a later micro-batch of the step: the profile (if any) goes on
+            return
+        self._in_step, self._stepped = True, False
+        n = self._steps
+        self._steps += 1
         self._due = self.due(n)
         if not self._due:
             return
@@ -148,11 +155,15 @@ class OperatorTime(pl.Callback):
             rank_zero_warn(f"OperatorTime: could not start the profiler on batch {n}: {exc!r}")
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        self._stepped = True
         if self._session is not None:
             with torch.profiler.record_function(UPDATE_MARK):  # marks where the closure ends and the update begins
                 pass
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self._stepped and pl_module.automatic_optimization and trainer.accumulate_grad_batches > 1:
+            return  # accumulating: the step ends with the batch that updates
+        self._in_step = False
         if not self._due:
             return
         self._due = False
@@ -188,7 +199,7 @@ class OperatorTime(pl.Callback):
         )
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._due = False
+        self._due = self._in_step = False
         self._abort()  # a batch that started profiling but never reached on_train_batch_end
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

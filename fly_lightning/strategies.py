@@ -28,6 +28,7 @@ from torch import nn
 from fly_lightning.dispatch_log import DISPATCH_LOG
 from fly_lightning.policy import DispatchConfig, set_dispatch_config
 from fly_lightning.transform import TransformSummary, transform
+from fly_lightning.transform.core import SHARDED
 from fly_lightning.transform.optimizer_state import from_original_layout, to_original_layout
 
 
@@ -56,6 +57,8 @@ class _FlyStrategyMixin:
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
+        if isinstance(ops, str):  # tuple("rms_norm") would be its letters
+            raise TypeError(f"ops must be a collection of op family names, e.g. ops=[{ops!r}], not a string")
         self.fly_ops = None if ops is None else tuple(ops)
         self.fly_dispatch = dispatch
         self.fly_quantization = quantization
@@ -111,7 +114,13 @@ class _FlyStrategyMixin:
             return
         s = transform(model, ops=self.fly_ops)
         self.transform_summary.swapped += s.swapped
-        self.transform_summary.left = s.left  # the latest pass knows what is still left
+        # the latest pass knows what is still left; a module it finds sharded (the pass in setup(), after FSDP2 or
+        # TP sharded it) keeps the reason an earlier pass gave, which is why it was not swapped before sharding
+        # (what quantization could not reach is reported once, by the pass that quantized: it is kept)
+        earlier = {path: reason for path, _, reason in self.transform_summary.left}
+        self.transform_summary.left = [
+            (path, cls, earlier.get(path, reason) if reason == SHARDED else reason) for path, cls, reason in s.left
+        ] + [entry for entry in self.transform_summary.left if entry[2].startswith("quantization:")]
         self.transform_summary.unrecognised = s.unrecognised
         if self.fly_quantization is not None:
             self._fly_quantize(model)
@@ -137,9 +146,18 @@ class _FlyStrategyMixin:
             return True
 
         quantize_(model, self.fly_quantization, filter_fn=wanted)
+        # swapped MoE blocks hold their experts as stacked [E, ...] tensors: no nn.Linear for quantize_ to reach
+        from fly_lightning.modules.moe import FlyMoE
+
+        experts = [
+            (fqn, "FlyMoE", "quantization: experts are stacked [E, ...] tensors, not nn.Linear; the config does not "
+             "reach them (they run unquantized)")
+            for fqn, m in model.named_modules()
+            if isinstance(m, FlyMoE) and not getattr(m, "_fly_quantize_seen", False)
+        ]  # fmt: skip
         for m in model.modules():
             m._fly_quantize_seen = True
-        self.transform_summary.left += sharded
+        self.transform_summary.left += sharded + experts
 
 
 def _index_based(state: Any) -> bool:

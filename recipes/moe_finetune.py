@@ -203,7 +203,9 @@ def main(args: list[str] | None = None) -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # must precede any Triton kernel definition: start afresh
         os.execv(sys.executable, [sys.executable, "-m", "fly_lightning.recipes.moe_finetune", *args])
     if os.environ.get("TRITON_INTERPRET") == "1":
-        print(
+        from rich.console import Console
+
+        Console().print(
             "fly-finetune: no GPU, Triton kernels run through the interpreter (numerics as on GPU, speed meaningless)"
         )
     import fly_lightning  # noqa: F401  (registers the strategies)

@@ -117,7 +117,11 @@ def _list_state_dict_hook(module: ExpertList, state_dict: dict, prefix: str, loc
     inter = gate_up.shape[1] // 2
     for i in range(gate_up.shape[0]):
         kg, ku, kd = _list_keys(module, prefix, i)
-        state_dict[kg], state_dict[ku], state_dict[kd] = gate_up[i, :inter], gate_up[i, inter:], down[i]
+        views = {module.names[0]: (kg, gate_up[i, :inter]), module.names[1]: (ku, gate_up[i, inter:]),
+                 module.names[2]: (kd, down[i])}  # fmt: skip
+        for name in module.stock_order:  # the original module's key order (Mixtral: w1, w2, w3)
+            key, view = views[name]
+            state_dict[key] = view
 
 
 def _list_load_hook(

@@ -258,7 +258,8 @@ _grouped_mm_eager = eager_call(GROUPED_MM, grouped_mm_op, _setup_context, _backw
 
 
 def autocast_operands(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """Cast fp32 operands to the autocast dtype where autocast is on, as autocast does for ``mm``.
+    """Cast floating operands (fp32, or the other 16-bit type) to the autocast dtype where autocast is on, as
+    autocast does for ``mm`` (it leaves fp64 alone).
 
     Custom ops are invisible to autocast, so without this a ``bf16-mixed`` run would hand fp32 weights to the op and
     every call would fall back. The cast is differentiable: gradients reach the fp32 parameters as with ``F.linear``.
@@ -266,7 +267,7 @@ def autocast_operands(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
     if not isinstance(x, Tensor) or not isinstance(w, Tensor) or not torch.is_autocast_enabled(x.device.type):
         return x, w
     dtype = torch.get_autocast_dtype(x.device.type)
-    cast = lambda t: t.to(dtype) if t.dtype == torch.float32 else t  # noqa: E731 - autocast leaves fp64 alone
+    cast = lambda t: t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t  # noqa: E731
     return cast(x), cast(w)
 
 

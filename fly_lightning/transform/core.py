@@ -38,6 +38,7 @@ class Unsupported(Exception):
 
 
 MATCHERS: list[Matcher] = []
+SHARDED = "parameters already sharded (DTensor): transform before fully_shard / parallelize_module"
 
 # class-name endings of modules a user may expect us to handle, for the "not recognised" list
 _INTERESTING = ("norm", "moe", "moeblock", "experts", "router", "gate")
@@ -137,7 +138,7 @@ def _try_swap(module: nn.Module, wanted: set[str], root: nn.Module) -> nn.Module
             return f"family {m.family!r} not selected"
         if any(is_dtensor(p) for p in module.parameters()):
             # FSDP2 / TP keep references to this module (parameter swaps, hooks): swapping it now would break them
-            return "parameters already sharded (DTensor): transform before fully_shard / parallelize_module"
+            return SHARDED
         try:
             new = m.build(module, variant, root)
         except Unsupported as exc:

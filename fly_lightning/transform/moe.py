@@ -9,8 +9,8 @@ before the activation, an extra norm), so two checks follow:
   it does not model the block, and checkpoints would change);
 - probe: with real weights, the original block and ``moe_reference`` of the replacement run on random tokens (of
   unit and of large scale) and must agree (tokens whose k-th and next expert tie are skipped: tie order is not the
-  block's math). With weights on the meta device or sharded no probe can run, so only the block classes in
-  ``_KNOWN`` are swapped then.
+  block's math). With weights on the meta device or sharded no probe can run, and on a block that outputs zeros
+  (zero-initialised experts) it cannot tell: only the block classes in ``_KNOWN`` are swapped then.
 """
 
 from __future__ import annotations
@@ -75,15 +75,20 @@ def _check_state(module: nn.Module, new: FlyMoE) -> None:
 
 @contextlib.contextmanager
 def _unobserved(module: nn.Module) -> Iterator[None]:
-    """Run ``module`` for the probe only: its forward hooks (transformers' output recorders, user hooks) are off and
-    its buffers (torchtitan's ``tokens_per_expert``) are restored afterwards."""
+    """Run ``module`` for the probe only: its forward hooks (transformers' output recorders, user hooks) are off, its
+    buffers (torchtitan's ``tokens_per_expert``) are restored afterwards, and fp32 matmuls run without TF32."""
     hooks = [(m, m._forward_hooks, m._forward_pre_hooks) for m in module.modules()]
     buffers = [(b, b.clone()) for b in module.buffers()]
+    precision = torch.get_float32_matmul_precision()
+    # fp32 products at full precision on both sides: with TF32 (Lightning's "high"), two correct implementations
+    # that sum in another order differ by ~1e-3, above the fp32 tolerance
+    torch.set_float32_matmul_precision("highest")
     try:
         for m, _, _ in hooks:
             m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
         yield
     finally:
+        torch.set_float32_matmul_precision(precision)
         for m, forward, pre in hooks:
             m._forward_hooks, m._forward_pre_hooks = forward, pre
         with torch.no_grad():
@@ -104,8 +109,9 @@ def _boundary_ties(moe: FlyMoE, x_TH: torch.Tensor) -> torch.Tensor:
     return gap <= torch.finfo(moe.router_weight.dtype).eps * 4 * top[:, -2].abs().clamp_min(1e-3)
 
 
-def _probe(module: nn.Module, new: FlyMoE) -> None:
-    """Raise ``Unsupported`` unless ``new`` reproduces ``module`` on random tokens (see the module docstring)."""
+def _probe(module: nn.Module, new: FlyMoE) -> bool:
+    """Raise ``Unsupported`` unless ``new`` reproduces ``module`` on random tokens (see the module docstring); False
+    when the probe cannot tell (the block outputs zeros: zero-initialised experts, say)."""
     dtype = new.experts.projections()[0].dtype
     device = new.router_weight.device
     g = torch.Generator().manual_seed(0)
@@ -124,7 +130,7 @@ def _probe(module: nn.Module, new: FlyMoE) -> None:
     if want is None:
         raise Unsupported(f"probe: the original block failed on random tokens ({type(failure).__name__})")
     want = want[0] if isinstance(want, tuple) else want
-    with torch.no_grad():
+    with torch.no_grad(), _unobserved(nn.Module()):  # (the same full fp32 precision)
         got = moe_reference(new, x)
         keep = ~_boundary_ties(new, x.reshape(-1, new.hidden_size))
     if not isinstance(want, torch.Tensor) or want.shape != got.shape:
@@ -132,10 +138,13 @@ def _probe(module: nn.Module, new: FlyMoE) -> None:
     want, got = want.reshape(-1, new.hidden_size)[keep].float(), got.reshape(-1, new.hidden_size)[keep].float()
     if not torch.isfinite(want).all():
         raise Unsupported("probe: the original block gives non-finite outputs (uninitialised weights?)")
+    if not want.any():
+        return False
     err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
     tol = 1e-4 if dtype in (torch.float32, torch.float64) else 5e-2
     if not err <= tol:
         raise Unsupported(f"probe: the swapped block computes something else (relative error {err:.1e} > {tol:.0e})")
+    return True
 
 
 def _probeable(module: nn.Module) -> bool:
@@ -156,10 +165,14 @@ def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
         raise Unsupported(str(exc).removeprefix("FlyMoE.from_module: ")) from None
     _check_state(module, new)
     cls = type(module)
-    if _probeable(module):
-        _probe(module, new)
-    elif not any(cls.__module__.startswith(prefix) and cls.__name__ == name for prefix, name in _KNOWN):
-        raise Unsupported("weights on meta / sharded: a block class not known to convert needs a probe on real weights")
+    known = any(cls.__module__.startswith(prefix) and cls.__name__ == name for prefix, name in _KNOWN)
+    if not _probeable(module):
+        if not known:
+            raise Unsupported("weights on meta / sharded: a block class not known to convert needs a probe on real "
+                              "weights")  # fmt: skip
+    elif not _probe(module, new) and not known:
+        raise Unsupported("probe: the block outputs zeros on random tokens, so it cannot tell; a class not known to "
+                          "convert needs a probe on nonzero weights")  # fmt: skip
     new.train(module.training)
     return new
 

@@ -45,11 +45,13 @@ class Tiny(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def fit(root: Path, callbacks: list, steps: int = 4, log_every_n_steps: int = 2) -> tuple[pl.Trainer, Tiny]:
+def fit(
+    root: Path, callbacks: list, steps: int = 4, log_every_n_steps: int = 2, **trainer_kwargs
+) -> tuple[pl.Trainer, Tiny]:
     data = torch.utils.data.TensorDataset(torch.randn(steps * B, T, H), torch.randn(steps * B, T, H))
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        **({"devices": 1} | trainer_kwargs),
         max_steps=steps,
         logger=CSVLogger(root),
         log_every_n_steps=log_every_n_steps,

@@ -160,6 +160,21 @@ def test_merge_over_ranks():
     assert op["calls"] == 6 and op["by_backend"] == {"triton": 5, "aten": 1}
     assert op["specialised_share"] == pytest.approx(5 / 6)
     assert op["signatures"]["(2x4)"]["backend"] == "triton"
+    assert op["fallback_calls"] == 1  # the one ATen call, though the signature's majority backend is Triton
+
+
+def test_fallback_calls_count_every_aten_call_over_ranks():
+    # ranks that measured differently: rank 0 kept ATen (Triton slower there), rank 1 took Triton
+    def rank(by_backend: dict[str, int], rejected: dict[str, str]) -> dict:
+        sig = {"by_backend": by_backend, "shape": "2x4", "dtype": "float32", "rejected": rejected}
+        return {"ops": {"op": {"backends": ["aten", "triton"], "signatures": {"(2x4)": sig}}}, "cold_start": {}}
+
+    slower = {"triton": "slower when measured (0.1 ms)"}
+    for calls, expected in (((3, 2), 3), ((2, 3), 2)):
+        merged = merge_sections([rank({"aten": calls[0]}, slower), rank({"triton": calls[1]}, {"aten": "slower"})])
+        op = merged["ops"]["op"]
+        assert op["fallback_calls"] == expected
+        assert op["fallback_calls"] + op["specialised_share"] * op["calls"] == pytest.approx(op["calls"])
 
 
 def test_canonical_signature_is_readable_and_stable():
@@ -175,3 +190,14 @@ def test_manifest_sums_over_ranks(tiny, tmp_path):
     op = cb.manifest["ops"]["rms_norm"]
     assert cb.manifest["run"]["world_size"] == 2
     assert op["calls"] == 4 and op["signatures"][SIG]["by_backend"] == {"triton": 4}
+
+
+def test_manifest_records_the_policy_a_strategy_set(tiny, tmp_path):
+    # the strategy restores the previous policy in teardown, which Lightning runs before on_fit_end
+    from fly_lightning.strategies import FlySingleDeviceStrategy
+
+    cb = DispatchCoverage(print_table=False)
+    strategy = FlySingleDeviceStrategy(device="cpu", dispatch=fly_lightning.DispatchConfig(disabled_ops={"rms_norm"}))
+    tiny.fit(tmp_path, [cb], steps=2, strategy=strategy)
+    assert "disabled_ops=frozenset({'rms_norm'})" in cb.manifest["run"]["policy"]
+    assert cb.manifest["ops"]["rms_norm"]["by_backend"] == {"aten": cb.manifest["ops"]["rms_norm"]["calls"]}

@@ -152,6 +152,21 @@ def test_fit_profiles_only_the_chosen_steps(tiny, tmp_path, capsys):
     assert cb.png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_step_is_an_optimizer_step_under_gradient_accumulation(tiny, tmp_path):
+    # two micro-batches per step: a profiled step spans both and ends after the update, whatever the epoch boundary
+    cb = OperatorTime(every_n_steps=2, first_step=0, plot=False)
+    updates = []  # per optimizer step: whether a profile was running at its update
+    original = cb.on_before_optimizer_step
+    cb.on_before_optimizer_step = lambda *a: (updates.append(cb._session is not None), original(*a))[1]
+    _, model = tiny.fit(tmp_path, [cb], steps=4, accumulate_grad_batches=2)
+    assert model.ranges_on == [True, True, False, False] * 2  # 8 micro-batches over two epochs of 4
+    assert updates == [True, False, True, False]
+    assert [r.step for r in cb.results] == [1, 3]
+    for r in cb.results:
+        _assert_adds_up(r)
+        assert r.parts_ms["optimizer"] > 0
+
+
 def test_no_profiler_without_the_callback(tiny, tmp_path):
     with mock.patch.object(torch.profiler, "profile", wraps=torch.profiler.profile) as spy:
         _, model = tiny.fit(tmp_path, [], steps=2)

@@ -275,3 +275,58 @@ def test_checkpoints_resume_across_strategies_with_restacked_experts(list_moe_mo
         assert resumed.keys() == reference.keys()
         for k in reference:
             torch.testing.assert_close(resumed[k], reference[k], rtol=1e-4, atol=1e-5, msg=f"{ckpt} -> {strategy}: {k}")
+
+
+def test_quantization_reports_the_experts_it_cannot_reach(list_moe_model):
+    from dataclasses import dataclass
+
+    from torchao.core.config import AOBaseConfig
+    from torchao.quantization.transform_module import register_quantize_module_handler
+
+    @dataclass
+    class _TagLinear(AOBaseConfig):
+        pass
+
+    @register_quantize_module_handler(_TagLinear)
+    def _handler(module, config):
+        module.fly_test_tag = True
+        return module
+
+    strategy = fly_lightning.FlySingleDeviceStrategy(quantization=_TagLinear(), report=False)
+    torch.manual_seed(0)
+    module = _ListMoEModule(list_moe_model())
+    data = torch.utils.data.TensorDataset(torch.randn(8, list_moe_model.H), torch.randn(8, 1))
+    flags = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=1, **flags).fit(
+        module, torch.utils.data.DataLoader(data, batch_size=8)
+    )
+    tagged = sorted(n for n, m in module.named_modules() if getattr(m, "fly_test_tag", False))
+    assert tagged == ["net.0", "net.2"]  # the dense Linears; the experts are no longer Linear modules
+    (entry,) = [e for e in strategy.transform_summary.left if e[2].startswith("quantization:")]
+    assert entry[:2] == ("net.1", "FlyMoE") and "stacked [E, ...] tensors" in entry[2]
+
+
+def test_left_reason_survives_the_pass_after_sharding(monkeypatch):
+    from fly_lightning import strategies
+    from fly_lightning.transform import TransformSummary
+    from fly_lightning.transform.core import SHARDED
+
+    passes = iter(
+        [
+            TransformSummary(left=[("net.1", "CenteredNorm", "probe: no variant reproduces the original")]),
+            TransformSummary(left=[("net.1", "CenteredNorm", SHARDED), ("late", "FancyNorm", SHARDED)]),
+        ]
+    )
+    monkeypatch.setattr(strategies, "transform", lambda model, ops=None: next(passes))
+    strategy = fly_lightning.FlySingleDeviceStrategy(report=False)
+    strategy._fly_apply(nn.Linear(1, 1))
+    strategy._fly_apply(nn.Linear(1, 1))  # setup(), after FSDP2 sharded what the first pass left
+    assert strategy.transform_summary.left == [
+        ("net.1", "CenteredNorm", "probe: no variant reproduces the original"),
+        ("late", "FancyNorm", SHARDED),  # first seen sharded: that is its reason
+    ]
+
+
+def test_ops_given_as_a_string_is_an_error():
+    with pytest.raises(TypeError, match=r"ops=\['rms_norm'\]"):
+        fly_lightning.FlySingleDeviceStrategy(ops="rms_norm")

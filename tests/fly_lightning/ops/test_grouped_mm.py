@@ -138,10 +138,18 @@ def test_gradients_equal_atens(k_major, dtype):
     assert _rel_err(x.grad[:end], xd.grad[:end]) < TOL[dtype]
 
 
-def test_backward_does_not_run_the_kernel():
+def test_backward_does_not_run_the_kernel(monkeypatch):
+    from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+
+    launches = []
+    launch = gk._launch
+    monkeypatch.setattr(gk, "_launch", lambda *a, **k: (launches.append(1), launch(*a, **k))[1])
     x = torch.randn(20, 16).half().requires_grad_()
     w = _weights(2, 16, 16, torch.float16, False).requires_grad_()
-    grouped_mm(x, w, _offs([9, 11])).float().sum().backward()
+    y = grouped_mm(x, w, _offs([9, 11]))
+    assert len(launches) == 1
+    y.float().sum().backward()
+    assert len(launches) == 1 and x.grad is not None and w.grad is not None  # dX and dW ran on ATen
     (rec,) = DISPATCH_LOG.records("grouped_mm")
     assert rec["calls"] == 1 and rec["backend"] == "triton"
 
@@ -265,8 +273,16 @@ def test_offset_values_are_checked_on_every_call_also_through_the_custom_op():
             torch.ops.fly.grouped_mm(x, w, torch.tensor(bad, dtype=torch.int32), None)
 
 
+def test_autocast_casts_a_half_operand_beside_fp32_weights_like_mm():
+    x, w = torch.randn(10, 8).half(), torch.randn(2, 8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (x @ w[0]).dtype == torch.bfloat16  # what mm does
+        y = grouped_mm(x, w, _offs([4, 6]))
+    assert y.dtype == torch.bfloat16 and _last()["backend"] == "triton"
+
+
 def test_autocast_leaves_float64_alone_like_mm():
-    # autocast casts fp32 only: fp64 operands are refused as without autocast, not silently run in bf16
+    # autocast casts fp32 and 16-bit operands only: fp64 ones are refused as without autocast, not run in bf16
     x, w = torch.randn(10, 8, dtype=torch.float64), torch.randn(2, 8, 8, dtype=torch.float64)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert (x @ w[0]).dtype == torch.float64

@@ -147,3 +147,25 @@ def test_transformers_blocks_with_state_or_math_not_modelled_are_left():
                 p.normal_(0, 0.3)
         (got,) = [r for _, _, r in fly_lightning.transform(nn.ModuleDict({"mlp": block})).left]
         assert got.startswith(reason), (cls_name, got)
+
+
+def test_block_that_outputs_zeros_cannot_be_probed():
+    torch.manual_seed(0)
+    block = ListMoE()
+    with torch.no_grad():
+        for ex in block.experts:
+            ex.w2.weight.zero_()  # zero-initialised down projections (as some adapter inits do)
+    (reason,) = _left(_model(block))
+    assert "outputs zeros on random tokens, so it cannot tell" in reason
+
+
+def test_probe_ignores_tf32(monkeypatch):
+    # Lightning users often set "high" (TF32 on GPUs); the probe compares at full fp32 precision and restores it
+    torch.set_float32_matmul_precision("high")
+    try:
+        torch.manual_seed(0)
+        summary = fly_lightning.transform(_model(ListMoE()))
+        assert [m for _, _, m in summary.swapped] == ["moe:expert_list"]
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision("highest")

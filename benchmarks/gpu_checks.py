@@ -310,12 +310,15 @@ def _moe_transform_probe() -> str | None:
                                       num_experts_per_tok=4, norm_topk_prob=True)  # fmt: skip
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
+    class Probed(Qwen3MoeSparseMoeBlock):  # a class the transform does not list: it is probed before the swap
+        pass
+
     previous = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("high")
     try:
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
-            block = Qwen3MoeSparseMoeBlock(cfg).to("cuda", dtype)
+            block = Probed(cfg).to("cuda", dtype)
             with torch.no_grad():
                 for p in block.parameters():
                     p.normal_(0, 0.05)
@@ -323,13 +326,13 @@ def _moe_transform_probe() -> str | None:
             if [m for _, _, m in summary.swapped] != ["moe:hf_v5"]:
                 return f"{dtype}: not swapped: {summary.left}"
         torch.manual_seed(0)
-        sigmoid_router = Qwen3MoeSparseMoeBlock(cfg).to("cuda")
+        sigmoid_router = Probed(cfg).to("cuda")
         with torch.no_grad():
             for p in sigmoid_router.parameters():
                 p.normal_(0, 0.05)
         sigmoid_router.gate.forward = lambda x, g=sigmoid_router.gate: _sigmoid_router(g, x)
         summary = fly_lightning.transform(nn.ModuleDict({"mlp": sigmoid_router}))
-        if summary.swapped or not summary.left[0][2].startswith("probe:"):
+        if summary.swapped or not summary.left[0][2].startswith("probe: the swapped block computes something else"):
             return f"a sigmoid router was not told apart: {summary}"
     finally:
         torch.set_float32_matmul_precision(previous)

@@ -88,13 +88,14 @@ class OperatorTime(pl.Callback):
     Args:
         every_n_steps: profile one optimizer step in this many.
         first_step: the first profiled step (counted from 0 in this fit); skip the warm-up and compile steps.
-
-    A step is an optimizer step: with ``accumulate_grad_batches`` > 1 the profile spans all micro-batches of the
-    window and ends after the update (each batch is a step under manual optimization).
         dirpath: where ``op_time.json``/``op_time.png`` go; default the trainer's ``log_dir``.
         plot: write the PNG (needs matplotlib; skipped with a warning without it).
         print_each: print the table of every profiled step (rank 0), not only the summary at the end of fit.
         log_metrics: send the scalars of each profiled step to the loggers.
+
+    A step is an optimizer step: with ``accumulate_grad_batches`` > 1 the profile spans all micro-batches of the
+    window and ends after the update (each batch is a step under manual optimization). A validation run that falls
+    inside a profiled window is part of that step's time.
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class OperatorTime(pl.Callback):
         self._steps = 0  # optimizer steps begun in this fit
         self._due = False  # the current step is a profiled one
         self._in_step = False  # between a step's first micro-batch and the batch that ends it
+        self._stepped = False  # the optimizer stepped in the current window
         self._session: _Session | None = None
         self._dir: Path | None = None
 

@@ -78,6 +78,9 @@ class DispatchConfig:
     uid: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        for name in ("backends", "disabled_ops"):  # tuple("triton") would be its letters
+            if isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a collection of names, e.g. {name}=[{getattr(self, name)!r}]")
         object.__setattr__(self, "backends", _order(self.backends))
         object.__setattr__(self, "disabled_ops", frozenset(self.disabled_ops))
         object.__setattr__(

@@ -140,13 +140,27 @@ def eager_call(
             return _run_reference(op, args, reason)
         if _opaque(tensors):
             if not torch.compiler.is_compiling() and any(is_dtensor(t) for t in tensors):
-                return _run_reference(op, args, _NO_SHARD_RULE)
+                return _run_reference(op, _replicate_plain(args), _NO_SHARD_RULE)
             return custom_op(*args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return function.apply(*args)
         return op(*args)
 
     return call
+
+
+def _replicate_plain(args: tuple) -> tuple:
+    """Plain tensors beside DTensors as replicated DTensors on their mesh (DTensor ops refuse mixed operands; torch's
+    ``implicit_replication`` treats them the same way)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = next(a.device_mesh for a in args if is_dtensor(a))
+    return tuple(
+        DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        if isinstance(a, Tensor) and not is_dtensor(a)
+        else a
+        for a in args
+    )
 
 
 # The custom ops have no DTensor sharding rule (only ``rms_norm`` runs on local shards, ``fly_lightning.dtensor``):

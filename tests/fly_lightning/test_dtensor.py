@@ -218,5 +218,7 @@ def test_op_without_local_shard_rule_runs_the_reference_recorded(mesh):
     y = fly_lightning.ops.swiglu(distribute_tensor(gate, mesh, [Shard(0)]), distribute_tensor(up, mesh, [Shard(0)]))
     assert isinstance(y, DTensor)
     torch.testing.assert_close(y.full_tensor(), swiglu_reference(gate, up))
+    mixed = fly_lightning.ops.swiglu(distribute_tensor(gate, mesh, [Replicate()]), up)  # a plain tensor beside it
+    torch.testing.assert_close(mixed.full_tensor(), swiglu_reference(gate, up))
     (rec,) = DISPATCH_LOG.records("swiglu")
     assert rec["backend"] == "aten" and rec["fallback"] and "no local-shard rule" in rec["reason"]

@@ -61,6 +61,13 @@ def test_unknown_op_names_reported():
     assert get_dispatch_config() != cfg  # not set
 
 
+def test_a_string_for_a_collection_is_an_error():
+    with pytest.raises(TypeError, match=r"disabled_ops=\['rms_norm'\]"):
+        DispatchConfig(disabled_ops="rms_norm")
+    with pytest.raises(TypeError, match=r"backends=\['triton'\]"):
+        DispatchConfig(backends="triton")
+
+
 def test_env_vars():
     cfg = config_from_env(
         {

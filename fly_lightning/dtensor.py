@@ -25,6 +25,20 @@ def is_dtensor(t: Any) -> bool:
     return cls is not None and isinstance(t, cls)
 
 
+def replicate_plain(args: tuple) -> tuple:
+    """``args`` with every plain tensor made a replicated DTensor on the mesh of the DTensors among them: DTensor ops
+    refuse mixed operands, and torch's ``implicit_replication`` treats plain ones as replicated too."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    mesh = next(a.device_mesh for a in args if isinstance(a, DTensor))
+    return tuple(
+        DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        if isinstance(a, Tensor) and not isinstance(a, DTensor)
+        else a
+        for a in args
+    )
+
+
 def run_on_local_shards(
     op: Op,
     local_fn: Callable[..., Tensor],
@@ -47,13 +61,6 @@ def run_on_local_shards(
 
     if op.validate is not None:
         op.validate(x, *others, *scalars)
-    mesh = next(t.device_mesh for t in (x, *others) if isinstance(t, DTensor))
-
-    def as_dtensor(t: Any) -> Any:
-        if isinstance(t, Tensor) and not isinstance(t, DTensor):
-            return DTensor.from_local(t, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        return t
-
     reason = None
     if not isinstance(x, DTensor):
         reason = "x is a plain tensor but another argument is a DTensor"
@@ -71,13 +78,14 @@ def run_on_local_shards(
 
         placements = tuple(str(p) for p in getattr(x, "placements", ()))
         record_fallback(op, (placements, tuple(x.shape), x.dtype, reason), (x, *others), reason)
-        return reference_fn(as_dtensor(x), *map(as_dtensor, others))
+        return reference_fn(*replicate_plain((x, *others)))
     # a replicated argument's gradient from this rank's shard is only this shard's part: a partial sum over each mesh
     # dim along which x is sharded (reduced later, as for native DTensor ops), not a replicated value; a plain tensor
     # goes through a replicated DTensor so that its gradient gets that reduction too
     grad_placements = [Partial() if isinstance(p, Shard) else Replicate() for p in x.placements]
     local_others = [
-        as_dtensor(o).to_local(grad_placements=grad_placements) if isinstance(o, Tensor) else o for o in others
+        o.to_local(grad_placements=grad_placements) if isinstance(o, Tensor) else o
+        for o in replicate_plain((x, *others))[1:]
     ]
     out = local_fn(x.to_local(), *local_others)
     stride = make_contiguous_strides_for(x.shape)  # our local outputs are contiguous

@@ -66,6 +66,7 @@ class _FlyStrategyMixin:
         self.fly_report = report
         self.transform_summary = TransformSummary()
         self._fly_previous_config: DispatchConfig | None = None
+        self._fly_quantization_left: list[tuple[str, str, str]] = []  # what quantize_ could not reach, once each
 
     def connect(self, model: Any) -> None:
         super().connect(model)
@@ -116,14 +117,12 @@ class _FlyStrategyMixin:
         self.transform_summary.swapped += s.swapped
         # the latest pass knows what is still left; a module it finds sharded (the pass in setup(), after FSDP2 or
         # TP sharded it) keeps the reason an earlier pass gave, which is why it was not swapped before sharding
-        # (what quantization could not reach is reported once, by the pass that quantized: it is kept)
         earlier = {path: reason for path, _, reason in self.transform_summary.left}
-        self.transform_summary.left = [
-            (path, cls, earlier.get(path, reason) if reason == SHARDED else reason) for path, cls, reason in s.left
-        ] + [entry for entry in self.transform_summary.left if entry[2].startswith("quantization:")]
+        left = [(path, cls, earlier.get(path, reason) if reason == SHARDED else reason) for path, cls, reason in s.left]
         self.transform_summary.unrecognised = s.unrecognised
         if self.fly_quantization is not None:
             self._fly_quantize(model)
+        self.transform_summary.left = left + self._fly_quantization_left
 
     def _fly_quantize(self, model: nn.Module) -> None:
         """``quantize_`` on the modules no earlier pass has seen (each module is quantized at most once: a pass marks
@@ -157,7 +156,7 @@ class _FlyStrategyMixin:
         ]  # fmt: skip
         for m in model.modules():
             m._fly_quantize_seen = True
-        self.transform_summary.left += sharded + experts
+        self._fly_quantization_left += sharded + experts
 
 
 def _index_based(state: Any) -> bool:

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch._C._functorch import TransformType, get_interpreter_stack, peek_interpreter_stack
 from torch.autograd import forward_ad
 
-from fly_lightning.dtensor import is_dtensor
+from fly_lightning.dtensor import is_dtensor, replicate_plain
 from fly_lightning.registry import Op
 
 _PLAIN = (Tensor, torch.nn.Parameter)  # a module's weights are Parameters: plain data, no __torch_function__
@@ -140,27 +140,13 @@ def eager_call(
             return _run_reference(op, args, reason)
         if _opaque(tensors):
             if not torch.compiler.is_compiling() and any(is_dtensor(t) for t in tensors):
-                return _run_reference(op, _replicate_plain(args), _NO_SHARD_RULE)
+                return _run_reference(op, replicate_plain(args), _NO_SHARD_RULE)
             return custom_op(*args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return function.apply(*args)
         return op(*args)
 
     return call
-
-
-def _replicate_plain(args: tuple) -> tuple:
-    """Plain tensors beside DTensors as replicated DTensors on their mesh (DTensor ops refuse mixed operands; torch's
-    ``implicit_replication`` treats them the same way)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    mesh = next(a.device_mesh for a in args if is_dtensor(a))
-    return tuple(
-        DTensor.from_local(a, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        if isinstance(a, Tensor) and not is_dtensor(a)
-        else a
-        for a in args
-    )
 
 
 # The custom ops have no DTensor sharding rule (only ``rms_norm`` runs on local shards, ``fly_lightning.dtensor``):

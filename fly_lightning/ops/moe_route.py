@@ -141,6 +141,15 @@ def _scores(x: Tensor, score: str) -> Tensor:
     return torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
 
 
+def ranked_values(x_TE: Tensor, score: str, bias_E: Tensor | None, grouped: bool) -> Tensor:
+    """What the experts are ranked by, in ``x_TE``'s dtype, before any group masking: the logits themselves without
+    bias and groups (softmax and sigmoid are increasing), else the scores plus the bias."""
+    if bias_E is None and not grouped:
+        return x_TE
+    scores = _scores(x_TE, score)
+    return scores if bias_E is None else scores + bias_E.to(scores.dtype)
+
+
 def routing_counts(ids_TK: Tensor, n_experts: int, return_permutation: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Counts, group end offsets and (optionally) the stable permutation of ``ids_TK``, without host sync."""
     flat = ids_TK.flatten().long()
@@ -174,10 +183,7 @@ def moe_route_reference(
     x = logits_TE.float()
     n_tokens, n_experts = x.shape
     scores = _scores(x, score)
-    if bias_E is None and n_groups is None:
-        sel = x  # increasing score functions: ranking logits ranks scores, without fp32 rounding ties
-    else:
-        sel = scores if bias_E is None else scores + bias_E.float()
+    sel = ranked_values(x, score, bias_E, n_groups is not None)  # the logits where they rank the same: no rounding ties
     allowed = None
     if n_groups is not None:
         size = n_experts // n_groups

@@ -12,6 +12,7 @@ from fly_lightning.ops.moe_route import (
     moe_route_backward,
     moe_route_op,
     moe_route_reference,
+    ranked_values,
     routing_counts,
 )
 
@@ -26,11 +27,7 @@ def _last():
 
 def _selection_values(logits, score, bias, n_groups, topk_groups):
     """What the experts are ranked by (fp64), to tell a near tie from a wrong choice."""
-    x = logits.double()
-    if bias is None and n_groups is None:
-        return x
-    s = torch.softmax(x, -1) if score == "softmax" else torch.sigmoid(x)
-    return s if bias is None else s + bias.double()
+    return ranked_values(logits.double(), score, bias, n_groups is not None)
 
 
 def assert_routing_matches(out, ref, args):

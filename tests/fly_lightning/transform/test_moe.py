@@ -154,6 +154,11 @@ def test_transformers_blocks_with_state_or_math_not_modelled_are_left():
     cases = {
         "MiniMaxM2Config": ("minimax_m2", "MiniMaxM2SparseMoeBlock", dict(num_local_experts=4),
                             "state the swapped block does not model: e_score_correction_bias"),
+        "Lfm2MoeConfig": ("lfm2_moe", "Lfm2MoeSparseMoeBlock", dict(num_experts=4, moe_intermediate_size=24),
+                          "state the swapped block does not model: expert_bias"),
+        "AXK1Config": ("axk1", "AXK1MoE", dict(n_routed_experts=4, num_local_experts=4, moe_intermediate_size=24,
+                                               n_group=1, topk_group=1),
+                       "state the swapped block does not model: post_mlp_layernorm.weight"),
         "HYV4Config": ("hy_v4", "HYV4MoE", dict(moe_intermediate_size=24, num_local_experts=4, num_attention_heads=2,
                                                 num_key_value_heads=1, head_dim=16),
                        "probe: the swapped block computes something else"),

@@ -1,6 +1,7 @@
 """Grouped GEMM suite (GPU): fly-lightning's ``grouped_mm`` against ``torch._grouped_mm`` (CUTLASS), a per-expert
 loop of ``torch.mm`` and the Triton peer (Inductor's grouped-mm template: ``torch.compile`` of ``torch._grouped_mm``
-under ``max_autotune`` with only Triton GEMM backends), on the 24 cases of ``benchmarks/grouped_mm_cases.py``.
+under ``max_autotune`` with only Triton GEMM backends), on the 24 cases of ``benchmarks/grouped_mm_cases.py``. One
+dense ``torch.mm`` of the same FLOPs is timed beside them as a ceiling reference.
 
 Every case is first checked against an fp32 per-group reference (each implementation, relative Frobenius error),
 then timed (device events, steady state: compilation and autotuning excluded). TFLOP/s = 2*M*K*N / time. ``fly`` is
@@ -185,7 +186,12 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
                 gk.MEASURED.clear()  # the next case starts from the table again
                 gk.REJECTED.clear()
         del ref
-        for mine, prefix in (("fly", "x_vs"), ("fly_tuned", "tuned_x_vs")):
+        # a ceiling, not a contender: one cuBLAS GEMM of the same FLOPs with no groups (each input set's first
+        # expert, same layout); it computes another function, so it has no error column
+        dense = lambda a, b, o: torch.mm(a, b[0])  # noqa: E731
+        ms = time_ms(dense, sets, warmup=3, reps=reps or _reps(dense, sets[0]))["median_ms"]
+        row["dense_ms"], row["dense_tflops"] = round(ms, 4), round(case.flops / ms / 1e9, 1)
+        for mine, prefix in (("fly", "x_vs"), ("fly_tuned", "tuned_x_vs"), ("dense", "dense_x_vs")):
             my_ms = row.get(f"{mine}_ms")
             for name in ("aten", "peer", "loop"):
                 if my_ms and row.get(f"{name}_ms"):
@@ -203,7 +209,7 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
 
 def _summarise(res: Results, peer: Peer | None) -> None:
     rows = res.rows
-    keys = [f"{p}_{b}" for p in ("x_vs", "tuned_x_vs") for b in ("peer", "aten", "best", "loop")]
+    keys = [f"{p}_{b}" for p in ("x_vs", "tuned_x_vs", "dense_x_vs") for b in ("peer", "aten", "best", "loop")]
     for key in keys:
         vals = [r[key] for r in rows if key in r]
         res.summary[f"geomean_{key}"] = round(geomean(vals), 3)
@@ -227,6 +233,9 @@ def _summarise(res: Results, peer: Peer | None) -> None:
         "peer = torch.compile(torch._grouped_mm) with max_autotune and max_autotune_gemm_backends='TRITON' (Inductor's "
         "grouped-mm template; it autotunes on uniform synthetic offsets, then runs on the real ones).",
         "loop = torch.mm per expert with host-known group sizes (no device sync timed: favourable to the loop).",
+        "dense = one torch.mm (cuBLAS) of x [M, K] by the first expert's [K, N] weight: the same FLOPs with no groups, "
+        "a ceiling reference rather than an implementation; dense_x_vs_<baseline> = baseline time / dense time, the "
+        "score a grouped kernel as fast as that dense GEMM would get.",
         "fly = the configuration table (what users get by default); fly_tuned = the measured choice among "
         "tune_candidates() for the case (tuning time excluded; the table's configuration unless a candidate was "
         "more than 2% faster), reported as tuned_x_vs_<baseline>.",

@@ -56,6 +56,8 @@ for phase in "$@"; do
     route_sweep) run route_sweep 420 python3 -m benchmarks.bench_moe_route --sweep ;;
     route_pipeline) run route_pipeline 300 python3 -m benchmarks.bench_moe_route --sweep --pipeline ;;
     route_floor) run route_floor 420 python3 -m benchmarks.probe_route_floor ;;
+    route_score_floor) run route_score_floor 540 python3 -m benchmarks.probe_route_floor \
+                         --floors copy,copy_counts,copy_packed,score_tail ;;
     route_spread) run route_spread 300 python3 -m benchmarks.probe_route_spread ;;
     route_variants) run route_variants 420 python3 -m benchmarks.probe_route_variants ;;
     route_ncu) run route_ncu 400 bash /tmp/site/benchmarks/ncu_route.sh ;;

@@ -17,6 +17,11 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
 - ``copy_packed``: ``copy`` plus the packed tail (``_packed_tail``, the launcher's tail up to 128 experts: one relaxed
   int64 atomic per expert and program adds a contributor, the tally and its prefix; the program that completes an
   expert's word stores its count and offset and re-zeroes it; no ticket).
+- ``score_tail``: ``copy`` plus the per-element score work any exact router must do before it can select, and the
+  launcher's tail (packed up to 128 experts, ticket above): for biased routers the sigmoid of every logit (the
+  kernel's fast form, ``ex2.approx`` + ``div.approx``) plus the bias, then the row max of that; for softmax without
+  renormalisation the row max, ``exp`` of every logit and the row sum; otherwise nothing (the logits rank the
+  scores). No selection at all: the floor of any single launch that computes this case's scores and counts.
 
 A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (``ROWS`` x
 ``PROGRAMS_PER_SM``: 24, fewer for wide rows, whose tiles stay within 16384 logits) and the fastest is reported with
@@ -27,20 +32,29 @@ slower than our whole kernel.)
 measurement. ``ours_over_copy_counts`` / ``ours_over_copy_packed``: how far our kernel (the launcher's choice) is from
 those floors; ``ours_ticket``: our kernel with the ticket tail, side by side.
 
-    python -m benchmarks.probe_route_floor
+    python -m benchmarks.probe_route_floor [--floors copy,copy_packed,score_tail]
 """
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from benchmarks.bench_moe_route import CASES, _args, _bytes, _inputs, aten_route
 from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, time_graph_ms
-from fly_lightning.kernels.triton.moe_route import _packed_tail, _plan, _sm_count, launch_config, moe_route_triton
+from fly_lightning.kernels.triton.moe_route import (
+    _MINUS_LOG2E,
+    _packed_tail,
+    _plan,
+    _sm_count,
+    launch_config,
+    moe_route_triton,
+)
 
 
 @triton.jit
@@ -49,17 +63,27 @@ def _empty(X):
 
 
 @triton.jit
-def _copy_floor(X, stride_x, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.constexpr, K: tl.constexpr,
-                KP: tl.constexpr, BE: tl.constexpr, ROWS: tl.constexpr, TAIL: tl.constexpr):  # fmt: skip
+def _copy_floor(X, stride_x, B, W, ID, WS, COUNTS, OFFSETS, T, n_tiles, E: tl.constexpr, K: tl.constexpr,
+                KP: tl.constexpr, BE: tl.constexpr, ROWS: tl.constexpr, TAIL: tl.constexpr,
+                SCORE: tl.constexpr = 0):  # fmt: skip
     pid = tl.program_id(0)
     e = tl.arange(0, BE)
     kk = tl.arange(0, KP)
+    if SCORE == 2:
+        bias = tl.load(B + e, mask=e < E, other=0.0)
     for tile in range(pid, n_tiles, tl.num_programs(0)):
         rows = tile * ROWS + tl.arange(0, ROWS)
         ok = rows < T
-        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + e[None, :], mask=ok[:, None] & (e < E)[None, :],
-                    other=0.0).to(tl.float32)  # fmt: skip
-        m = tl.max(x, axis=1)
+        valid = ok[:, None] & (e < E)[None, :]
+        x = tl.load(X + rows[:, None].to(tl.int64) * stride_x + e[None, :], mask=valid, other=0.0).to(tl.float32)
+        if SCORE == 1:  # softmax's normaliser over all experts
+            m = tl.max(tl.where(valid, x, float("-inf")), axis=1)
+            m = m + tl.sum(tl.where(valid, tl.exp(x - m[:, None]), 0.0), axis=1)
+        elif SCORE == 2:  # biased sigmoid scores, as the kernel computes them
+            v = libdevice.fast_dividef(1.0, 1.0 + tl.math.exp2(x * _MINUS_LOG2E)) + bias[None, :]
+            m = tl.max(tl.where(valid, v, float("-inf")), axis=1)
+        else:
+            m = tl.max(x, axis=1)
         out = rows[:, None].to(tl.int64) * K + kk[None, :]
         out_ok = ok[:, None] & (kk < K)[None, :]
         tl.store(W + out, m[:, None] + kk[None, :], mask=out_ok)
@@ -95,14 +119,27 @@ ROWS = (16, 32, 64, 128, 256, 512)  # tokens per tile, kept to tiles of at most 
 PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 
-TAILS = {"copy": 0, "copy_counts": 1, "copy_red": 2, "copy_tally": 3, "copy_counts_c8": 4, "copy_packed": 5}
+TAILS = {"copy": 0, "copy_counts": 1, "copy_red": 2, "copy_tally": 3, "copy_counts_c8": 4, "copy_packed": 5,
+         "score_tail": None}  # fmt: skip
 
 
-def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int):
+def _score_kind(case) -> int:
+    """What ``score_tail`` computes per element: 2 biased sigmoid, 1 softmax normaliser, 0 nothing (the launcher
+    ranks the logits themselves when there is no bias and no groups; then only an unrenormalised softmax needs
+    every element's exp)."""
+    if case.bias or case.n_groups is not None:
+        return 2 if case.score == "sigmoid" else 1
+    return 1 if case.score == "softmax" and not case.renormalize else 0
+
+
+def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int, bias: torch.Tensor | None = None):
     be = triton.next_power_of_2(case.experts)
     n_tiles = triton.cdiv(case.tokens, rows)
     progs = min(n_tiles, _sm_count(0) * programs_per_sm)
     kp = triton.next_power_of_2(case.k)
+    score = _score_kind(case) if tail == "score_tail" else 0
+    if tail == "score_tail":  # the launcher's tail for this width
+        tail = "copy_packed" if case.experts <= 128 else "copy_counts"
 
     def fn(x):
         w = torch.empty((case.tokens, case.k), dtype=torch.float32, device=x.device)
@@ -111,8 +148,10 @@ def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int
         counts = alloc(case.experts, dtype=torch.int32, device=x.device)
         offsets = alloc(case.experts, dtype=torch.int32, device=x.device)
         ws_t = ws[: 2 * case.experts].view(torch.int64) if tail == "copy_packed" else ws
-        _copy_floor[(progs,)](x, x.stride(0), w, ids, ws_t, counts, offsets, case.tokens, n_tiles, E=case.experts,
-                              K=case.k, KP=kp, BE=be, ROWS=rows, TAIL=TAILS[tail], num_warps=4)  # fmt: skip
+        b = bias if bias is not None else w  # unread unless SCORE == 2
+        _copy_floor[(progs,)](x, x.stride(0), b, w, ids, ws_t, counts, offsets, case.tokens, n_tiles,
+                              E=case.experts, K=case.k, KP=kp, BE=be, ROWS=rows, TAIL=TAILS[tail], SCORE=score,
+                              num_warps=4)  # fmt: skip
         return w, ids, counts, offsets
 
     return fn
@@ -122,24 +161,29 @@ def _time_us(fn, inputs) -> float:
     return 1e3 * time_graph_ms(fn, inputs, calls_per_graph=20, replays=20)["median_ms"]
 
 
-def _best_floor(case, tail: str, ws: torch.Tensor, inputs) -> tuple[float, str]:
+def _best_floor(case, tail: str, ws: torch.Tensor, inputs, bias: torch.Tensor | None) -> tuple[float, str]:
     """(fastest time in us, its launch shape) over ``ROWS`` x ``PROGRAMS_PER_SM``."""
     be = triton.next_power_of_2(case.experts)
     times = {}
     for rows in [r for r in ROWS if r * be <= 16384] or ROWS[:1]:
         for pps in PROGRAMS_PER_SM:
-            times[f"{rows}r_{pps}pps"] = _time_us(_floor_fn(case, tail, ws, rows, pps), inputs)
+            times[f"{rows}r_{pps}pps"] = _time_us(_floor_fn(case, tail, ws, rows, pps, bias), inputs)
     ws.zero_()  # copy_tally leaves its tallies behind
     shape = min(times, key=times.get)
     return times[shape], shape
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--floors", default=",".join(TAILS), help=f"comma-separated, of {', '.join(TAILS)}")
+    floors = p.parse_args().floors.split(",")
+    if unknown := sorted(set(floors) - set(TAILS)):
+        raise SystemExit(f"unknown floors {unknown}; known: {', '.join(TAILS)}")
     dev = torch.device("cuda")
     copy_gbps = copy_bandwidth_gbps(dev)
     res = Results("moe_route_floor")
     ws = torch.zeros(32 + 8 * 1024, dtype=torch.int32, device=dev)
-    ceil = {name: [] for name in TAILS}
+    ceil = {name: [] for name in floors}
     ours_vs_aten, ours_ticket_vs_aten = [], []
     for case in CASES:
         inputs, bias = _inputs(case, dev)
@@ -158,16 +202,19 @@ def main() -> None:
                    programs=plan.programs)  # fmt: skip
         for name, fn in fns.items():
             row[f"{name}_us"] = round(_time_us(fn, inputs), 2)
-        for name in TAILS:
-            us, shape = _best_floor(case, name, ws, inputs)
+        for name in floors:
+            us, shape = _best_floor(case, name, ws, inputs, bias)
             row[f"{name}_us"], row[f"{name}_shape"] = round(us, 2), shape
-        row["copy_pct_copy_bw"] = round(100 * _bytes(case) / (row["copy_us"] * 1e3) / copy_gbps, 1)
+        for name in ("copy", "score_tail"):
+            if name in floors:
+                row[f"{name}_pct_copy_bw"] = round(100 * _bytes(case) / (row[f"{name}_us"] * 1e3) / copy_gbps, 1)
         for name in ceil:
             row[f"ceiling_vs_aten_{name}"] = round(row["aten_us"] / row[f"{name}_us"], 1)
             ceil[name].append(row["aten_us"] / row[f"{name}_us"])
         row["ours_vs_aten"] = round(row["aten_us"] / row["ours_us"], 1)
-        row["ours_over_copy_counts"] = round(row["ours_us"] / row["copy_counts_us"], 2)
-        row["ours_over_copy_packed"] = round(row["ours_us"] / row["copy_packed_us"], 2)
+        for name in ("copy_counts", "copy_packed", "score_tail"):
+            if name in floors:
+                row[f"ours_over_{name}"] = round(row["ours_us"] / row[f"{name}_us"], 2)
         row["ours_ticket_vs_aten"] = round(row["aten_us"] / row["ours_ticket_us"], 1)
         ours_vs_aten.append(row["aten_us"] / row["ours_us"])
         ours_ticket_vs_aten.append(row["aten_us"] / row["ours_ticket_us"])

@@ -35,6 +35,7 @@ def test_suite_runs(monkeypatch):
     for row in res.rows:
         assert row["fly_backend"] == "triton" and row["fly_err"] < 2e-2 and row["aten_err"] < 2e-2, row
         assert row["x_vs_aten"] > 0 and row["x_vs_loop"] > 0 and row["tuned_x_vs_aten"] > 0
+        assert row["dense_ms"] > 0 and row["dense_x_vs_aten"] > 0  # the ceiling reference ran too
     assert res.summary["failed_checks"] == [] and res.summary["n_x_vs_aten"] == len(TINY)
     assert res.summary["n_tuned_x_vs_aten"] == len(TINY)
 

@@ -20,7 +20,8 @@ class GroupedMMConfig:
     tile prefix sums first; each tile then finds its group by binary search). ``warp_specialize``: ``""`` (software
     pipelining only), ``"tiles"`` (Triton's Hopper warp specialisation on the persistent tile loop: needs the
     ``table`` schedule and 4 warps) or ``"k"`` (on the K loop); ``flatten`` flattens the tile loop with the K loop
-    (pipelining across tiles).
+    (pipelining across tiles); ``specialize`` compiles N, K and the strides in as constants (one compilation per
+    weight shape and layout; the row count stays a runtime value).
     """
 
     block_m: int = 128
@@ -35,9 +36,12 @@ class GroupedMMConfig:
     schedule: str = "scan"
     warp_specialize: str = ""
     flatten: bool = False
+    specialize: bool = False
 
     def label(self) -> str:
-        flags = "".join(f for f, on in (("T", self.tma), ("S", self.tma_store), ("F", self.flatten)) if on)
+        flags = "".join(
+            f for f, on in (("T", self.tma), ("S", self.tma_store), ("F", self.flatten), ("K", self.specialize)) if on
+        )
         flags += "t" if self.schedule == "table" else ""
         flags += f"W{self.warp_specialize}" if self.warp_specialize else ""
         persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"

@@ -212,7 +212,18 @@ def _grouped_mm_kernel(
     W_K_MAJOR: tl.constexpr, TMA_A: tl.constexpr, TMA_W: tl.constexpr, TMA_STORE: tl.constexpr,
     GATHER: tl.constexpr, SCATTER: tl.constexpr, UPCAST: tl.constexpr,
     WS_K: tl.constexpr, WS_TILES: tl.constexpr, FLATTEN: tl.constexpr, INTERPRET: tl.constexpr,
+    SPECIALIZE: tl.constexpr = False, N_C: tl.constexpr = 0, K_C: tl.constexpr = 0, SXM_C: tl.constexpr = 0,
+    SWE_C: tl.constexpr = 0, SWK_C: tl.constexpr = 0, SWN_C: tl.constexpr = 0, SOM_C: tl.constexpr = 0,
 ):
+    if SPECIALIZE:  # N, K and the strides as compile-time constants (M stays a runtime value): one compilation per
+        # weight shape, as Inductor's template compiles its static shapes
+        N = N_C
+        K = K_C
+        stride_xm = SXM_C
+        stride_we = SWE_C
+        stride_wk = SWK_C
+        stride_wn = SWN_C
+        stride_om = SOM_C
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -410,10 +421,17 @@ def _launch(
         WS_TILES=cfg.warp_specialize == "tiles",
         FLATTEN=cfg.flatten,
         INTERPRET=interp,
+        **(_constants(x, w, out, n, k) if cfg.specialize else {}),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
     return out
+
+
+def _constants(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, k: int) -> dict:
+    """The ``specialize`` configuration's compile-time shape and strides."""
+    return dict(SPECIALIZE=True, N_C=n, K_C=k, SXM_C=x.stride(0), SWE_C=w.stride(0), SWK_C=w.stride(1),
+                SWN_C=w.stride(2), SOM_C=out.stride(0))  # fmt: skip
 
 
 # Every configuration accumulates in fp32, so two right ones differ by output rounding (under 1% of an element) and

@@ -26,6 +26,12 @@ def compile_sm90(cfg: GroupedMMConfig, k_major=True, gather=False, scatter=False
         WS_K=cfg.warp_specialize == "k", WS_TILES=cfg.warp_specialize == "tiles", FLATTEN=cfg.flatten, INTERPRET=False,
     )  # fmt: skip
     const["stride_wk" if k_major else "stride_wn"] = 1  # the launcher's unit stride, specialised by Triton
+    if cfg.specialize:  # Qwen3-30B-A3B's gate/up weight as _constants passes it
+        n, k = 1536, 2048
+        const.update(SPECIALIZE=True, N_C=n, K_C=k, SXM_C=k, SWE_C=n * k, SWK_C=1 if k_major else n,
+                     SWN_C=k if k_major else 1, SOM_C=n)  # fmt: skip
+    else:  # the launcher leaves these at their defaults
+        const.update(SPECIALIZE=False, N_C=0, K_C=0, SXM_C=0, SWE_C=0, SWK_C=0, SWN_C=0, SOM_C=0)
     sig = {a: "*i32" if a in ("OFFS", "IDX", "TILE_END") else "i32" for a in fn.arg_names}
     sig.update(X="*bf16", W="*bf16", OUT=f"*{out}")
     aligned = ("X", "W", "OUT", "OFFS", "IDX", "TILE_END", "N", "K", "stride_xm", "stride_we", "stride_om")
@@ -53,6 +59,10 @@ def variants():
         ("pointer-128x128", GroupedMMConfig(128, 128, 64, 8, 4, 8), dict(tma=False)),
         ("tma-store", replace(wide, tma_store=True), {}),
         ("fp32-out", wide, dict(out="fp32")),
+        ("specialize", replace(wide, specialize=True), {}),
+        ("specialize-N-major", replace(wide, specialize=True), dict(k_major=False)),
+        ("specialize-gather", replace(wide, specialize=True), dict(gather=True)),
+        ("specialize-scatter", replace(wide, specialize=True), dict(scatter=True)),
         # warp specialisation asked where the launcher drops it: no TMA store (scatter, or not asked for)
         ("ws-scatter", GroupedMMConfig(128, 256, 64, 8, 3, 4, schedule="table", warp_specialize="tiles",
                                        tma_store=True), dict(scatter=True)),

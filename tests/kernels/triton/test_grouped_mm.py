@@ -23,6 +23,8 @@ VARIANTS = {
     "table": replace(BASE, schedule="table"),
     "table_tma_ws": replace(BASE, schedule="table", tma=True, tma_store=True, warp_specialize="tiles"),
     "flatten": replace(BASE, flatten=True, programs_per_sm=2),
+    "specialize": replace(BASE, specialize=True),
+    "specialize_tma": replace(BASE, specialize=True, tma=True),
 }
 
 
@@ -100,7 +102,7 @@ def test_invalid_offsets_never_touch_memory_outside_the_tensors(offsets, schedul
 
 
 @pytest.mark.parametrize("gather,scatter", [(True, False), (False, True), (True, True)])
-@pytest.mark.parametrize("variant", ["pointer", "tma", "table"])
+@pytest.mark.parametrize("variant", ["pointer", "tma", "table", "specialize"])
 def test_gather_and_scatter_modes(gather, scatter, variant):
     t, topk, e, k, n = 23, 2, 5, 32, 40
     gen = torch.Generator().manual_seed(2)

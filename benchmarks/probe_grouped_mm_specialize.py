@@ -7,7 +7,8 @@ same tiles, stages and warps (``grouped_mm_suite.md`` and its log at 0e24452); t
 Per case: the table's configuration and its ``specialize`` twin, each checked against the table's output, then timed
 side by side the suite's way (device events, rotating input sets) in ``ROUNDS`` alternating rounds; the median of
 each side's round medians is reported, with ``spec_x`` = plain time / specialised time (> 1: constants faster). Also
-the MoE layer's forms on the gate/up (gathered rows) and down (scattered output) cases. Compilation excluded.
+the MoE layer's forms on the gate/up (gathered rows) and down (scattered output) cases. Compilation excluded. (The
+table now specialises; ``config`` names its tiles, both sides differ only in the flag.)
 
     python -m benchmarks.probe_grouped_mm_specialize
 """
@@ -46,7 +47,7 @@ def main() -> None:
         x, w, offs = make_inputs(case, "cuda")
         nbytes = (x.numel() + w.numel() + case.m * case.n) * x.element_size()
         sets = [(x, w, offs)] + [make_inputs(case, "cuda", seed=s) for s in range(1, rotation_count(nbytes, 1))]
-        base = table_config(x, w, case.m)
+        base = replace(table_config(x, w, case.m), specialize=False)
         spec = replace(base, specialize=True)
         for form, kw, rows in _forms(case, x, w, offs):
             out = torch.empty(rows, case.n, dtype=x.dtype, device=x.device)

@@ -2,7 +2,7 @@
 same configuration with them as runtime arguments, on the suite's 24 cases (GPU).
 
 Why: on three gate/up shapes (K 2048, N 1536/2048) Inductor's template beat the table configuration by 6-12% with the
-same tiles, stages and warps (``grouped_mm_suite.md`` and its log at 0e24452); the template compiles static shapes.
+same tiles, stages and warps (``grouped_mm_suite_0e24452.md`` and its log); the template compiles static shapes.
 
 Per case: the table's configuration and its ``specialize`` twin, each checked against the table's output, then timed
 side by side the suite's way (device events, rotating input sets) in ``ROUNDS`` alternating rounds; the median of

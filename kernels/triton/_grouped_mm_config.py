@@ -122,7 +122,8 @@ def choose_config(
 
 def candidate_configs() -> list[GroupedMMConfig]:
     """What the benchmark sweep tries: tile shapes x stages x warps; persistent (1 or 2 programs per SM) or one
-    program per tile; TMA loads or pointers; TMA store; band width; scan or table schedule; warp specialisation."""
+    program per tile; TMA loads or pointers; TMA store; band width; scan or table schedule; warp specialisation. All
+    with the shape compiled in, as the table runs, plus the first tile shape without it as a control."""
     base = [
         C(128, 256, 64, 8, 3, 8),
         C(128, 256, 64, 8, 4, 8),
@@ -153,7 +154,8 @@ def candidate_configs() -> list[GroupedMMConfig]:
             replace(c, flatten=True),
             replace(c, schedule="table"),
         ]
-    return list(dict.fromkeys(base + specialised + variants))  # in order, without repeats
+    found = [replace(c, specialize=True) for c in base + specialised + variants]  # as the table's
+    return list(dict.fromkeys([*found, base[0]]))  # in order, without repeats; one unspecialised control
 
 
 def tune_candidates(m_class: str) -> list[GroupedMMConfig]:

@@ -261,6 +261,25 @@ class ManifestDiff:
 
     __str__ = format
 
+    def print(self) -> None:
+        """The diff as a rich table (one row per signature), or the plain line when nothing changed."""
+        from rich.console import Console
+        from rich.table import Table
+
+        if not self:
+            Console().print("no backend changes")
+            return
+        table = Table(title="dispatch manifest diff (a -> b)")
+        for col in ("change", "op", "signature", "a", "b"):
+            table.add_column(col, overflow="fold")
+        for op, sig, a, b in self.changed:
+            table.add_row("changed backend", op, sig, a, b, style="yellow")
+        for op, sig, b in self.added:
+            table.add_row("only in b", op, sig, "", b)
+        for op, sig, a in self.removed:
+            table.add_row("only in a", op, sig, a, "")
+        Console().print(table)
+
 
 def _served(sig: Mapping[str, Any]) -> str:
     """The backends that served a signature, e.g. ``triton`` or ``aten+triton``."""

@@ -1,7 +1,8 @@
 """Compare two dispatch manifests: ``python -m fly_lightning.callbacks.manifest_diff a.json b.json``.
 
-Prints the shape signatures whose backend changed from run ``a`` to run ``b`` and those seen in one run only. Exit
-status, as ``diff``: 0 when nothing changed backend, 1 when something did, 2 when a file is missing or not a manifest.
+Prints, as a rich table, the shape signatures whose backend changed from run ``a`` to run ``b`` and those seen in one
+run only (``ManifestDiff.format()`` gives the same as plain text). Exit status, as ``diff``: 0 when nothing changed
+backend, 1 when something did, 2 when a file is missing or not a manifest.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"manifest_diff: {exc}", file=sys.stderr)
         return 2
-    print(diff.format())
+    diff.print()
     return 1 if diff else 0
 
 

@@ -21,7 +21,8 @@ replay, 20 calls per graph), side by side with the ATen sequence and our kernel:
   launcher's tail (packed up to 128 experts, ticket above): for biased routers the sigmoid of every logit (the
   kernel's fast form, ``ex2.approx`` + ``div.approx``) plus the bias, then the row max of that; for softmax without
   renormalisation the row max, ``exp`` of every logit and the row sum; otherwise nothing (the logits rank the
-  scores). No selection at all: the floor of any single launch that computes this case's scores and counts.
+  scores). No selection at all: the floor of any single launch that computes this case's scores and counts
+  (``ceiling_vs_aten_score_tail``, ``ours_over_score_tail``, ``score_tail_pct_copy_bw``).
 
 A floor is only a floor if its own launch shape is good, so each is timed over a grid of launch shapes (``ROWS`` x
 ``PROGRAMS_PER_SM``: 24, fewer for wide rows, whose tiles stay within 16384 logits) and the fastest is reported with
@@ -138,6 +139,8 @@ def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int
     progs = min(n_tiles, _sm_count(0) * programs_per_sm)
     kp = triton.next_power_of_2(case.k)
     score = _score_kind(case) if tail == "score_tail" else 0
+    if score == 2 and bias is None:  # a grouped sigmoid router without a selection bias adds zeros
+        bias = torch.zeros(case.experts, dtype=torch.float32, device="cuda")
     if tail == "score_tail":  # the launcher's tail for this width
         tail = "copy_packed" if case.experts <= 128 else "copy_counts"
 
@@ -148,7 +151,7 @@ def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int
         counts = alloc(case.experts, dtype=torch.int32, device=x.device)
         offsets = alloc(case.experts, dtype=torch.int32, device=x.device)
         ws_t = ws[: 2 * case.experts].view(torch.int64) if tail == "copy_packed" else ws
-        b = bias if bias is not None else w  # unread unless SCORE == 2
+        b = bias if bias is not None else w  # read only when SCORE == 2, which always has a bias (above)
         _copy_floor[(progs,)](x, x.stride(0), b, w, ids, ws_t, counts, offsets, case.tokens, n_tiles,
                               E=case.experts, K=case.k, KP=kp, BE=be, ROWS=rows, TAIL=TAILS[tail], SCORE=score,
                               num_warps=4)  # fmt: skip

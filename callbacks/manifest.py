@@ -261,24 +261,26 @@ class ManifestDiff:
 
     __str__ = format
 
-    def print(self) -> None:
-        """The diff as a rich table (one row per signature), or the plain line when nothing changed."""
+    def print(self, console: Any = None) -> None:
+        """The diff as a rich table on a terminal (one row per signature); piped or redirected, ``format()``'s lines,
+        one per signature, so they stay greppable (a table folds long signatures at 80 columns there)."""
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
-        if not self:
-            Console().print("no backend changes")
+        console = console or Console()
+        if not self or not console.is_terminal:
+            console.print(Text(self.format()), soft_wrap=True)  # Text: manifest strings are never markup
             return
         table = Table(title="dispatch manifest diff (a -> b)")
         for col in ("change", "op", "signature", "a", "b"):
             table.add_column(col, overflow="fold")
-        for op, sig, a, b in self.changed:
-            table.add_row("changed backend", op, sig, a, b, style="yellow")
-        for op, sig, b in self.added:
-            table.add_row("only in b", op, sig, "", b)
-        for op, sig, a in self.removed:
-            table.add_row("only in a", op, sig, a, "")
-        Console().print(table)
+        rows = [("changed backend", op, sig, a, b) for op, sig, a, b in self.changed]
+        rows += [("only in b", op, sig, "", b) for op, sig, b in self.added]
+        rows += [("only in a", op, sig, a, "") for op, sig, a in self.removed]
+        for row in rows:
+            table.add_row(*(Text(cell) for cell in row), style="yellow" if row[0] == "changed backend" else None)
+        console.print(table)
 
 
 def _served(sig: Mapping[str, Any]) -> str:

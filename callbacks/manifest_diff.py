@@ -1,8 +1,8 @@
 """Compare two dispatch manifests: ``python -m fly_lightning.callbacks.manifest_diff a.json b.json``.
 
-Prints, as a rich table, the shape signatures whose backend changed from run ``a`` to run ``b`` and those seen in one
-run only (``ManifestDiff.format()`` gives the same as plain text). Exit status, as ``diff``: 0 when nothing changed
-backend, 1 when something did, 2 when a file is missing or not a manifest.
+Prints the shape signatures whose backend changed from run ``a`` to run ``b`` and those seen in one run only: a rich
+table on a terminal, one line per signature when piped (``ManifestDiff.format()``). Exit status, as ``diff``: 0 when
+nothing changed backend, 1 when something did, 2 when a file is missing or not a manifest.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ class GroupedMMConfig:
     tile prefix sums first; each tile then finds its group by binary search). ``warp_specialize``: ``""`` (software
     pipelining only), ``"tiles"`` (Triton's Hopper warp specialisation on the persistent tile loop: needs the
     ``table`` schedule and 4 warps) or ``"k"`` (on the K loop); ``flatten`` flattens the tile loop with the K loop
-    (pipelining across tiles); ``specialize`` compiles N, K and the strides in as constants (one compilation per
-    weight shape and layout; the row count stays a runtime value).
+    (pipelining across tiles); ``specialize`` (label flag ``K``, for the known shape; not the K dim) compiles N, K
+    and the strides of x, w and out in as constants (one compilation per weight shape and layout, row strides of x and
+    out, dtype and form; the row count stays a runtime value).
     """
 
     block_m: int = 128

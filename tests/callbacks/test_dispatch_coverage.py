@@ -92,10 +92,7 @@ def test_manifest_diff_shows_the_backend_change(tiny, tmp_path, capsys, monkeypa
     assert not diff_manifests(a.manifest_path, a.manifest_path)
 
     assert diff_main([str(a.manifest_path), str(b.manifest_path)]) == 1
-    text = capsys.readouterr().out
-    row = next(line for line in text.splitlines() if "changed backend" in line)  # one table row per signature
-    assert "rms_norm" in row and row.index("triton") < row.index("aten"), text
-    assert "triton -> aten" in diff.format()
+    assert f"rms_norm  {SIG}  triton -> aten" in capsys.readouterr().out  # piped: one line per signature
     assert diff_main([str(a.manifest_path), str(a.manifest_path)]) == 0
     assert "no backend changes" in capsys.readouterr().out
     assert diff_main([str(a.manifest_path), str(tmp_path / "missing.json")]) == 2
@@ -107,7 +104,25 @@ def test_manifest_diff_shows_the_backend_change(tiny, tmp_path, capsys, monkeypa
         timeout=300,
     )
     assert cli.returncode == 1, cli.stderr
-    assert "changed backend" in cli.stdout and "rms_norm" in cli.stdout
+    assert f"rms_norm  {SIG}  triton -> aten" in cli.stdout
+
+
+def test_manifest_diff_table_on_a_terminal_and_strings_are_not_markup():
+    from rich.console import Console
+
+    from fly_lightning.callbacks.manifest import ManifestDiff
+
+    sig = "[bold]x[/bold] 4x8, [/y]"  # from a JSON file: printed as written, never parsed as markup
+    diff = ManifestDiff(changed=[("rms_norm", sig, "triton", "aten")], added=[("topk", "2x4", "triton")])
+    term = Console(force_terminal=True, width=200, record=True)
+    diff.print(term)
+    text = term.export_text()
+    row = next(line for line in text.splitlines() if "changed backend" in line)  # one table row per signature
+    assert sig in row and row.index("triton") < row.index("aten"), text
+    assert "only in b" in text and "topk" in text
+    piped = Console(force_terminal=False, width=40, record=True)
+    diff.print(piped)
+    assert f"rms_norm  {sig}  triton -> aten" in piped.export_text()  # not folded at the console width
 
 
 def _manifest() -> dict:

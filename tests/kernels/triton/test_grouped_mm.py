@@ -58,6 +58,26 @@ def test_launch_variants_on_uneven_groups(variant, k_major):
     assert out[int(offs[-1]) :].isnan().all()  # rows past the last offset are never written
 
 
+@pytest.mark.parametrize("variant", ["specialize", "specialize_tma", "specialize_tma_store"])
+@pytest.mark.parametrize("k_major", [False, True])
+def test_compiled_in_strides_come_from_the_tensors(variant, k_major):
+    # x and out are views of wider buffers (row strides 64 and 80, not K and N), w is padded: the constants must be
+    # those strides, and nothing outside out is written
+    cfg = {**VARIANTS, "specialize_tma_store": replace(BASE, specialize=True, tma=True, tma_store=True)}[variant]
+    x0, w0, offs = _problem([5, 0, 40, 19], k=40, n=48, k_major=k_major, tail=3)
+    x = torch.zeros(x0.shape[0], 64, dtype=x0.dtype)[:, :40].copy_(x0)
+    w_pad = torch.zeros(4, 56, 64, dtype=x0.dtype)  # [E, N or K padded, ...]
+    if k_major:  # w [E, K, N] as the transposed view of [E, N, K]
+        w = w_pad[:, :48, :40].copy_(w0.transpose(1, 2)).transpose(1, 2)
+    else:
+        w = w_pad[:, :40, :48].copy_(w0)
+    buf = torch.full((x.shape[0], 80), float("nan"), dtype=x.dtype)
+    out = buf[:, 16:64]
+    gk.launch(x, w, offs, out, config=cfg)
+    _check(out, x, w, offs)
+    assert buf[:, :16].isnan().all() and buf[:, 64:].isnan().all()
+
+
 @pytest.mark.parametrize("k_major", [False, True])
 def test_bf16_is_upcast_in_the_interpreter(k_major):
     x, w, offs = _problem([9, 30, 0, 21], k=32, n=32, dtype=torch.bfloat16, k_major=k_major)

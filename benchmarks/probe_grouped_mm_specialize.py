@@ -29,14 +29,14 @@ ROUNDS = 3
 TOPK = 8
 
 
-def _forms(case, x, w, offs):
-    """(form name, launch keyword arguments, output rows) for this case: plain; gathered/scattered on projections."""
-    forms = [("plain", {}, case.m)]
+def _forms(case, device: torch.device) -> list[tuple[str, dict]]:
+    """(form name, launch keyword arguments) for this case: plain; gathered/scattered on projections."""
+    forms = [("plain", {})]
     if case.family == "projection":
         # MoE layer forms: rows gathered from T = M / TOPK tokens (gate/up) or scattered to slots (down)
-        idx = torch.randperm(case.m, device=x.device, dtype=torch.int64).to(torch.int32)
+        idx = torch.randperm(case.m, device=device, dtype=torch.int64).to(torch.int32)
         mode = "gather" if "gate_up" in case.name else "scatter"
-        forms.append((mode, dict(idx=idx, topk=TOPK, **{mode: True}), case.m))
+        forms.append((mode, dict(idx=idx, topk=TOPK, **{mode: True})))
     return forms
 
 
@@ -49,8 +49,8 @@ def main() -> None:
         sets = [(x, w, offs)] + [make_inputs(case, "cuda", seed=s) for s in range(1, rotation_count(nbytes, 1))]
         base = replace(table_config(x, w, case.m), specialize=False)
         spec = replace(base, specialize=True)
-        for form, kw, rows in _forms(case, x, w, offs):
-            out = torch.empty(rows, case.n, dtype=x.dtype, device=x.device)
+        for form, kw in _forms(case, x.device):
+            out = torch.empty(case.m, case.n, dtype=x.dtype, device=x.device)
             row = dict(case=case.name, family=case.family, form=form, config=base.label())
             try:
                 ref = gk.launch(x, w, offs, torch.zeros_like(out), **kw, config=base).float()

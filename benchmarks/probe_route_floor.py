@@ -53,6 +53,7 @@ from fly_lightning.kernels.triton.moe_route import (
     _packed_tail,
     _plan,
     _sm_count,
+    default_tail,
     launch_config,
     moe_route_triton,
 )
@@ -142,7 +143,7 @@ def _floor_fn(case, tail: str, ws: torch.Tensor, rows: int, programs_per_sm: int
     if score == 2 and bias is None:  # a grouped sigmoid router without a selection bias adds zeros
         bias = torch.zeros(case.experts, dtype=torch.float32, device="cuda")
     if tail == "score_tail":  # the launcher's tail for this width
-        tail = "copy_packed" if case.experts <= 128 else "copy_counts"
+        tail = "copy_packed" if default_tail(case.experts) == "packed" else "copy_counts"
 
     def fn(x):
         w = torch.empty((case.tokens, case.k), dtype=torch.float32, device=x.device)

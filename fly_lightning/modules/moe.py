@@ -124,12 +124,7 @@ def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
             w = torch.ones_like(w)
         rows = swiglu_reference(gate, u) @ down[e]
         y.index_add_(0, tok, rows.to(acc) * w.to(acc))
-    y = y.to(x.dtype)
-    if moe.shared_experts is not None:
-        y = y + moe.shared_experts(x)
-    if getattr(moe, "shared_expert", None) is not None:
-        y = y + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
-    return y.reshape(hidden_states.shape)
+    return moe.add_shared(x, y.to(x.dtype)).reshape(hidden_states.shape)
 
 
 class FlyMoE(nn.Module):
@@ -270,11 +265,15 @@ class FlyMoE(nn.Module):
             fused=self.resolved_path() == "fused",
             score_before_experts=self.score_before_experts,
         )
+        return self.add_shared(x, y).reshape(shape)
+
+    def add_shared(self, x_TH: Tensor, y_TH: Tensor) -> Tensor:
+        """``y_TH`` plus the shared experts' output, if the block has any (also used by ``moe_reference``)."""
         if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
+            y_TH = y_TH + self.shared_experts(x_TH)
         if getattr(self, "shared_expert", None) is not None:  # Qwen2-MoE: a gated shared expert
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y.reshape(shape)
+            y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+        return y_TH
 
     def extra_repr(self) -> str:
         return (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,7 +66,12 @@ def shape_class(m: int, n: int, k: int, e: int) -> tuple[str, str, str]:
 # its fastest configuration that is correct on every case (grouped_mm_sweep_3090b87.md; warp-specialised ones were
 # wrong there, see _grouped_mm_kernel._effective_config), checked by a second sweep (grouped_mm_sweep.md) and the
 # suite; the other classes keep the starting points they had.
-C = GroupedMMConfig
+# Every Hopper configuration below (table, tuning and sweep candidates) compiles N, K and the strides in
+# (``specialize``): side by side on the H200 over the suite's 24 cases, 1.012x geomean on plain rows (15 of 24 faster,
+# none more than 1.1% slower), 1.091x on the MoE layer's gathered gate/up rows (4 of 4) and 1.024x on its scattered
+# down output (grouped_mm_specialize.md). The cost is one compilation per weight shape and layout, as Inductor's
+# template compiles its static shapes.
+C = functools.partial(GroupedMMConfig, specialize=True)
 CONFIG_TABLE: dict[tuple[str, str, str], GroupedMMConfig] = {
     ("small", "narrow", "short"): C(64, 128, 64, 8, 4, 4),
     ("small", "narrow", "long"): C(64, 128, 128, 8, 3, 4),  # swept: 1.06x over the previous 64x128x64 s4
@@ -81,11 +87,6 @@ CONFIG_TABLE: dict[tuple[str, str, str], GroupedMMConfig] = {
     # two sweeps disagreed here (4 stages 1.04x faster in one, 0.97x in the other) and the suite measured no gain
     ("large", "wide", "long"): C(128, 256, 64, 8, 3, 8),
 }
-# Every table entry compiles N, K and the strides in (``specialize``): side by side on the H200 over the suite's 24
-# cases, 1.012x geomean on plain rows (15 of 24 faster, none more than 1.1% slower), 1.091x on the MoE layer's gathered
-# gate/up rows (4 of 4) and 1.024x on its scattered down output (grouped_mm_specialize.md). The cost is one compilation
-# per weight shape and layout, as Inductor's template compiles its static shapes.
-CONFIG_TABLE = {key: replace(cfg, specialize=True) for key, cfg in CONFIG_TABLE.items()}
 # Ampere and older: no TMA, less shared memory.
 PRE_HOPPER_CONFIG = GroupedMMConfig(128, 128, 32, 8, 3, 8, tma=False)
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
@@ -155,27 +156,25 @@ def candidate_configs() -> list[GroupedMMConfig]:
             replace(c, flatten=True),
             replace(c, schedule="table"),
         ]
-    found = [replace(c, specialize=True) for c in base + specialised + variants]  # as the table's
-    return list(dict.fromkeys([*found, base[0]]))  # in order, without repeats; one unspecialised control
+    control = replace(base[0], specialize=False)
+    return list(dict.fromkeys(base + specialised + variants + [control]))  # in order, without repeats
 
 
 def tune_candidates(m_class: str) -> list[GroupedMMConfig]:
     """A short list for a measured choice (``tune``): the likely winners of a rows-per-group class (the sweep's)."""
     ws = dict(schedule="table", warp_specialize="tiles", tma_store=True)
     if m_class == "small":
-        found = [
+        return [
             C(64, 128, 64, 8, 4, 4),
             C(64, 128, 128, 8, 3, 4),
             C(64, 256, 64, 8, 3, 8),
             C(128, 128, 64, 8, 4, 4, **ws),
         ]
-    else:
-        found = [
-            C(128, 256, 64, 8, 3, 8),
-            C(128, 256, 64, 8, 4, 8),
-            C(128, 128, 64, 8, 4, 8),
-            C(128, 256, 64, 8, 3, 4, **ws),
-            C(128, 256, 64, 8, 3, 8, flatten=True),
-            C(128, 256, 64, 8, 4, 8, flatten=True),
-        ]
-    return [replace(c, specialize=True) for c in found]  # as the table's
+    return [
+        C(128, 256, 64, 8, 3, 8),
+        C(128, 256, 64, 8, 4, 8),
+        C(128, 128, 64, 8, 4, 8),
+        C(128, 256, 64, 8, 3, 4, **ws),
+        C(128, 256, 64, 8, 3, 8, flatten=True),
+        C(128, 256, 64, 8, 4, 8, flatten=True),
+    ]

@@ -5,7 +5,8 @@ dense ``torch.mm`` of the same FLOPs is timed beside them as a ceiling reference
 
 Every case is first checked against an fp32 per-group reference (each implementation, relative Frobenius error),
 then timed (device events, steady state: compilation and autotuning excluded). TFLOP/s = 2*M*K*N / time. ``fly`` is
-the configuration table (the default); ``fly_tuned`` the measured choice among a few configurations per case.
+the configuration table (the default); ``fly_tuned`` the measured choice among a few configurations per case. Cold
+start is reported apart: ``fly_cold_s`` (our first call of the case), ``fly_tune_s``, ``peer_compile_s``.
 
 The peer autotunes ~40 configurations per distinct shape at its first call (~15-25 s each). By default it runs on
 the 8 distinct model-projection shapes, which cover the 16 projection and uneven cases; ``--peer all`` adds the 8
@@ -29,7 +30,7 @@ import torch
 
 import fly_lightning
 from benchmarks.grouped_mm_cases import Case, cases, make_inputs
-from benchmarks.harness import Results, geomean, rotation_count, time_ms
+from benchmarks.harness import Results, first_call_s, geomean, rotation_count, time_ms
 from fly_lightning.ops.grouped_mm import grouped_mm_reference
 
 PEER_UNIFORM_SUBSET: tuple[str, ...] = ()  # uniform cases the default peer subset also compiles
@@ -155,7 +156,10 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
         ref = grouped_mm_reference(x.float(), w.float(), offs)
         for name, fn in run.items():
             try:
-                row[f"{name}_err"] = rel_err(fn(x, w, offs), ref)
+                seconds, out = first_call_s(fn, x, w, offs)
+                if name == "fly":  # cold start: the first call of this shape in the process (see the notes)
+                    row["fly_cold_s"] = round(seconds, 3)
+                row[f"{name}_err"] = rel_err(out, ref)
             except Exception as exc:
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         row["fly_backend"] = backend_of("grouped_mm", x, w, offs, None)
@@ -167,10 +171,12 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
             row[f"{name}_tflops"] = round(case.flops / ms / 1e9, 1)
         if tune and "fly_ms" in row:  # the measured choice among a few configurations
             try:
+                start = time.perf_counter()
                 best_cfg = gk.tune(
                     x, w, offs, candidates=tune_candidates(shape_class(case.m, case.n, case.k, case.e)[0]),
                     reps=reps or 10,
                 )  # fmt: skip
+                row["fly_tune_s"] = round(time.perf_counter() - start, 2)
                 row["fly_tuned_config"] = best_cfg.label()
                 fn = impls["fly"]
                 row["fly_tuned_err"] = rel_err(fn(x, w, offs), ref)
@@ -227,6 +233,10 @@ def _summarise(res: Results, peer: Peer | None) -> None:
     if peer is not None:
         res.summary["peer_shapes_compiled"] = len(peer.compile_s)
         res.summary["peer_compile_total_s"] = round(sum(peer.compile_s.values()), 1)
+    for key in ("fly_cold_s", "fly_tune_s"):
+        values = [r[key] for r in rows if key in r]
+        if values:
+            res.summary[f"{key}_total"], res.summary[f"{key}_max"] = round(sum(values), 1), max(values)
     res.notes += [
         "x_vs_<baseline> = baseline time / fly time (> 1: fly faster); x_vs_best: against the faster of "
         "torch._grouped_mm and the Triton peer where the peer ran, else torch._grouped_mm.",
@@ -239,6 +249,12 @@ def _summarise(res: Results, peer: Peer | None) -> None:
         "fly = the configuration table (what users get by default); fly_tuned = the measured choice among "
         "tune_candidates() for the case (tuning time excluded; the table's configuration unless a candidate was "
         "more than 2% faster), reported as tuned_x_vs_<baseline>.",
+        "cold start, apart from the timings: fly_cold_s = host wall time of the case's first fly call through its "
+        "completion on the GPU (dispatch decision, Triton compilation of the configuration with N, K and the strides "
+        "compiled in where the table says so, launch), Triton's cache empty at the start of the process; a case whose "
+        "compiled kernel an earlier case already built reads warm, as a new batch of a known shape does in training. "
+        "fly_tune_s: the measured choice's tuning (compiling and timing its candidates). peer_compile_s: the peer's "
+        "first call (Inductor compilation and max-autotune), once per shape.",
     ]
 
 

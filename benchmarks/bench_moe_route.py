@@ -8,9 +8,10 @@ with deterministic algorithms off and on; then ``fly_lightning.topk`` against ``
 The suite first checks every case on the GPU against the reference (ids, weights, counts, offsets, permutation; also
 after CUDA-graph capture and with deterministic algorithms) and skips the timing of a case that fails. Timings:
 ``*_ms`` are per call with CUDA events around each eager call (host overhead included when it dominates),
-``*_graph_ms`` from CUDA-graph replays (device time only). The ATen sequence is scores, topk, gate renormalisation,
-per-expert counts with ``scatter_add_`` (capturable, deterministic for 1-D input) and ``cumsum`` offsets; the plain
-``bincount`` variant synchronises with the host, so it is timed eagerly only. Bytes moved: logits read + outputs
+``*_graph_ms`` from CUDA-graph replays (device time only); cold start apart, ``*_cold_s`` (first calls, before the
+check). The ATen sequence is scores, topk, gate renormalisation, per-expert counts with ``scatter_add_`` (capturable,
+deterministic for 1-D input) and ``cumsum`` offsets; the plain ``bincount`` variant synchronises with the host, so it
+is timed eagerly only. Bytes moved: logits read + outputs
 written; the copy-bandwidth share is reported for cases with at least 16 MiB of logits. Writes ``moe_route`` and
 ``topk`` results (or ``moe_route_sweep``) through ``Results.save()``: ``$OUT`` when set, else ``benchmarks/results``.
 """
@@ -24,7 +25,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, rotation_count, time_graph_ms, time_ms
+from benchmarks.harness import (
+    Results,
+    copy_bandwidth_gbps,
+    first_call_s,
+    geomean,
+    rotation_count,
+    time_graph_ms,
+    time_ms,
+)
 
 MIB = 2**20
 
@@ -237,6 +246,19 @@ def _ratio(a, b):
     return a / b if a and b else None
 
 
+def _cold_starts(case: Case, ours, comp, ours_perm, x: torch.Tensor) -> dict:
+    """First-call times of this case's signatures (before anything else runs them; see ``first_call_s``)."""
+    cold = {"ours_cold_s": round(first_call_s(ours, x)[0], 3)}
+    if case.permutation:
+        cold["ours_perm_cold_s"] = round(first_call_s(ours_perm, x)[0], 3)
+    if comp is not None:
+        try:
+            cold["compiled_cold_s"] = round(first_call_s(comp, x)[0], 3)
+        except Exception as exc:  # noqa: BLE001 - reported with the case, as _time does
+            cold["compiled_cold_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return cold
+
+
 # --- the suite -------------------------------------------------------------------------------------------------------
 
 
@@ -261,6 +283,9 @@ def run_suite(compile_baseline: bool) -> None:
     for case in CASES:
         inputs, bias = _inputs(case, dev)
         args = _args(case, bias)
+        ours = _bind(moe_route, *args)  # the public API, dispatcher included
+        comp = _bind(compiled, *args) if compiled else None
+        cold = _cold_starts(case, ours, comp, _bind(moe_route, *args, return_permutation=True), inputs[0][0])
         err, info = check(case, inputs[0][0], bias)
         base = dict(
             case=case.name,
@@ -277,14 +302,12 @@ def run_suite(compile_baseline: bool) -> None:
         if err is not None:
             res.add(**base, error=err)
             continue
-        ours = _bind(moe_route, *args)  # the public API, dispatcher included
         aten = _bind(aten_route, *args)
         aten_bc = _bind(aten_route, *args, counts="bincount")
-        comp = _bind(compiled, *args) if compiled else None
         for det in (False, True):
             tag = "on" if det else "off"
             with deterministic(det):
-                row = dict(base, deterministic=det)
+                row = dict(base, deterministic=det, **({} if det else cold))
                 row["ours_ms"], row["ours_graph_ms"], e1 = _time(ours, inputs)
                 row["aten_ms"], row["aten_graph_ms"], e2 = _time(aten, inputs)
                 row["aten_bincount_ms"], _, e3 = _time(aten_bc, inputs, graph=False)
@@ -321,8 +344,19 @@ def run_suite(compile_baseline: bool) -> None:
     res.summary["goal_geomean_40x_vs_aten_graph_off"] = res.summary["geomean_speedup_graph_off"] >= 40
     res.summary["goal_50pct_copy_bw"] = bool(big_pct) and all(p >= 50 for _, p in big_pct)
     res.summary["dispatch"] = str(fly_lightning.DISPATCH_LOG.summary().get("moe_route", {}).get("by_backend"))
+    for key in ("ours_cold_s", "ours_perm_cold_s", "compiled_cold_s"):
+        values = [r[key] for r in res.rows if key in r]
+        if values:
+            res.summary[f"{key}_total"], res.summary[f"{key}_max"] = round(sum(values), 2), max(values)
     res.summary["suite_seconds"] = round(time.perf_counter() - start, 1)
     res.notes.append("speedup_vs_aten*: ATen sequence time / ours (same timing method); geomeans over the 10 cases")
+    res.notes.append(
+        "cold start, apart from the timings (deterministic-off rows): *_cold_s is the first call's host wall time "
+        "through its completion on the GPU, Triton and Inductor caches empty at the start of the process. "
+        "ours_cold_s: the public call (dispatch decision, kernel compilation, launch); ours_perm_cold_s: then the "
+        "variant with the permutation (another compilation); compiled_cold_s: torch.compile of the ATen sequence "
+        "(dynamic=False: one compilation per case; with deterministic algorithms on it compiles again, not shown)."
+    )
     print(res.save())
 
     tres = Results("topk")

@@ -32,7 +32,10 @@ run() {  # name, timeout seconds, command...
   local name=$1 limit=$2; shift 2
   echo "=== $name: $*" | tee -a "$log"
   local t0=$SECONDS
-  timeout "$limit" "$@" >>"$log" 2>&1; local rc=$?
+  # empty Triton and Inductor caches per phase: the suites' cold-start columns (*_cold_s, peer_compile_s) then count
+  # every compilation, whatever ran before on this machine
+  TRITON_CACHE_DIR=$(mktemp -d /tmp/triton-cache.XXXXXX) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d /tmp/inductor.XXXXXX) \
+    timeout "$limit" "$@" >>"$log" 2>&1; local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
   [ $rc -eq 0 ] || status=1
   # archive after every phase: a run cut short by the device limit still returns what finished

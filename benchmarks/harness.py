@@ -41,6 +41,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def first_call_s(fn: Callable[..., Any], *args: Any) -> tuple[float, Any]:
+    """Host wall time of one call through its completion on the device (``(seconds, result)``): a cold start when
+    ``fn`` has not run on this signature in the process (JIT compilation, autotuning and module loading included).
+    The GPU session gives each phase empty Triton and Inductor caches, so nothing comes from an earlier run's disk."""
+    device = _device_of(args)
+    _sync(device)
+    start = time.perf_counter()
+    out = fn(*args)
+    _sync(device)
+    return time.perf_counter() - start, out
+
+
 def time_ms(
     fn: Callable[..., Any],
     inputs: Sequence[tuple],

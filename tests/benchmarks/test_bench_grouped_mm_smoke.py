@@ -36,7 +36,9 @@ def test_suite_runs(monkeypatch):
         assert row["fly_backend"] == "triton" and row["fly_err"] < 2e-2 and row["aten_err"] < 2e-2, row
         assert row["x_vs_aten"] > 0 and row["x_vs_loop"] > 0 and row["tuned_x_vs_aten"] > 0
         assert row["dense_ms"] > 0 and row["dense_x_vs_aten"] > 0  # the ceiling reference ran too
+        assert row["fly_cold_s"] > 0 and row["fly_tune_s"] > 0  # cold start, reported apart
     assert res.summary["failed_checks"] == [] and res.summary["n_x_vs_aten"] == len(TINY)
+    assert res.summary["fly_cold_s_total"] >= res.summary["fly_cold_s_max"] > 0
     assert res.summary["n_tuned_x_vs_aten"] == len(TINY)
 
 

@@ -186,7 +186,8 @@ def check(case: Case, x: torch.Tensor, bias) -> tuple[str | None, dict]:
         if not torch.equal(got, want):
             return f"{name} differ without the permutation", info
     # the counting tail the launcher does not use must give the same outputs, with and without the permutation
-    from fly_lightning.kernels.triton.moe_route import launch_config, moe_route_triton
+    from fly_lightning.kernels.triton._moe_route_config import launch_config
+    from fly_lightning.kernels.triton.moe_route import moe_route_triton
 
     cfg = launch_config(case.experts, case.k, x.element_size(), case.n_groups is not None, case.bias)
     other_cfg = replace(cfg, tail="packed" if cfg.tail == "ticket" else "ticket")
@@ -388,7 +389,7 @@ def run_suite(compile_baseline: bool) -> None:
 
 def sweep_configs(case: Case):
     """The launcher's configuration, then one factor changed at a time."""
-    from fly_lightning.kernels.triton.moe_route import launch_config
+    from fly_lightning.kernels.triton._moe_route_config import launch_config
 
     base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None, case.bias)
     variants = [base]
@@ -409,7 +410,7 @@ def pipeline_configs(case: Case):
     """The launcher's configuration, then with the prefetch flipped, the other form of the winner-key store, the other
     counting tail, and a few grid sizes for each tail (prefetching pays with more tiles per program; the tails' cost
     grows with the number of programs)."""
-    from fly_lightning.kernels.triton.moe_route import NEWER_TRITON, launch_config
+    from fly_lightning.kernels.triton._moe_route_config import NEWER_TRITON, launch_config
 
     base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None, case.bias)
     variants = [base, replace(base, prefetch=not base.prefetch), replace(base, direct_store=not NEWER_TRITON)]
@@ -421,7 +422,8 @@ def pipeline_configs(case: Case):
 
 
 def run_sweep(pipeline: bool = False) -> None:
-    from fly_lightning.kernels.triton.moe_route import NEWER_TRITON, moe_route_triton, tile_shape
+    from fly_lightning.kernels.triton._moe_route_config import NEWER_TRITON, tile_shape
+    from fly_lightning.kernels.triton.moe_route import moe_route_triton
     from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
 
     start = time.perf_counter()

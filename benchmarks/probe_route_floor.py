@@ -48,15 +48,9 @@ from triton.language.extra.cuda import libdevice
 
 from benchmarks.bench_moe_route import CASES, _args, _bytes, _inputs, aten_route
 from benchmarks.harness import Results, copy_bandwidth_gbps, geomean, time_graph_ms
-from fly_lightning.kernels.triton.moe_route import (
-    _MINUS_LOG2E,
-    _packed_tail,
-    _plan,
-    _sm_count,
-    default_tail,
-    launch_config,
-    moe_route_triton,
-)
+from fly_lightning.kernels.triton._moe_route_config import _sm_count, default_tail, launch_config
+from fly_lightning.kernels.triton._moe_route_kernel import _MINUS_LOG2E, _packed_tail
+from fly_lightning.kernels.triton.moe_route import _plan, moe_route_triton
 
 
 @triton.jit

@@ -48,7 +48,8 @@ def main() -> None:
     parser.add_argument("--spread", action="store_true", help="also time probe_route_spread's spread inputs")
     parser.add_argument("--no-check", action="store_true", help="skip the default's check against the reference")
     opts = parser.parse_args()
-    from fly_lightning.kernels.triton.moe_route import launch_config, moe_route_triton
+    from fly_lightning.kernels.triton._moe_route_config import launch_config
+    from fly_lightning.kernels.triton.moe_route import moe_route_triton
 
     dev = torch.device("cuda")
     res = Results("moe_route_variants")

@@ -14,6 +14,7 @@ import torch
 from _sm90 import compile_sm90, report, sass_loop
 
 from fly_lightning.kernels.triton import moe_route, topk
+from fly_lightning.kernels.triton._moe_route_config import launch_config
 
 TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}
 
@@ -31,7 +32,7 @@ def _compile(fn, sig: dict, const: dict, aligned: tuple[str, ...]) -> dict:
 
 def route(t, e, k, dtype, score="softmax", renorm=True, bias=False, groups=None, perm=False, **config) -> dict:
     """``config``: LaunchConfig fields changed from the launcher's own choice (then ``launcher_default`` is False)."""
-    cfg = moe_route.launch_config(e, k, torch.finfo(dtype).bits // 8, groups is not None, bias)
+    cfg = launch_config(e, k, torch.finfo(dtype).bits // 8, groups is not None, bias)
     cfg = replace(cfg, **config)
     plan = moe_route._plan(t, e, k, dtype, e, score, renorm, bias, *(groups or (None, None)), perm,
                            torch.device("cpu"), cfg, False)  # fmt: skip

@@ -6,19 +6,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fly_lightning.kernels.triton._moe_route_config import LaunchConfig, launch_config, tile_shape
+from fly_lightning.kernels.triton._moe_route_kernel import PACK_BITS
 from fly_lightning.kernels.triton.moe_route import (
     MAX_E,
-    PACK_BITS,
-    LaunchConfig,
     _capture_pools,
     _capture_slot,
     _plan,
     _supports,
     _workspace,
-    launch_config,
     moe_route_triton,
     packed_tail_fits,
-    tile_shape,
 )
 from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
 

@@ -252,7 +252,8 @@ def _summarise(res: Results, peer: Peer | None) -> None:
         "cold start, apart from the timings: fly_cold_s = host wall time of the case's first fly call through its "
         "completion on the GPU (dispatch decision, Triton compilation of the configuration with N, K and the strides "
         "compiled in where the table says so, launch), Triton's cache empty at the start of the process; a case whose "
-        "compiled kernel an earlier case already built reads warm, as a new batch of a known shape does in training. "
+        "kernel an earlier case (or its tuning) already compiled reads warm, as a new batch of a known shape does in "
+        "training. "
         "fly_tune_s: the measured choice's tuning (compiling and timing its candidates). peer_compile_s: the peer's "
         "first call (Inductor compilation and max-autotune), once per shape.",
     ]

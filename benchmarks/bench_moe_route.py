@@ -11,9 +11,9 @@ after CUDA-graph capture and with deterministic algorithms) and skips the timing
 ``*_graph_ms`` from CUDA-graph replays (device time only); cold start apart, ``*_cold_s`` (first calls, before the
 check). The ATen sequence is scores, topk, gate renormalisation, per-expert counts with ``scatter_add_`` (capturable,
 deterministic for 1-D input) and ``cumsum`` offsets; the plain ``bincount`` variant synchronises with the host, so it
-is timed eagerly only. Bytes moved: logits read + outputs
-written; the copy-bandwidth share is reported for cases with at least 16 MiB of logits. Writes ``moe_route`` and
-``topk`` results (or ``moe_route_sweep``) through ``Results.save()``: ``$OUT`` when set, else ``benchmarks/results``.
+is timed eagerly only. Bytes moved: logits read + outputs written; the copy-bandwidth share is reported for cases
+with at least 16 MiB of logits. Writes ``moe_route`` and ``topk`` results (or ``moe_route_sweep``) through
+``Results.save()``: ``$OUT`` when set, else ``benchmarks/results``.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ NEWER_TRITON = tuple(int(p) for p in re.match(r"(\d+)\.(\d+)", triton.__version_
 
 @dataclass(frozen=True)
 class LaunchConfig:
+    """How a routing launch is shaped. The ``_exact_values``, ``_store_step`` and ``_*_tail`` the fields refer to are
+    in ``_moe_route_kernel.py``; ``ON_HIP`` is in ``moe_route.py``."""
+
     elems_per_thread: int = 32  # row elements per thread; sets the lanes per row (fewer lanes: fewer shuffles)
     rows_per_thread: int = 1
     num_warps: int = 4

@@ -301,7 +301,7 @@ def run_suite(compile_baseline: bool) -> None:
             **info,
         )
         if err is not None:
-            res.add(**base, error=err)
+            res.add(**base, **cold, error=err)
             continue
         aten = _bind(aten_route, *args)
         aten_bc = _bind(aten_route, *args, counts="bincount")

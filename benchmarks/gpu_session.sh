@@ -34,8 +34,10 @@ run() {  # name, timeout seconds, command...
   local t0=$SECONDS
   # empty Triton and Inductor caches per phase: the suites' cold-start columns (*_cold_s, peer_compile_s) then count
   # every compilation, whatever ran before on this machine
-  TRITON_CACHE_DIR=$(mktemp -d /tmp/triton-cache.XXXXXX) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d /tmp/inductor.XXXXXX) \
-    timeout "$limit" "$@" >>"$log" 2>&1; local rc=$?
+  local caches; caches=$(mktemp -d /tmp/fly-caches.XXXXXX)
+  TRITON_CACHE_DIR=$caches/triton TORCHINDUCTOR_CACHE_DIR=$caches/inductor timeout "$limit" "$@" >>"$log" 2>&1
+  local rc=$?
+  rm -rf "$caches"
   echo "=== $name rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
   [ $rc -eq 0 ] || status=1
   # archive after every phase: a run cut short by the device limit still returns what finished

@@ -68,6 +68,7 @@ for phase in "$@"; do
     route_ncu) run route_ncu 400 bash /tmp/site/benchmarks/ncu_route.sh ;;
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
     grouped_all) run grouped_all 570 python3 -m benchmarks.bench_grouped_mm --peer all ;;
+    roof) run roof 300 python3 -m benchmarks.probe_gemm_roof ;;
     grouped_spec) run grouped_spec 480 python3 -m benchmarks.probe_grouped_mm_specialize ;;
     grouped_sweep) run grouped_sweep 540 python3 -m benchmarks.bench_grouped_mm --sweep ;;
     moe_profile) run moe_profile 300 python3 -m benchmarks.profile_moe_layer ;;

@@ -1,0 +1,61 @@
+"""The goal-bound arithmetic of ``benchmarks/goal_bounds.py``, on hand-made rows (CPU)."""
+
+import json
+
+import pytest
+
+from benchmarks.goal_bounds import grouped_bounds, main, roofline_ms, route_bounds
+
+
+def test_roofline_takes_the_slower_of_compute_and_memory():
+    # 1000 TFLOP/s and 1000 GB/s: 2*1024^3 FLOPs take 2.147 us; 2 bytes x 3 x 1024^2 take 6.29 us
+    assert roofline_ms(1024, 1024, 1024, 1, 1000.0, 1000.0) == pytest.approx(6 * 1024**2 / 1e9)
+    # every expert's weight is read: 64 experts move 64x the weight bytes
+    assert roofline_ms(1024, 1024, 1024, 64, 1000.0, 1e9) == pytest.approx(2 * 1024**3 / 1e12)
+    memory_bound = roofline_ms(1024, 1024, 1024, 64, 1e9, 1000.0)
+    assert memory_bound == pytest.approx(2 * (2 * 1024**2 + 64 * 1024**2) / 1e9)
+
+
+def test_grouped_bounds_place_peer_ours_and_dense_against_the_roof():
+    row = dict(case="c", M=4096, K=4096, N=4096, E=1)
+    roof = 2 * 4096**3 / 500e9  # compute-bound at 500 TFLOP/s (memory at 1e9 GB/s is instant)
+    rows, summary = grouped_bounds([dict(row, peer_ms=2 * roof, fly_ms=1.25 * roof, dense_ms=roof)], 500.0, 1e9)
+    assert rows[0]["bound"] == "compute"
+    assert rows[0]["peer_over_roof"] == 2.0 and rows[0]["fly_of_roof"] == 0.8 and rows[0]["dense_of_roof"] == 1.0
+    assert summary["ceiling_x_vs_peer"] == 2.0 and summary["goal_needs_of_roof"] == 0.6
+    assert summary["cases_under_goal_even_at_roof"] == []
+    _, tight = grouped_bounds([dict(row, peer_ms=1.1 * roof, fly_ms=roof, dense_ms=roof)], 500.0, 1e9)
+    assert tight["cases_under_goal_even_at_roof"] == ["c"] and tight["goal_needs_of_roof"] > 1
+
+
+def test_route_bounds_take_the_fastest_known_launch_and_the_suite_bytes():
+    floor = dict(case="r", aten_us=400.0, ours_us=10.0, copy_counts_us=8.0, copy_packed_us=9.0, score_tail_us=8.5)
+    # the suite's row: 2000 GB/s over 0.01 ms = 20 MB, at 40% of a 5000 GB/s copy
+    suite = dict(case="r", deterministic=False, logits_MiB=16, GBps=2000.0, ours_graph_ms=0.01, pct_copy_bw=40.0)
+    rows, summary = route_bounds([floor], [suite, dict(suite, deterministic=True, GBps=1.0)])
+    r = rows[0]
+    assert r["ours_x"] == 40.0 and r["best_known"] == "copy_counts" and r["ceiling_x"] == 50.0
+    assert r["ceiling_x_with_scores"] == pytest.approx(400 / 8.5, abs=0.05)
+    assert r["best_known_pct_copy_bw"] == 50.0  # 20 MB in 8 us = 2500 GB/s
+    assert summary["bw_cases_under_goal_with_scores"] == ["r"] and summary["bw_cases_under_goal_at_best_known"] == []
+    small, _ = route_bounds([dict(floor, ours_us=7.0)], [dict(suite, logits_MiB=1)])
+    assert small[0]["best_known"] == "ours" and "best_known_pct_copy_bw" not in small[0]
+
+
+def test_main_reads_the_four_result_files_and_writes_its_own_beside_them(tmp_path):
+    env = {"environment": {"git_rev": "abc"}}
+    g = dict(case="g", M=256, K=256, N=256, E=2, peer_ms=0.01, fly_ms=0.009, dense_ms=0.008)
+    files = {
+        "gemm_roof": dict(env, summary=dict(best_tflops=700.0, copy_GBps=4000.0), rows=[]),
+        "grouped_mm_suite": dict(env, rows=[g]),
+        "moe_route_floor": dict(env, rows=[dict(case="r", aten_us=50.0, ours_us=2.0, score_tail_us=2.5)]),
+        "moe_route": dict(env, rows=[dict(case="r", logits_MiB=1, GBps=500.0, ours_graph_ms=0.002, pct_copy_bw=10.0)]),
+    }
+    for name, payload in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+    res = main(tmp_path)
+    assert (tmp_path / "goal_bounds.md").exists()
+    saved = json.loads((tmp_path / "goal_bounds.json").read_text())
+    assert saved["summary"]["route_ceiling_x"] == 25.0
+    assert saved["summary"]["sources"]["moe_route_floor"] == "abc"
+    assert [r["goal"] for r in res.rows] == ["grouped 1.2x peer", "route 40x aten"]

@@ -4,7 +4,8 @@ under ``max_autotune`` with only Triton GEMM backends), on the 24 cases of ``ben
 dense ``torch.mm`` of the same FLOPs is timed beside them as a ceiling reference.
 
 Every case is first checked against an fp32 per-group reference (each implementation, relative Frobenius error),
-then timed (device events, steady state: compilation and autotuning excluded). TFLOP/s = 2*M*K*N / time. ``fly`` is
+then timed (device events, steady state: compilation and autotuning excluded) in interleaved rounds: ours, the
+baselines and the dense reference take turns (``interleaved_ms``). TFLOP/s = 2*M*K*N / time. ``fly`` is
 the configuration table (the default); ``fly_tuned`` the measured choice among a few configurations per case. Cold
 start is reported apart: ``fly_cold_s`` (our first call of the case), ``fly_tune_s``, ``peer_compile_s``.
 
@@ -23,6 +24,7 @@ point it at a kept folder to reuse the autotuning across runs.
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from collections.abc import Callable
 
@@ -123,6 +125,22 @@ def _reps(fn: Callable, args: tuple, budget_s: float = 0.25) -> int:
     return int(min(100, max(10, budget_s * 1e3 / max(elapsed_ms(lambda: fn(*args)), 1e-3))))
 
 
+ROUNDS = 4
+
+
+def interleaved_ms(fns: dict[str, Callable], sets: list[tuple], reps: int | None = None) -> dict[str, float]:
+    """Each implementation's median of ``ROUNDS`` round medians, the implementations taking turns within a round
+    (the order rotated every round), so a slow drift of the GPU's clocks (e.g. after the peer's autotuning) falls on
+    all of them alike. ``reps`` calls per implementation in all (default: about 0.25 s of calls, 10-100)."""
+    names = list(fns)
+    per_round = {n: max(3, (reps or _reps(fns[n], sets[0])) // ROUNDS) for n in names}
+    rounds: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(ROUNDS):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            rounds[n].append(time_ms(fns[n], sets, warmup=2, reps=per_round[n])["median_ms"])
+    return {n: statistics.median(v) for n, v in rounds.items()}
+
+
 def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_list: list[Case] | None = None,
           reps: int | None = None, tune: bool = True) -> Results:  # fmt: skip
     from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
@@ -163,10 +181,11 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
             except Exception as exc:
                 row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
         row["fly_backend"] = backend_of("grouped_mm", x, w, offs, None)
-        for name, fn in run.items():
-            if f"{name}_error" in row or row.get(f"{name}_err", 1.0) > 2e-2:
-                continue
-            ms = time_ms(fn, sets, warmup=3, reps=reps or _reps(fn, sets[0]))["median_ms"]
+        timed = {n: fn for n, fn in run.items() if f"{n}_error" not in row and row.get(f"{n}_err", 1.0) <= 2e-2}
+        # a ceiling, not a contender: one cuBLAS GEMM of the same FLOPs with no groups (each input set's first
+        # expert, same layout); it computes another function, so it has no error column
+        timed["dense"] = lambda a, b, o: torch.mm(a, b[0])
+        for name, ms in interleaved_ms(timed, sets, reps).items():
             row[f"{name}_ms"] = round(ms, 4)
             row[f"{name}_tflops"] = round(case.flops / ms / 1e9, 1)
         if tune and "fly_ms" in row:  # the measured choice among a few configurations
@@ -192,11 +211,6 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
                 gk.MEASURED.clear()  # the next case starts from the table again
                 gk.REJECTED.clear()
         del ref
-        # a ceiling, not a contender: one cuBLAS GEMM of the same FLOPs with no groups (each input set's first
-        # expert, same layout); it computes another function, so it has no error column
-        dense = lambda a, b, o: torch.mm(a, b[0])  # noqa: E731
-        ms = time_ms(dense, sets, warmup=3, reps=reps or _reps(dense, sets[0]))["median_ms"]
-        row["dense_ms"], row["dense_tflops"] = round(ms, 4), round(case.flops / ms / 1e9, 1)
         for mine, prefix in (("fly", "x_vs"), ("fly_tuned", "tuned_x_vs"), ("dense", "dense_x_vs")):
             my_ms = row.get(f"{mine}_ms")
             for name in ("aten", "peer", "loop"):
@@ -246,6 +260,9 @@ def _summarise(res: Results, peer: Peer | None) -> None:
         "dense = one torch.mm (cuBLAS) of x [M, K] by the first expert's [K, N] weight: the same FLOPs with no groups, "
         "a ceiling reference rather than an implementation; dense_x_vs_<baseline> = baseline time / dense time, the "
         "score a grouped kernel as fast as that dense GEMM would get.",
+        f"timing: device events over rotating input sets; fly, aten, loop, peer and dense take turns in {ROUNDS} "
+        "rounds (order rotated each round) and each reports the median of its round medians: side by side, so a "
+        "drift of the GPU's clocks during the case falls on all of them. fly_tuned is timed after the tuning.",
         "fly = the configuration table (what users get by default); fly_tuned = the measured choice among "
         "tune_candidates() for the case (tuning time excluded; the table's configuration unless a candidate was "
         "more than 2% faster), reported as tuned_x_vs_<baseline>.",

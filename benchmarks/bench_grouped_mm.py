@@ -5,7 +5,7 @@ dense ``torch.mm`` of the same FLOPs is timed beside them as a ceiling reference
 
 Every case is first checked against an fp32 per-group reference (each implementation, relative Frobenius error),
 then timed (device events, steady state: compilation and autotuning excluded) in interleaved rounds: ours, the
-baselines and the dense reference take turns (``interleaved_ms``). TFLOP/s = 2*M*K*N / time. ``fly`` is
+baselines and the dense reference take turns (``harness.interleaved_ms``). TFLOP/s = 2*M*K*N / time. ``fly`` is
 the configuration table (the default); ``fly_tuned`` the measured choice among a few configurations per case. Cold
 start is reported apart: ``fly_cold_s`` (our first call of the case), ``fly_tune_s``, ``peer_compile_s``.
 
@@ -24,7 +24,6 @@ point it at a kept folder to reuse the autotuning across runs.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
@@ -32,7 +31,7 @@ import torch
 
 import fly_lightning
 from benchmarks.grouped_mm_cases import Case, cases, make_inputs
-from benchmarks.harness import Results, first_call_s, geomean, rotation_count, time_ms
+from benchmarks.harness import Results, first_call_s, geomean, interleaved_ms, rotation_count, time_ms
 from fly_lightning.ops.grouped_mm import grouped_mm_reference
 
 PEER_UNIFORM_SUBSET: tuple[str, ...] = ()  # uniform cases the default peer subset also compiles
@@ -125,20 +124,7 @@ def _reps(fn: Callable, args: tuple, budget_s: float = 0.25) -> int:
     return int(min(100, max(10, budget_s * 1e3 / max(elapsed_ms(lambda: fn(*args)), 1e-3))))
 
 
-ROUNDS = 4
-
-
-def interleaved_ms(fns: dict[str, Callable], sets: list[tuple], reps: int | None = None) -> dict[str, float]:
-    """Each implementation's median of ``ROUNDS`` round medians, the implementations taking turns within a round
-    (the order rotated every round), so a slow drift of the GPU's clocks (e.g. after the peer's autotuning) falls on
-    all of them alike. ``reps`` calls per implementation in all (default: about 0.25 s of calls, 10-100)."""
-    names = list(fns)
-    per_round = {n: max(3, (reps or _reps(fns[n], sets[0])) // ROUNDS) for n in names}
-    rounds: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(ROUNDS):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            rounds[n].append(time_ms(fns[n], sets, warmup=2, reps=per_round[n])["median_ms"])
-    return {n: statistics.median(v) for n, v in rounds.items()}
+ROUNDS = 4  # interleaved timing rounds (harness.interleaved_ms)
 
 
 def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_list: list[Case] | None = None,
@@ -185,7 +171,8 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
         # a ceiling, not a contender: one cuBLAS GEMM of the same FLOPs with no groups (each input set's first
         # expert, same layout); it computes another function, so it has no error column
         timed["dense"] = lambda a, b, o: torch.mm(a, b[0])
-        for name, ms in interleaved_ms(timed, sets, reps).items():
+        counts = {n: reps or _reps(fn, sets[0]) for n, fn in timed.items()}  # about 0.25 s of calls each
+        for name, ms in interleaved_ms(timed, sets, counts, rounds=ROUNDS).items():
             row[f"{name}_ms"] = round(ms, 4)
             row[f"{name}_tflops"] = round(case.flops / ms / 1e9, 1)
         if tune and "fly_ms" in row:  # the measured choice among a few configurations

@@ -9,7 +9,8 @@ combine) on real model shapes, bf16, forward and forward+backward, all variants 
 - ``fused``: ``FlyMoE``'s fused path (token rows gathered inside the gate/up GEMM, no copy).
 
 The ``FlyMoE`` variants wrap the transformers block (``FlyMoE.from_module``: shared parameters). Outputs are first
-compared with ``hf_grouped_mm`` (else ``plain_aten``). About 1 minute on an H200.
+compared with ``hf_grouped_mm`` (else ``plain_aten``), then timed side by side: the variants take turns in rounds
+(``harness.interleaved_ms``). About 1 minute on an H200.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
-from benchmarks.harness import Results, time_ms
+from benchmarks.harness import Results, interleaved_ms
 from fly_lightning import FlyMoE, dispatch_config
 
 # transformers model type, hidden H, expert intermediate I, experts E, top-k, tokens T, renormalised top-k weights
@@ -28,6 +29,7 @@ MOE_MODELS = {
     "mixtral-8x7b": ("mixtral", 4096, 14336, 8, 2, 4096, True),
 }
 FLY_VARIANTS = ("fused", "plain", "plain_aten")
+ROUNDS = 4  # the variants take turns in this many rounds
 
 
 def hf_block(family: str, h: int, i: int, e: int, k: int, norm: bool, device, dtype) -> torch.nn.Module | None:
@@ -76,7 +78,7 @@ def _call(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype = torch.bfloat16,
-            reps: tuple[int, int] = (20, 10)) -> Results:  # fmt: skip
+            reps: tuple[int, int] = (24, 12)) -> Results:  # fmt: skip
     res = Results("moe_layer")
     models = models or MOE_MODELS
     for model, (family, h, i, e, k, t, norm) in models.items():
@@ -90,27 +92,32 @@ def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype
                 outs[v] = _call(layer, x)
         base_name = "hf_grouped_mm" if "hf_grouped_mm" in outs else "plain_aten"
         base = outs[base_name].float()
+        xg = x.clone().requires_grad_()
+        fwd, fwd_bwd = {}, {}
         for v, layer in layers.items():
-            xg = x.clone().requires_grad_()
+            ctx = (lambda: dispatch_config(backends=("aten",))) if v == "plain_aten" else nullcontext
 
-            def fwd(a, layer=layer):
-                with torch.no_grad():
+            def f(a, layer=layer, ctx=ctx):
+                with torch.no_grad(), ctx():
                     return _call(layer, a)
 
-            def fwd_bwd(a, layer=layer, g=grad):
+            def fb(a, layer=layer, ctx=ctx, g=grad):
                 layer.zero_grad(set_to_none=True)
                 a.grad = None
-                _call(layer, a).backward(g)
+                with ctx():
+                    _call(layer, a).backward(g)
 
+            fwd[v], fwd_bwd[v] = f, fb
+        # the variants take turns (harness.interleaved_ms), forward first, then forward+backward
+        fwd_ms = interleaved_ms(fwd, [(x,)], reps[0], rounds=ROUNDS)
+        fb_ms = interleaved_ms(fwd_bwd, [(xg,)], reps[1], rounds=ROUNDS)
+        for v in layers:
             diff = outs[v].float() - base
             row = dict(model=model, variant=v, T=t, H=h, I=i, E=e, top_k=k, baseline=base_name,
                        max_abs_diff_vs_baseline=diff.abs().max().item(),
                        rel_err_vs_baseline=(diff.norm() / base.norm()).item())  # fmt: skip
-            with dispatch_config(backends=("aten",)) if v == "plain_aten" else nullcontext():
-                fwd_ms = time_ms(fwd, [(x,)], warmup=3, reps=reps[0])["median_ms"]
-                fb_ms = time_ms(fwd_bwd, [(xg,)], warmup=3, reps=reps[1])["median_ms"]
-            row.update(fwd_ms=round(fwd_ms, 4), fwd_tflops=round(flops / fwd_ms / 1e9, 1), fwd_bwd_ms=round(fb_ms, 4),
-                       fwd_bwd_tflops=round(3 * flops / fb_ms / 1e9, 1))  # fmt: skip
+            row.update(fwd_ms=round(fwd_ms[v], 4), fwd_tflops=round(flops / fwd_ms[v] / 1e9, 1),
+                       fwd_bwd_ms=round(fb_ms[v], 4), fwd_bwd_tflops=round(3 * flops / fb_ms[v] / 1e9, 1))  # fmt: skip
             res.add(**row)
         del layers, outs, x, grad
         if device == "cuda":
@@ -125,6 +132,8 @@ def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype
                     )
     res.notes += [
         "x_over_y = y time / x time (> 1: x faster). fwd_bwd TFLOP/s counts 3x the forward GEMM FLOPs.",
+        f"timing: the variants take turns in {ROUNDS} rounds (order rotated each round), each reporting the median of "
+        "its round medians (harness.interleaved_ms); forward first, then forward+backward.",
         "hf_grouped_mm: transformers' block with config._experts_implementation='grouped_mm' (the stock layer).",
         "Set fly_lightning.modules.moe.AUTO_PATH to the faster of fused/plain (FlyMoE(path='auto') uses it).",
     ]

@@ -27,12 +27,14 @@ import torch
 
 from benchmarks.harness import (
     Results,
+    capture_graph,
     copy_bandwidth_gbps,
     first_call_s,
     geomean,
+    interleaved_graph_ms,
+    interleaved_ms,
     rotation_count,
     time_graph_ms,
-    time_ms,
 )
 
 MIB = 2**20
@@ -225,17 +227,34 @@ def check(case: Case, x: torch.Tensor, bias) -> tuple[str | None, dict]:
     return None, info
 
 
-def _time(fn, inputs, graph: bool = True) -> tuple[float | None, float | None, str | None]:
-    try:
-        eager = time_ms(fn, inputs, warmup=10, reps=100)["median_ms"]
-    except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
-        return None, None, f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-    if not graph:
-        return eager, None, None
-    try:
-        return eager, time_graph_ms(fn, inputs, calls_per_graph=20, replays=20)["median_ms"], None
-    except Exception as exc:  # noqa: BLE001
-        return eager, None, f"graph: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+ROUNDS = 4  # the implementations of a case take turns in this many rounds (harness.interleaved_*)
+CALLS_PER_GRAPH = 20
+
+
+def _err(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
+
+
+def _time(fns: dict, inputs, graph: tuple[str, ...] = (), eager: bool = True) -> tuple[dict, dict, list[str]]:
+    """Eager and CUDA-graph times (ms per call) of several implementations of one case, side by side: they take
+    turns in ``ROUNDS`` rounds (``harness.interleaved_ms`` / ``interleaved_graph_ms``); ``graph`` names those also
+    timed in graphs. One that cannot run, or cannot be captured, is reported in the errors, not fatal."""
+    errors, ok, graphs = [], {}, {}
+    for name, fn in fns.items():
+        try:
+            fn(*inputs[0])
+            ok[name] = fn
+        except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
+            errors.append(f"{name}: {_err(exc)}")
+    for name in graph:
+        if name in ok:
+            try:
+                graphs[name] = capture_graph(ok[name], inputs, CALLS_PER_GRAPH)
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"{name} graph: {_err(exc)}")
+    eager_ms = interleaved_ms(ok, inputs, 100, rounds=ROUNDS) if eager and ok else {}
+    graph_ms = interleaved_graph_ms(graphs, CALLS_PER_GRAPH, replays=20, rounds=ROUNDS) if graphs else {}
+    return eager_ms, graph_ms, errors
 
 
 def _bind(fn, *args, **kwargs):
@@ -309,13 +328,12 @@ def run_suite(compile_baseline: bool) -> None:
             tag = "on" if det else "off"
             with deterministic(det):
                 row = dict(base, deterministic=det, **({} if det else cold))
-                row["ours_ms"], row["ours_graph_ms"], e1 = _time(ours, inputs)
-                row["aten_ms"], row["aten_graph_ms"], e2 = _time(aten, inputs)
-                row["aten_bincount_ms"], _, e3 = _time(aten_bc, inputs, graph=False)
-                errors = [e for e in (e1, e2, e3) if e]
-                if comp is not None:
-                    row["compiled_ms"], row["compiled_graph_ms"], e4 = _time(comp, inputs)
-                    errors += [e4] if e4 else []
+                fns = dict(ours=ours, aten=aten, aten_bincount=aten_bc, **({"compiled": comp} if comp else {}))
+                eager, graphed, errors = _time(fns, inputs, graph=("ours", "aten", "compiled"))
+                for name in fns:
+                    row[f"{name}_ms"] = eager.get(name)
+                    if name != "aten_bincount":
+                        row[f"{name}_graph_ms"] = graphed.get(name)
                 row["speedup_vs_aten"] = _ratio(row["aten_ms"], row["ours_ms"])
                 row["speedup_vs_aten_graph"] = _ratio(row["aten_graph_ms"], row["ours_graph_ms"])
                 row["speedup_vs_compiled_graph"] = _ratio(row.get("compiled_graph_ms"), row["ours_graph_ms"])
@@ -328,10 +346,12 @@ def run_suite(compile_baseline: bool) -> None:
                 if case.permutation and not det:
                     perm_ours = _bind(moe_route, *args, return_permutation=True)
                     perm_aten = _bind(aten_route_permutation, *args)
-                    _, row["ours_perm_graph_ms"], e5 = _time(perm_ours, inputs)
-                    _, row["aten_perm_graph_ms"], e6 = _time(perm_aten, inputs)
+                    fns = dict(ours_perm=perm_ours, aten_perm=perm_aten)
+                    _, graphed, perm_errors = _time(fns, inputs, graph=tuple(fns), eager=False)
+                    for name in fns:
+                        row[f"{name}_graph_ms"] = graphed.get(name)
                     row["speedup_perm_vs_aten_graph"] = _ratio(row["aten_perm_graph_ms"], row["ours_perm_graph_ms"])
-                    errors += [e for e in (e5, e6) if e]
+                    errors += perm_errors
                 if errors:
                     row["errors"] = "; ".join(errors)
                 speed[f"eager_{tag}"].append(row["speedup_vs_aten"])
@@ -352,6 +372,11 @@ def run_suite(compile_baseline: bool) -> None:
     res.summary["suite_seconds"] = round(time.perf_counter() - start, 1)
     res.notes.append("speedup_vs_aten*: ATen sequence time / ours (same timing method); geomeans over the 10 cases")
     res.notes.append(
+        f"timing: ours and the baselines of a case take turns in {ROUNDS} rounds, order rotated each round (eager: "
+        f"100 calls each in all; graphs: {CALLS_PER_GRAPH} calls per graph, 20 replays each in all), and each reports "
+        "the median of its round medians (harness.interleaved_ms / interleaved_graph_ms)"
+    )
+    res.notes.append(
         "cold start, apart from the timings (deterministic-off rows): *_cold_s is the first call's host wall time "
         "through its completion on the GPU, Triton and Inductor caches empty at the start of the process. "
         "ours_cold_s: the public call (dispatch decision, kernel compilation, launch); ours_perm_cold_s: then the "
@@ -370,12 +395,14 @@ def run_suite(compile_baseline: bool) -> None:
         if not (torch.equal(v, tv) and torch.equal(x[0][0].gather(1, i), tv)):
             tres.add(**row, error="values differ from torch.topk")
             continue
-        row["ours_ms"], row["ours_graph_ms"], e1 = _time(_bind(topk, k), x)
-        row["torch_ms"], row["torch_graph_ms"], e2 = _time(_bind(torch.topk, k), x)
+        fns = dict(ours=_bind(topk, k), torch=_bind(torch.topk, k))
+        eager, graphed, errors = _time(fns, x, graph=tuple(fns))
+        for name in ("ours", "torch"):
+            row[f"{name}_ms"], row[f"{name}_graph_ms"] = eager.get(name), graphed.get(name)
         row["speedup"] = _ratio(row["torch_ms"], row["ours_ms"])
         row["speedup_graph"] = _ratio(row["torch_graph_ms"], row["ours_graph_ms"])
-        if e1 or e2:
-            row["errors"] = "; ".join(e for e in (e1, e2) if e)
+        if errors:
+            row["errors"] = "; ".join(errors)
         speed_t["eager"].append(row["speedup"])
         speed_t["graph"].append(row["speedup_graph"])
         tres.add(**row)

@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import torch
 
-from benchmarks.bench_grouped_mm import ROUNDS, interleaved_ms, suite
+from benchmarks.bench_grouped_mm import suite
 from benchmarks.bench_moe_layer import run_moe
 from benchmarks.check_grouped_mm_gpu import run_checks
 from benchmarks.grouped_mm_cases import Case, cases, hot_counts, uniform_counts, zipf_counts
@@ -27,17 +27,6 @@ def test_the_24_cases():
     assert all(len(c.counts) == c.e and c.m > 0 for c in cs)
     assert set(SWEEP_CASES) <= {c.name for c in cs}
     assert any(0 in c.counts for c in cs) and any(max(c.counts) == c.m for c in cs)
-
-
-def test_interleaved_timing_takes_turns_and_rotates_the_order():
-    calls = []
-    fns = {n: (lambda a, n=n: calls.append(n)) for n in ("a", "b", "c")}
-    out = interleaved_ms(fns, [(torch.zeros(1),)], reps=3 * ROUNDS)
-    assert set(out) == {"a", "b", "c"} and all(v >= 0 for v in out.values())
-    # each round: every implementation once in a block (2 warm-up + 3 timed calls), starting one further each round
-    blocks = [calls[i] for i in range(0, len(calls), 5)]
-    assert len(calls) == 5 * 3 * ROUNDS and all(len(set(calls[i : i + 5])) == 1 for i in range(0, len(calls), 5))
-    assert blocks[:6] == ["a", "b", "c", "b", "c", "a"]
 
 
 def test_suite_runs(monkeypatch):

@@ -4,8 +4,8 @@ import time
 
 import torch
 
-from benchmarks.bench_moe_route import Case, _cold_starts
-from benchmarks.harness import first_call_s
+from benchmarks.bench_moe_route import Case, _cold_starts, _time
+from benchmarks.harness import first_call_s, interleaved_ms
 
 
 def test_first_call_s_times_the_call_and_returns_its_result():
@@ -37,3 +37,25 @@ def test_route_cold_starts_cover_each_signature_and_report_a_failing_baseline():
     assert cold["compiled_cold_error"] == "RuntimeError: no compiler"
     plain = _cold_starts(Case("c", 2, 8, 2), ours, None, ours_perm, x)
     assert set(plain) == {"ours_cold_s"} and calls[-1] == "ours"
+
+
+def test_interleaved_timing_takes_turns_and_rotates_the_order():
+    calls = []
+    fns = {n: (lambda a, n=n: calls.append(n)) for n in ("a", "b", "c")}
+    out = interleaved_ms(fns, [(torch.zeros(1),)], reps=12, rounds=4)
+    assert set(out) == {"a", "b", "c"} and all(v >= 0 for v in out.values())
+    # each round: every implementation once in a block (2 warm-up + 3 timed calls), starting one further each round
+    blocks = [calls[i] for i in range(0, len(calls), 5)]
+    assert len(calls) == 5 * 3 * 4 and all(len(set(calls[i : i + 5])) == 1 for i in range(0, len(calls), 5))
+    assert blocks[:6] == ["a", "b", "c", "b", "c", "a"]
+    interleaved_ms(fns, [(torch.zeros(1),)], reps={"a": 40, "b": 12, "c": 12}, rounds=4)  # per-name counts
+    assert calls[60:72] == ["a"] * 12  # 2 warm-up + 10 timed
+
+
+def test_route_timing_reports_a_failing_baseline_and_times_the_rest():
+    def broken(x):
+        raise ValueError("no such op\nmore")
+
+    eager, graphed, errors = _time({"ours": lambda x: x + 1, "broken": broken}, [(torch.zeros(4),)])
+    assert set(eager) == {"ours"} and eager["ours"] >= 0 and graphed == {}
+    assert errors == ["broken: ValueError: no such op"]

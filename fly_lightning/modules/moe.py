@@ -31,8 +31,9 @@ from fly_lightning.ops.swiglu import split_gate_up, swiglu, swiglu_reference
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "fused"
-"""What ``path="auto"`` runs, from ``python -m benchmarks.bench_grouped_mm --moe`` on the H200 (``moe_layer*.md``,
-three runs): fused vs plain 0.98-1.18x in the forward, 0.98-1.11x in forward+backward, and no permuted token copy."""
+"""What ``path="auto"`` runs, from ``python -m benchmarks.bench_grouped_mm --moe`` on the H200 (``moe_layer*.md``):
+fused vs plain 0.98-1.18x in the forward, 0.95-1.12x in forward+backward over the runs (side by side in rounds at
+3d5d079: 1.07-1.10x and 0.95-1.00x), and no permuted token copy."""
 
 
 def _route(moe: FlyMoE, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -1,10 +1,12 @@
 """The goal-bound arithmetic of ``benchmarks/goal_bounds.py``, on hand-made rows (CPU)."""
 
 import json
+import shutil
 
 import pytest
 
 from benchmarks.goal_bounds import grouped_bounds, main, roofline_ms, route_bounds
+from benchmarks.harness import RESULTS_DIR
 
 
 def test_roofline_takes_the_slower_of_compute_and_memory():
@@ -59,3 +61,11 @@ def test_main_reads_the_four_result_files_and_writes_its_own_beside_them(tmp_pat
     assert saved["summary"]["route_ceiling_x"] == 25.0
     assert saved["summary"]["sources"]["moe_route_floor"] == "abc"
     assert [r["goal"] for r in res.rows] == ["grouped 1.2x peer", "route 40x aten"]
+
+
+def test_committed_goal_bounds_follow_from_the_committed_results(tmp_path):
+    """The README quotes ``goal_bounds.md``: recomputing it from the committed inputs gives the committed summary."""
+    for name in ("gemm_roof", "grouped_mm_suite", "moe_route_floor", "moe_route"):
+        shutil.copy(RESULTS_DIR / f"{name}.json", tmp_path)
+    committed = json.loads((RESULTS_DIR / "goal_bounds.json").read_text())
+    assert main(tmp_path).summary == committed["summary"]

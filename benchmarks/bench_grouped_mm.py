@@ -124,7 +124,7 @@ def _reps(fn: Callable, args: tuple, budget_s: float = 0.25) -> int:
     return int(min(100, max(10, budget_s * 1e3 / max(elapsed_ms(lambda: fn(*args)), 1e-3))))
 
 
-ROUNDS = 4  # interleaved timing rounds (harness.interleaved_ms)
+ROUNDS = 4  # side-by-side timing (harness.interleaved_ms): ours first had an edge when timed in sequence
 
 
 def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_list: list[Case] | None = None,
@@ -247,9 +247,10 @@ def _summarise(res: Results, peer: Peer | None) -> None:
         "dense = one torch.mm (cuBLAS) of x [M, K] by the first expert's [K, N] weight: the same FLOPs with no groups, "
         "a ceiling reference rather than an implementation; dense_x_vs_<baseline> = baseline time / dense time, the "
         "score a grouped kernel as fast as that dense GEMM would get.",
-        f"timing: device events over rotating input sets; fly, aten, loop, peer and dense take turns in {ROUNDS} "
-        "rounds (order rotated each round) and each reports the median of its round medians: side by side, so a "
-        "drift of the GPU's clocks during the case falls on all of them. fly_tuned is timed after the tuning.",
+        "timing: device events over rotating input sets; fly, aten, loop, peer and dense take turns in rounds (at "
+        f"least {ROUNDS}, a multiple of their number; order rotated each round) and each reports the median of its "
+        "round medians: side by side, so a drift of the GPU's clocks during the case falls on all of them. fly_tuned "
+        "is timed on its own after the tuning, so its ratios are not side by side.",
         "fly = the configuration table (what users get by default); fly_tuned = the measured choice among "
         "tune_candidates() for the case (tuning time excluded; the table's configuration unless a candidate was "
         "more than 2% faster), reported as tuned_x_vs_<baseline>.",

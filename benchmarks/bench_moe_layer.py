@@ -29,7 +29,7 @@ MOE_MODELS = {
     "mixtral-8x7b": ("mixtral", 4096, 14336, 8, 2, 4096, True),
 }
 FLY_VARIANTS = ("fused", "plain", "plain_aten")
-ROUNDS = 4  # the variants take turns in this many rounds
+ROUNDS = 4  # side-by-side timing: a drift of the GPU's clocks falls on every variant alike
 
 
 def hf_block(family: str, h: int, i: int, e: int, k: int, norm: bool, device, dtype) -> torch.nn.Module | None:
@@ -132,8 +132,9 @@ def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype
                     )
     res.notes += [
         "x_over_y = y time / x time (> 1: x faster). fwd_bwd TFLOP/s counts 3x the forward GEMM FLOPs.",
-        f"timing: the variants take turns in {ROUNDS} rounds (order rotated each round), each reporting the median of "
-        "its round medians (harness.interleaved_ms); forward first, then forward+backward.",
+        f"timing: the variants take turns in rounds (at least {ROUNDS}, a multiple of their number; order rotated each "
+        "round), each reporting the median of its round medians (harness.interleaved_ms); forward first, then "
+        "forward+backward.",
         "hf_grouped_mm: transformers' block with config._experts_implementation='grouped_mm' (the stock layer).",
         "Set fly_lightning.modules.moe.AUTO_PATH to the faster of fused/plain (FlyMoE(path='auto') uses it).",
     ]

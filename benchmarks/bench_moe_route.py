@@ -227,7 +227,7 @@ def check(case: Case, x: torch.Tensor, bias) -> tuple[str | None, dict]:
     return None, info
 
 
-ROUNDS = 4  # the implementations of a case take turns in this many rounds (harness.interleaved_*)
+ROUNDS = 4  # side-by-side timing: a drift of the GPU's clocks falls on ours and the baselines alike
 CALLS_PER_GRAPH = 20
 
 
@@ -235,25 +235,41 @@ def _err(exc: Exception) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}"
 
 
+def _sync(inputs) -> None:
+    if inputs[0][0].is_cuda:
+        torch.cuda.synchronize()
+
+
 def _time(fns: dict, inputs, graph: tuple[str, ...] = (), eager: bool = True) -> tuple[dict, dict, list[str]]:
     """Eager and CUDA-graph times (ms per call) of several implementations of one case, side by side: they take
-    turns in ``ROUNDS`` rounds (``harness.interleaved_ms`` / ``interleaved_graph_ms``); ``graph`` names those also
-    timed in graphs. One that cannot run, or cannot be captured, is reported in the errors, not fatal."""
+    turns in rotated rounds (``harness.interleaved_ms`` / ``interleaved_graph_ms``); ``graph`` names those also
+    timed in graphs, captured in that order after the eager timing. What cannot run, be captured or be timed is
+    reported in the errors, not fatal (each step synchronises, so a device error is charged to its step)."""
     errors, ok, graphs = [], {}, {}
     for name, fn in fns.items():
         try:
             fn(*inputs[0])
+            _sync(inputs)
             ok[name] = fn
         except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is reported, not fatal
             errors.append(f"{name}: {_err(exc)}")
+    eager_ms, graph_ms = {}, {}
+    if eager and ok:
+        try:
+            eager_ms = interleaved_ms(ok, inputs, 100, rounds=ROUNDS)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"eager timing: {_err(exc)}")
     for name in graph:
         if name in ok:
             try:
                 graphs[name] = capture_graph(ok[name], inputs, CALLS_PER_GRAPH)
             except Exception as exc:  # noqa: BLE001
                 errors.append(f"{name} graph: {_err(exc)}")
-    eager_ms = interleaved_ms(ok, inputs, 100, rounds=ROUNDS) if eager and ok else {}
-    graph_ms = interleaved_graph_ms(graphs, CALLS_PER_GRAPH, replays=20, rounds=ROUNDS) if graphs else {}
+    if graphs:
+        try:
+            graph_ms = interleaved_graph_ms(graphs, CALLS_PER_GRAPH, replays=20, rounds=ROUNDS)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(f"graph timing: {_err(exc)}")
     return eager_ms, graph_ms, errors
 
 
@@ -329,10 +345,11 @@ def run_suite(compile_baseline: bool) -> None:
             with deterministic(det):
                 row = dict(base, deterministic=det, **({} if det else cold))
                 fns = dict(ours=ours, aten=aten, aten_bincount=aten_bc, **({"compiled": comp} if comp else {}))
-                eager, graphed, errors = _time(fns, inputs, graph=("ours", "aten", "compiled"))
+                in_graphs = tuple(n for n in fns if n != "aten_bincount")  # the bincount variant: eager only
+                eager, graphed, errors = _time(fns, inputs, graph=in_graphs)
                 for name in fns:
                     row[f"{name}_ms"] = eager.get(name)
-                    if name != "aten_bincount":
+                    if name in in_graphs:
                         row[f"{name}_graph_ms"] = graphed.get(name)
                 row["speedup_vs_aten"] = _ratio(row["aten_ms"], row["ours_ms"])
                 row["speedup_vs_aten_graph"] = _ratio(row["aten_graph_ms"], row["ours_graph_ms"])
@@ -372,9 +389,10 @@ def run_suite(compile_baseline: bool) -> None:
     res.summary["suite_seconds"] = round(time.perf_counter() - start, 1)
     res.notes.append("speedup_vs_aten*: ATen sequence time / ours (same timing method); geomeans over the 10 cases")
     res.notes.append(
-        f"timing: ours and the baselines of a case take turns in {ROUNDS} rounds, order rotated each round (eager: "
-        f"100 calls each in all; graphs: {CALLS_PER_GRAPH} calls per graph, 20 replays each in all), and each reports "
-        "the median of its round medians (harness.interleaved_ms / interleaved_graph_ms)"
+        f"timing: ours and the baselines of a case take turns in rounds (at least {ROUNDS}, a multiple of their "
+        f"number; order rotated each round; eager: about 100 calls each in all; graphs: {CALLS_PER_GRAPH} calls per "
+        "graph, about 20 replays each in all), and each reports the median of its round medians "
+        "(harness.interleaved_ms / interleaved_graph_ms)"
     )
     res.notes.append(
         "cold start, apart from the timings (deterministic-off rows): *_cold_s is the first call's host wall time "

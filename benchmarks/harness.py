@@ -87,21 +87,31 @@ def time_ms(
     return _stats(times)
 
 
+def _turns(names: list[str], rounds: int) -> list[list[str]]:
+    """The order of each round: rotated by one each round, the rounds rounded up to a multiple of the number of
+    names so that each goes first equally often."""
+    rounds = -(-rounds // len(names)) * len(names)
+    return [names[r % len(names) :] + names[: r % len(names)] for r in range(rounds)]
+
+
 def interleaved_ms(
     fns: dict[str, Callable[..., Any]], inputs: Sequence[tuple], reps: int | dict[str, int], *, rounds: int = 4
 ) -> dict[str, float]:
-    """Side-by-side timing: each function's median of ``rounds`` round medians (``time_ms``), the functions taking
-    turns within a round and the order rotated every round. Timed one after another, order mattered on the H200: in
-    the grouped-GEMM suite timed that way, ours first in each case, the baselines measured 5-8% slower on geomean
-    than in rounds and ours 1% (``grouped_mm_suite_45013c2.md`` against ``grouped_mm_suite.md``). ``reps``: calls
-    per function in all (per name, or one number for every function)."""
+    """Side-by-side timing: each function's median of its round medians (``time_ms``), the functions taking turns
+    within a round, so that a drift of the GPU's clocks during a case falls on all of them alike (timed one after
+    another, the function timed first had an edge on the H200: README, grouped GEMM). ``reps``: calls per function in
+    all (per name, or one number for every function), at least 3 per round; each round starts further along
+    ``inputs``."""
     names = list(fns)
+    turns = _turns(names, rounds) if names else []
     total = reps if isinstance(reps, dict) else dict.fromkeys(names, reps)
-    per_round = {n: max(3, total[n] // rounds) for n in names}
+    per_round = {n: max(3, total[n] // max(1, len(turns))) for n in names}
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            samples[n].append(time_ms(fns[n], inputs, warmup=2, reps=per_round[n])["median_ms"])
+    for r, order in enumerate(turns):
+        for n in order:
+            shift = (r * per_round[n]) % len(inputs)
+            rotated = list(inputs[shift:]) + list(inputs[:shift])
+            samples[n].append(time_ms(fns[n], rotated, warmup=2, reps=per_round[n])["median_ms"])
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
@@ -151,13 +161,14 @@ def time_graph_ms(
 def interleaved_graph_ms(
     graphs: dict[str, torch.cuda.CUDAGraph], calls_per_graph: int, *, replays: int = 20, rounds: int = 4
 ) -> dict[str, float]:
-    """``interleaved_ms`` for captured graphs (``capture_graph``): per call, each graph's median of ``rounds`` round
-    medians, ``replays`` replays in all, the graphs taking turns in rotated order."""
+    """``interleaved_ms`` for captured graphs (``capture_graph``): per call, each graph's median of its round medians,
+    about ``replays`` replays in all (at least 3 per round), the graphs taking turns in rotated order."""
     names = list(graphs)
+    turns = _turns(names, rounds) if names else []
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
-            times = _replay_ms(graphs[n], max(3, replays // rounds), calls_per_graph)
+    for order in turns:
+        for n in order:
+            times = _replay_ms(graphs[n], max(3, replays // len(turns)), calls_per_graph)
             samples[n].append(_stats(times)["median_ms"])
     return {n: statistics.median(v) for n, v in samples.items()}
 

@@ -5,8 +5,8 @@ Why: issue 3 asks for 1.2x over the Triton peer. ``benchmarks/goal_bounds.py`` t
 per-case roofline time, ``max(FLOPs / best rate, bytes / copy bandwidth)``, and asks how close to it a kernel must
 run to meet the goal. A roof is only as good as the search for it, so the rate is the best of:
 
-- cuBLAS (``torch.mm``) on the suite's 24 problems as one dense GEMM each (no groups: the same FLOPs, one weight),
-  with the weight in both layouts, and on large square and rectangular problems;
+- cuBLAS (``torch.mm``) on the distinct problems of the suite's 24 cases as one dense GEMM each (no groups: the same
+  FLOPs, one weight), with the weight in both layouts, and on large square and rectangular problems;
 - our grouped kernel with a single group on the large problems (``grouped_mm`` with one expert).
 
 Steady state (device events, rotating inputs past the L2, warm-up first), bf16 in and out, fp32 accumulation.

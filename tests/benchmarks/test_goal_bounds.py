@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from benchmarks.goal_bounds import grouped_bounds, main, roofline_ms, route_bounds
+from benchmarks.goal_bounds import grouped_bounds, main, roofline_ms, route_bounds, run_copy_gbps, suite_bytes
 from benchmarks.harness import RESULTS_DIR
 
 
@@ -30,28 +30,37 @@ def test_grouped_bounds_place_peer_ours_and_dense_against_the_roof():
     assert tight["cases_under_goal_even_at_roof"] == ["c"] and tight["goal_needs_of_roof"] > 1
 
 
-def test_route_bounds_take_the_fastest_known_launch_and_the_suite_bytes():
+def test_route_bounds_take_the_fastest_launch_measured_and_the_suite_bytes():
     floor = dict(case="r", aten_us=400.0, ours_us=10.0, copy_counts_us=8.0, copy_packed_us=9.0, score_tail_us=8.5)
-    # the suite's row: 2000 GB/s over 0.01 ms = 20 MB, at 40% of a 5000 GB/s copy
-    suite = dict(case="r", deterministic=False, logits_MiB=16, GBps=2000.0, ours_graph_ms=0.01, pct_copy_bw=40.0)
-    rows, summary = route_bounds([floor], [suite, dict(suite, deterministic=True, GBps=1.0)])
+    # 20 MB at 5000 GB/s take 4 us
+    rows, summary = route_bounds([floor], 5000.0, {"r": (20_000_000, 16.0)})
     r = rows[0]
-    assert r["ours_x"] == 40.0 and r["best_known"] == "copy_counts" and r["ceiling_x"] == 50.0
+    assert r["ours_x"] == 40.0 and r["fastest"] == "copy_counts" and r["ceiling_x"] == 50.0
     assert r["ceiling_x_with_scores"] == pytest.approx(400 / 8.5, abs=0.05)
-    assert r["best_known_pct_copy_bw"] == 50.0  # 20 MB in 8 us = 2500 GB/s
-    assert summary["bw_cases_under_goal_with_scores"] == ["r"] and summary["bw_cases_under_goal_at_best_known"] == []
-    small, _ = route_bounds([dict(floor, ours_us=7.0)], [dict(suite, logits_MiB=1)])
-    assert small[0]["best_known"] == "ours" and "best_known_pct_copy_bw" not in small[0]
+    assert r["fastest_pct_copy_bw"] == 50.0 and r["with_scores_pct_copy_bw"] == pytest.approx(47.1, abs=0.05)
+    assert summary["bw_cases_under_goal_with_scores"] == ["r"] and summary["bw_cases_under_goal_at_fastest"] == []
+    small, _ = route_bounds([dict(case="r", aten_us=400.0, ours_us=7.0)], 5000.0, {"r": (1, 1.0)})
+    assert small[0]["fastest"] == "ours" and small[0]["ceiling_x_with_scores"] == small[0]["ours_x"]
+    assert "fastest_pct_copy_bw" not in small[0]
 
 
-def test_main_reads_the_four_result_files_and_writes_its_own_beside_them(tmp_path):
+def test_route_inputs_come_from_the_suite_and_the_run():
+    sizes = suite_bytes()
+    assert len(sizes) == 10 and sizes["qwen3-moe-64k"][1] == 16.0  # 65536 x 128 bf16 logits
+    assert sizes["qwen3-moe-64k"][0] == 16 * 2**20 + 65536 * 8 * 8 + 128 * 8  # + fp32 weights, int32 ids, counts
+    assert run_copy_gbps({"notes": ["copy bandwidth 4248 GB/s; graph replay"]}) == 4248.0
+    with pytest.raises(ValueError, match="copy bandwidth"):
+        run_copy_gbps({"notes": []})
+
+
+def test_main_reads_the_result_files_and_writes_its_own_beside_them(tmp_path):
     env = {"environment": {"git_rev": "abc"}}
     g = dict(case="g", M=256, K=256, N=256, E=2, peer_ms=0.01, fly_ms=0.009, dense_ms=0.008)
+    floor_row = dict(case="mixtral", aten_us=50.0, ours_us=2.0, score_tail_us=2.5)
     files = {
         "gemm_roof": dict(env, summary=dict(best_tflops=700.0, copy_GBps=4000.0), rows=[]),
         "grouped_mm_suite": dict(env, rows=[g]),
-        "moe_route_floor": dict(env, rows=[dict(case="r", aten_us=50.0, ours_us=2.0, score_tail_us=2.5)]),
-        "moe_route": dict(env, rows=[dict(case="r", logits_MiB=1, GBps=500.0, ours_graph_ms=0.002, pct_copy_bw=10.0)]),
+        "moe_route_floor": dict(env, notes=["copy bandwidth 4000 GB/s"], rows=[floor_row]),
     }
     for name, payload in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(payload))
@@ -65,7 +74,7 @@ def test_main_reads_the_four_result_files_and_writes_its_own_beside_them(tmp_pat
 
 def test_committed_goal_bounds_follow_from_the_committed_results(tmp_path):
     """The README quotes ``goal_bounds.md``: recomputing it from the committed inputs gives the committed summary."""
-    for name in ("gemm_roof", "grouped_mm_suite", "moe_route_floor", "moe_route"):
+    for name in ("gemm_roof", "grouped_mm_suite", "moe_route_floor"):
         shutil.copy(RESULTS_DIR / f"{name}.json", tmp_path)
     committed = json.loads((RESULTS_DIR / "goal_bounds.json").read_text())
     assert main(tmp_path).summary == committed["summary"]

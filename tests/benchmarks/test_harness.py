@@ -42,14 +42,24 @@ def test_route_cold_starts_cover_each_signature_and_report_a_failing_baseline():
 def test_interleaved_timing_takes_turns_and_rotates_the_order():
     calls = []
     fns = {n: (lambda a, n=n: calls.append(n)) for n in ("a", "b", "c")}
-    out = interleaved_ms(fns, [(torch.zeros(1),)], reps=12, rounds=4)
+    out = interleaved_ms(fns, [(torch.zeros(1),)], reps=18, rounds=4)
     assert set(out) == {"a", "b", "c"} and all(v >= 0 for v in out.values())
-    # each round: every implementation once in a block (2 warm-up + 3 timed calls), starting one further each round
+    # 4 rounds rounded up to 6, so each goes first twice; a block per name and round: 2 warm-up + 3 timed calls
     blocks = [calls[i] for i in range(0, len(calls), 5)]
-    assert len(calls) == 5 * 3 * 4 and all(len(set(calls[i : i + 5])) == 1 for i in range(0, len(calls), 5))
-    assert blocks[:6] == ["a", "b", "c", "b", "c", "a"]
-    interleaved_ms(fns, [(torch.zeros(1),)], reps={"a": 40, "b": 12, "c": 12}, rounds=4)  # per-name counts
-    assert calls[60:72] == ["a"] * 12  # 2 warm-up + 10 timed
+    assert len(calls) == 5 * 3 * 6 and all(len(set(calls[i : i + 5])) == 1 for i in range(0, len(calls), 5))
+    assert blocks[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [blocks[i] for i in range(0, 18, 3)] == ["a", "b", "c", "a", "b", "c"]
+    calls.clear()
+    interleaved_ms(fns, [(torch.zeros(1),)], reps={"a": 48, "b": 18, "c": 18}, rounds=4)  # per-name counts
+    assert calls[:10] == ["a"] * 10  # 2 warm-up + 48 // 6 timed
+
+
+def test_interleaved_timing_moves_along_the_inputs_each_round():
+    seen = []
+    inputs = [(torch.tensor(float(i)),) for i in range(10)]
+    interleaved_ms({"a": lambda x: seen.append(int(x))}, inputs, reps=12, rounds=4)
+    firsts = [seen[i] for i in range(0, len(seen), 5)]  # each round's first warm-up call
+    assert firsts == [0, 3, 6, 9]
 
 
 def test_route_timing_reports_a_failing_baseline_and_times_the_rest():

@@ -234,10 +234,7 @@ def _summarise(res: Results, peer: Peer | None) -> None:
     if peer is not None:
         res.summary["peer_shapes_compiled"] = len(peer.compile_s)
         res.summary["peer_compile_total_s"] = round(sum(peer.compile_s.values()), 1)
-    for key in ("fly_cold_s", "fly_tune_s"):
-        values = [r[key] for r in rows if key in r]
-        if values:
-            res.summary[f"{key}_total"], res.summary[f"{key}_max"] = round(sum(values), 1), max(values)
+    res.add_totals(("fly_cold_s", "fly_tune_s"), 1)
     res.notes += [
         "x_vs_<baseline> = baseline time / fly time (> 1: fly faster); x_vs_best: against the faster of "
         "torch._grouped_mm and the Triton peer where the peer ran, else torch._grouped_mm.",

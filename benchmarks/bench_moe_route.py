@@ -38,6 +38,7 @@ from benchmarks.harness import (
 )
 
 MIB = 2**20
+BIG_LOGITS_BYTES = 16 * MIB  # the copy-bandwidth goal counts the cases with at least this much logits
 
 
 @dataclass(frozen=True)
@@ -291,7 +292,7 @@ def _cold_starts(case: Case, ours, comp, ours_perm, x: torch.Tensor) -> dict:
         try:
             cold["compiled_cold_s"] = round(first_call_s(comp, x)[0], 3)
         except Exception as exc:  # noqa: BLE001 - reported with the case, as _time does
-            cold["compiled_cold_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            cold["compiled_cold_error"] = _err(exc)
     return cold
 
 
@@ -358,7 +359,7 @@ def run_suite(compile_baseline: bool) -> None:
                     gbps = _bytes(case) / row["ours_graph_ms"] / 1e6
                     row["GBps"] = round(gbps, 1)
                     row["pct_copy_bw"] = round(100 * gbps / copy_gbps, 1)
-                    if case.logits_bytes >= 16 * MIB and not det:
+                    if case.logits_bytes >= BIG_LOGITS_BYTES and not det:
                         big_pct.append((case.name, row["pct_copy_bw"]))
                 if case.permutation and not det:
                     perm_ours = _bind(moe_route, *args, return_permutation=True)
@@ -382,10 +383,7 @@ def run_suite(compile_baseline: bool) -> None:
     res.summary["goal_geomean_40x_vs_aten_graph_off"] = res.summary["geomean_speedup_graph_off"] >= 40
     res.summary["goal_50pct_copy_bw"] = bool(big_pct) and all(p >= 50 for _, p in big_pct)
     res.summary["dispatch"] = str(fly_lightning.DISPATCH_LOG.summary().get("moe_route", {}).get("by_backend"))
-    for key in ("ours_cold_s", "ours_perm_cold_s", "compiled_cold_s"):
-        values = [r[key] for r in res.rows if key in r]
-        if values:
-            res.summary[f"{key}_total"], res.summary[f"{key}_max"] = round(sum(values), 2), max(values)
+    res.add_totals(("ours_cold_s", "ours_perm_cold_s", "compiled_cold_s"), 2)
     res.summary["suite_seconds"] = round(time.perf_counter() - start, 1)
     res.notes.append("speedup_vs_aten*: ATen sequence time / ours (same timing method); geomeans over the 10 cases")
     res.notes.append(

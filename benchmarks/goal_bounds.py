@@ -24,14 +24,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_moe_route import CASES, MIB, _bytes
+from benchmarks.bench_moe_route import BIG_LOGITS_BYTES, CASES, MIB, _bytes
 from benchmarks.harness import RESULTS_DIR, Results, geomean
 
 GROUPED_GOAL = 1.2
-ROUTE_GOAL = 40.0
 ROUTE_BW_GOAL = 50.0  # percent of copy bandwidth
 ROUTE_FLOORS = ("copy_counts_us", "copy_packed_us", "score_tail_us")  # single launches doing less than a router
-BIG_LOGITS_MIB = 16
 
 
 def roofline_ms(m: int, k: int, n: int, e: int, best_tflops: float, copy_gbps: float, itemsize: int = 2) -> float:
@@ -99,7 +97,7 @@ def route_bounds(
             ceiling_x=round(x["best"], 1),
             ceiling_x_with_scores=round(x["scores"], 1),
         )
-        if logits_mib >= BIG_LOGITS_MIB:
+        if logits_mib >= BIG_LOGITS_BYTES / MIB:
             row["fastest_pct_copy_bw"] = round(100 * nbytes / (best_us * 1e3) / copy_gbps, 1)
             row["with_scores_pct_copy_bw"] = round(100 * nbytes / (with_scores * 1e3) / copy_gbps, 1)
         out.append(row)

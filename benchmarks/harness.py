@@ -251,6 +251,13 @@ class Results:
         print(json.dumps(row, default=str), flush=True)
         return row
 
+    def add_totals(self, keys: Sequence[str], ndigits: int) -> None:
+        """Summary ``<key>_total`` and ``<key>_max`` over the rows that have each key (cold-start columns)."""
+        for key in keys:
+            values = [r[key] for r in self.rows if key in r]
+            if values:
+                self.summary[f"{key}_total"], self.summary[f"{key}_max"] = round(sum(values), ndigits), max(values)
+
     def save(self, name: str | None = None, out_dir: str | Path | None = None) -> Path:
         out = Path(out_dir) if out_dir else results_dir()
         out.mkdir(parents=True, exist_ok=True)

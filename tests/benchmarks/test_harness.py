@@ -5,7 +5,7 @@ import time
 import torch
 
 from benchmarks.bench_moe_route import Case, _cold_starts, _time
-from benchmarks.harness import first_call_s, interleaved_ms
+from benchmarks.harness import Results, first_call_s, interleaved_ms
 
 
 def test_first_call_s_times_the_call_and_returns_its_result():
@@ -69,3 +69,18 @@ def test_route_timing_reports_a_failing_baseline_and_times_the_rest():
     eager, graphed, errors = _time({"ours": lambda x: x + 1, "broken": broken}, [(torch.zeros(4),)])
     assert set(eager) == {"ours"} and eager["ours"] >= 0 and graphed == {}
     assert errors == ["broken: ValueError: no such op"]
+
+
+def test_a_baseline_failing_without_a_message_is_still_reported():
+    def silent(x):
+        raise RuntimeError()
+
+    cold = _cold_starts(Case("c", 2, 8, 2), lambda x: None, silent, None, torch.zeros(2, 8))
+    assert cold["compiled_cold_error"] == "RuntimeError: "
+
+
+def test_results_totals_cover_the_rows_that_have_each_key():
+    res = Results("t")
+    res.rows = [{"a_s": 1.25, "b_s": 2.0}, {"a_s": 0.5}, {}]
+    res.add_totals(("a_s", "b_s", "c_s"), 1)
+    assert res.summary == {"a_s_total": 1.8, "a_s_max": 1.25, "b_s_total": 2.0, "b_s_max": 2.0}

@@ -37,7 +37,7 @@ from fly_lightning.registry import OPS
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from fly_lightning.dispatch import Decision
+    from fly_lightning.dispatch_log import Decision
 
 PREFIX = "DispatchCoverage"
 

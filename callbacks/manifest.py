@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from fly_lightning.dispatch import Decision
+    from fly_lightning.dispatch_log import Decision
 
 FORMAT = "fly-lightning dispatch manifest"
 VERSION = 1

@@ -3,8 +3,9 @@
 ``import fly_lightning`` registers the operators and their kernels.
 """
 
-from fly_lightning.backends import BACKENDS, load_kernels
+from fly_lightning.backends import BACKENDS
 from fly_lightning.dispatch_log import DISPATCH_LOG
+from fly_lightning.kernels import load_kernels
 from fly_lightning.modules import FlyMoE, FlyRMSNorm
 from fly_lightning.ops import grouped_mm, moe_combine, moe_grouped_mm, moe_route, rms_norm, swiglu, topk
 from fly_lightning.policy import DispatchConfig, dispatch_config, get_dispatch_config, set_dispatch_config

@@ -7,10 +7,8 @@ aborts the process (SIGABRT), so its runtime probe runs in a subprocess.
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import os
-import pkgutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -97,40 +95,6 @@ def _probe_cached(name: str) -> str | None:
     return BACKENDS[name].probe()
 
 
-def reset_availability() -> None:
-    """Forget cached availability and every dispatch decision made under it (tests, or after changing
-    TRITON_INTERPRET): a cached decision would keep a backend that is no longer there."""
-    from fly_lightning.registry import OPS  # late: the registry imports this module
-
+def clear_probes() -> None:
+    """Forget cached availability (``fly_lightning.registry.reset_availability`` also forgets the decisions)."""
     _probe_cached.cache_clear()
-    for op in OPS.values():
-        op.cache.clear()
-
-
-_loaded = False
-
-
-def load_kernels() -> None:
-    """Import every kernel module; each registers itself into its operator.
-
-    A module whose backend library is missing (e.g. no triton) is skipped; the dispatcher then reports the backend as
-    not installed. FlyDSL modules import ``flydsl`` lazily, so they register everywhere.
-    """
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
-    import fly_lightning.ops  # noqa: F401  (operators exist before kernels register into them)
-
-    for backend in BACKENDS.values():
-        if backend.kernels is None:
-            continue
-        pkg = importlib.import_module(backend.kernels)
-        for info in pkgutil.iter_modules(pkg.__path__):
-            if info.name.startswith("_"):
-                continue
-            try:
-                importlib.import_module(f"{backend.kernels}.{info.name}")
-            except ImportError:
-                if backend.library_installed():
-                    raise

@@ -1,59 +1,77 @@
-"""Choose a backend per (policy, op, shape signature), cache the decision, and count every call.
+"""Route each call of an operator to a backend: choose per (policy, op, shape signature), cache the decision, count
+every call.
 
-The steady-state path (in ``Op.__call__``) is one signature computation, one dict lookup and one counter increment.
-Everything else
-(validation, availability, support predicates, measurement) runs once per new signature and is recorded.
+``Op`` is a registry entry (``fly_lightning.registry.OpDef``) that can be called. Its ``__call__`` is the steady-state
+path: one signature computation, one dict lookup and one counter increment. Everything else (validation,
+availability, support predicates, measurement) runs once per new signature and is recorded in the dispatch log.
+
+Layering: this module imports ``backends``, ``registry``, ``policy`` and ``dispatch_log``; nothing below imports it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fly_lightning import policy
+from fly_lightning import policy, registry
 from fly_lightning.backends import BACKENDS
-from fly_lightning.dispatch_log import DISPATCH_LOG
+from fly_lightning.dispatch_log import DISPATCH_LOG, Decision
+from fly_lightning.registry import BackendImpl, OpDef
 
-if TYPE_CHECKING:
-    from fly_lightning.registry import BackendImpl, Op
+__all__ = ["Decision", "Op", "record_fallback", "register_op"]
 
 
-@dataclass(eq=False)
-class Decision:
-    """Which backend serves one shape signature of one op under one policy, and why the others did not."""
+class Op(OpDef):
+    """A registered operator, callable: runs on the backend chosen for this (policy, shape signature)."""
 
-    op: str
-    signature: Hashable
-    shape: str
-    dtype: str
-    backend: str
-    fn: Callable[..., Any]
-    rejected: tuple[tuple[str, str], ...]  # (backend, reason) for each candidate passed over
-    config_uid: int
-    calls: int = 0
-    created_at: float = field(default_factory=time.time)
-    first_call_s: float | None = None  # host wall time of the first call (includes JIT compilation)
-    tuning_s: float | None = None  # time spent measuring candidates (select="measure")
-    timings_ms: dict[str, float] = field(default_factory=dict)  # measured candidates
+    def __call__(self, *args: Any) -> Any:
+        """Decide (and validate) on first sight of a signature; afterwards look up, count and run."""
+        key = (policy._active.uid, self.signature(*args))
+        try:
+            decision = self.cache.get(key)
+        except TypeError:  # an unhashable argument (a list for an int, say): let validation name it
+            if self.validate is not None:
+                self.validate(*args)
+            raise
+        if decision is None:
+            return _first_call(self, _decide(self, policy._active, key, args), args)
+        if self.check is not None:
+            self.check(*args)
+        decision.calls += 1
+        if profile_ranges:  # only while OperatorTime profiles a step; otherwise one global read
+            return call_in_range(decision, args)
+        return decision.fn(*args)
 
-    @property
-    def fallback(self) -> bool:
-        """True when a specialised candidate was passed over and ATen runs instead."""
-        return self.backend == "aten" and bool(self.rejected)
 
-    @property
-    def reason(self) -> str:
-        return "; ".join(f"{b}: {r}" for b, r in self.rejected)
+def register_op(
+    name: str,
+    *,
+    reference: Callable[..., Any],
+    signature: Callable[..., Hashable],
+    validate: Callable[..., None] | None = None,
+    check: Callable[..., None] | None = None,
+    aten: Callable[..., Any] | None = None,
+    doc: str = "",
+) -> Op:
+    """Create an operator and put it in the registry.
+
+    ``aten`` is the always-available fallback (defaults to the reference); it must accept every valid input.
+    """
+    if name in registry.OPS:  # before creating anything
+        raise ValueError(f"operator {name!r} is already registered")
+    op = Op(name=name, reference=reference, signature=signature, validate=validate, check=check, doc=doc)
+    op.implement("aten", constraints="every valid input (fallback and oracle)")(aten or reference)
+    registry.add(op)
+    return op
 
 
 # --- profiler ranges, for fly_lightning.callbacks.OperatorTime -------------------------------------------------------
 # While a step is being profiled, each dispatched call runs inside record_function("fly::<op>/<backend>") so the
 # profile can attribute its time to the backend that actually ran. Off otherwise: the steady-state path in
-# ``Op.__call__`` then pays one attribute read, and no range object is created.
+# ``Op.__call__`` then pays one global read, and no range object is created.
 profile_ranges: bool = False
 
 
@@ -70,12 +88,7 @@ def call_in_range(dec: Decision, args: tuple) -> Any:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def decide_and_call(op: Op, key: tuple[int, Hashable], args: tuple) -> Any:
-    """The slow path of ``Op.__call__`` (which holds the steady-state path): decide, record, run once."""
-    return _first_call(op, _decide(op, policy._active, key, args), args)
-
-
-def _first_call(op: Op, dec: Decision, args: tuple) -> Any:
+def _first_call(op: OpDef, dec: Decision, args: tuple) -> Any:
     start = time.perf_counter()
     try:
         out = call_in_range(dec, args) if profile_ranges else dec.fn(*args)
@@ -95,16 +108,6 @@ def _first_call(op: Op, dec: Decision, args: tuple) -> Any:
 _CHECKED_UIDS: set[int] = set()  # policies whose op names were checked against the registry
 
 
-def _no_impl_reason(backend: str) -> str:
-    """Why ``backend`` has no implementation of an op: a module that registered kernels for other ops shows the
-    library is there (FlyDSL's register even without it), so the op simply has none."""
-    from fly_lightning.registry import OPS
-
-    if BACKENDS[backend].library_installed() or any(backend in o.impls for o in OPS.values()):
-        return "no kernel for this op"
-    return "not installed"
-
-
 def _support_verdict(impl: BackendImpl, args: tuple) -> str | None:
     """None when ``impl`` supports ``args``, else the reason (a predicate that raises counts as unsupported)."""
     try:
@@ -114,7 +117,7 @@ def _support_verdict(impl: BackendImpl, args: tuple) -> str | None:
     return None if verdict is True else str(verdict)
 
 
-def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args: tuple) -> Decision:
+def _decide(op: OpDef, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args: tuple) -> Decision:
     if cfg.uid not in _CHECKED_UIDS:  # e.g. FLY_LIGHTNING_DISABLE, read before any op was registered
         policy.check_op_names(cfg)
         _CHECKED_UIDS.add(cfg.uid)
@@ -132,7 +135,7 @@ def _decide(op: Op, cfg: policy.DispatchConfig, key: tuple[int, Hashable], args:
     for name in candidates:
         impl = op.impls.get(name)
         if impl is None:
-            rejected.append((name, _no_impl_reason(name)))
+            rejected.append((name, registry.no_impl_reason(name)))
             continue
         reason = BACKENDS[name].unavailable_reason()
         if reason is None:
@@ -218,7 +221,7 @@ def _describe(args: tuple) -> tuple[str, str]:
     return shape, dtype
 
 
-def record_fallback(op: Op, signature: Hashable, args: tuple, reason: str) -> None:
+def record_fallback(op: OpDef, signature: Hashable, args: tuple, reason: str) -> None:
     """Count a call that ran the reference outside the dispatcher (e.g. a DTensor it cannot run on local shards)."""
     cfg = policy._active
     key = (cfg.uid, ("fallback", signature))

@@ -1,18 +1,48 @@
-"""The dispatch log: every decision with its call count, queryable as Python data and printable as a rich table.
+"""Dispatch decisions and the process-wide log of them, queryable as Python data and printable as a rich table.
 
 It is always on: the per-call cost is one counter increment on the cached decision (see ``dispatch.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from fly_lightning.registry import clear_decisions
 
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from fly_lightning.dispatch import Decision
+
+@dataclass(eq=False)
+class Decision:
+    """Which backend serves one shape signature of one op under one policy, and why the others did not."""
+
+    op: str
+    signature: Hashable
+    shape: str
+    dtype: str
+    backend: str
+    fn: Callable[..., Any]
+    rejected: tuple[tuple[str, str], ...]  # (backend, reason) for each candidate passed over
+    config_uid: int
+    calls: int = 0
+    created_at: float = field(default_factory=time.time)
+    first_call_s: float | None = None  # host wall time of the first call (includes JIT compilation)
+    tuning_s: float | None = None  # time spent measuring candidates (select="measure")
+    timings_ms: dict[str, float] = field(default_factory=dict)  # measured candidates
+
+    @property
+    def fallback(self) -> bool:
+        """True when a specialised candidate was passed over and ATen runs instead."""
+        return self.backend == "aten" and bool(self.rejected)
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(f"{b}: {r}" for b, r in self.rejected)
 
 
 class DispatchLog:
@@ -32,10 +62,7 @@ class DispatchLog:
 
     def reset(self) -> None:
         """Forget all decisions and counts; the next call of each signature decides again."""
-        from fly_lightning.registry import OPS
-
-        for op in OPS.values():
-            op.cache.clear()
+        clear_decisions()
         self.decisions.clear()
 
     def records(self, op: str | None = None) -> list[dict[str, Any]]:

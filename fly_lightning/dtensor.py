@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from fly_lightning.registry import Op
-
+from fly_lightning.dispatch import record_fallback
+from fly_lightning.registry import OpDef
 
 _DTENSOR: list[type | None] = []  # DTensor's class, looked up on first use (not functools.cache: Dynamo warns on it)
 
@@ -40,7 +39,7 @@ def replicate_plain(args: tuple) -> tuple:
 
 
 def run_on_local_shards(
-    op: Op,
+    op: OpDef,
     local_fn: Callable[..., Tensor],
     reference_fn: Callable[..., Tensor],
     x: Any,
@@ -74,8 +73,6 @@ def run_on_local_shards(
             if isinstance(o, DTensor) and not all(isinstance(p, Replicate) for p in o.placements):
                 reason = f"DTensor argument with placements {o.placements}"
     if reason is not None:
-        from fly_lightning.dispatch import record_fallback
-
         placements = tuple(str(p) for p in getattr(x, "placements", ()))
         record_fallback(op, (placements, tuple(x.shape), x.dtype, reason), (x, *others), reason)
         return reference_fn(*replicate_plain((x, *others)))

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from fly_lightning.backends import BACKENDS
+from fly_lightning.registry import OPS
 
 Select = Literal["first", "measure"]
 _UIDS: dict[tuple, int] = {}  # equal configs share a uid, so decisions cached under one are reused by the other
@@ -115,9 +116,6 @@ class DispatchConfig:
 
 def check_op_names(config: DispatchConfig) -> None:
     """Raise if ``config`` names an operator the registry does not have."""
-    import fly_lightning.ops  # noqa: F401  (late: the registry imports this module; the ops register on import)
-    from fly_lightning.registry import OPS
-
     if unknown := config.unknown_ops(OPS):
         raise ValueError(f"dispatch config names unknown operator(s) {unknown}; registered: {sorted(OPS)}")
 

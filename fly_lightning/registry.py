@@ -1,12 +1,15 @@
-"""The one registry of operators and their backends.
+"""The one registry of operators and their backends: the bottom of the dispatch core (it imports only ``backends``).
 
-An operator (``Op``) has a name, a reference implementation (plain torch/ATen, also the test oracle), an argument
+An operator (``OpDef``) has a name, a reference implementation (plain torch/ATen, also the test oracle), an argument
 validator, a shape-signature function and a set of backend implementations. Validation and support predicates run
 once per signature, so a signature must determine their outcome: it holds ``tensor_key`` of every tensor argument and
 every scalar the validator or a predicate inspects. What a signature cannot hold (the values of CPU index tensors)
 goes in ``check``, which runs on every call, after validation. Kernel modules register themselves with
 ``@OP.implement("triton", supports=...)``. ``OPS`` is the one table of operators: the package keeps no second list of
 op names (the public functions are exported by name, and a test checks they match the registry both ways).
+
+How a call is routed to one of the implementations is ``fly_lightning.dispatch``'s business: its ``Op`` is an
+``OpDef`` that can be called, and ``register_op`` lives there.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 
 from torch import Tensor
 
-from fly_lightning import dispatch, policy
+from fly_lightning import backends
 from fly_lightning.backends import BACKENDS
 
 SupportPredicate = Callable[..., "bool | str"]
@@ -48,12 +51,12 @@ def tensor_key(t: Tensor | None) -> tuple | None:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _always(*args: Any, **kwargs: Any) -> bool:
+def always_supported(*args: Any, **kwargs: Any) -> bool:
     return True
 
 
 @dataclass(eq=False)
-class Op:
+class OpDef:
     """An operator: name, reference, validation, signature and backends (in registration order)."""
 
     name: str
@@ -63,11 +66,15 @@ class Op:
     check: Callable[..., None] | None = None  # per-call value checks (after ``validate`` on a signature's first call)
     doc: str = ""
     impls: dict[str, BackendImpl] = field(default_factory=dict)
-    # decisions keyed by (config uid, signature); owned by fly_lightning.dispatch
+    # decisions keyed by (config uid, signature); filled and read by fly_lightning.dispatch
     cache: dict[tuple[int, Hashable], Any] = field(default_factory=dict, repr=False)
 
     def implement(
-        self, backend: str, supports: SupportPredicate = _always, constraints: str = "", verified: str = "tested"
+        self,
+        backend: str,
+        supports: SupportPredicate = always_supported,
+        constraints: str = "",
+        verified: str = "tested",
     ) -> Callable[[Callable], Callable]:
         """Decorator registering ``fn`` as this op's implementation on ``backend``."""
         if backend not in BACKENDS:
@@ -82,56 +89,42 @@ class Op:
 
         return deco
 
-    def __call__(self, *args: Any) -> Any:
-        """Run on the backend chosen for this (policy, shape signature); decide (and validate) on first sight."""
-        key = (policy._active.uid, self.signature(*args))
-        try:
-            decision = self.cache.get(key)
-        except TypeError:  # an unhashable argument (a list for an int, say): let validation name it
-            if self.validate is not None:
-                self.validate(*args)
-            raise
-        if decision is None:
-            return dispatch.decide_and_call(self, key, args)
-        if self.check is not None:
-            self.check(*args)
-        decision.calls += 1
-        if dispatch.profile_ranges:  # only while OperatorTime profiles a step; otherwise one attribute read
-            return dispatch.call_in_range(decision, args)
-        return decision.fn(*args)
+
+OPS: dict[str, OpDef] = {}
 
 
-OPS: dict[str, Op] = {}
-
-
-def register_op(
-    name: str,
-    *,
-    reference: Callable[..., Any],
-    signature: Callable[..., Hashable],
-    validate: Callable[..., None] | None = None,
-    check: Callable[..., None] | None = None,
-    aten: Callable[..., Any] | None = None,
-    doc: str = "",
-) -> Op:
-    """Create and register an operator.
-
-    ``aten`` is the always-available fallback (defaults to the reference); it must accept every valid input.
-    """
-    if name in OPS:
-        raise ValueError(f"operator {name!r} is already registered")
-    op = Op(name=name, reference=reference, signature=signature, validate=validate, check=check, doc=doc)
-    op.implement("aten", constraints="every valid input (fallback and oracle)")(aten or reference)
-    OPS[name] = op
+def add(op: OpDef) -> OpDef:
+    """Put ``op`` in the table (names are unique) with ``aten`` already registered by its creator."""
+    if op.name in OPS:
+        raise ValueError(f"operator {op.name!r} is already registered")
+    OPS[op.name] = op
     return op
 
 
-def get_op(name: str) -> Op:
-    """Look up a registered operator by name (loads the kernel modules first)."""
-    from fly_lightning.backends import load_kernels
-
-    load_kernels()
+def get_op(name: str) -> OpDef:
+    """Look up a registered operator by name (``import fly_lightning`` has registered the ops and kernels)."""
     try:
         return OPS[name]
     except KeyError:
         raise KeyError(f"unknown operator {name!r}; registered: {sorted(OPS)}") from None
+
+
+def no_impl_reason(backend: str) -> str:
+    """Why ``backend`` has no implementation of an op: a module that registered kernels for other ops shows the
+    library is there (FlyDSL's register even without it), so the op simply has none."""
+    if BACKENDS[backend].library_installed() or any(backend in o.impls for o in OPS.values()):
+        return "no kernel for this op"
+    return "not installed"
+
+
+def clear_decisions() -> None:
+    """Forget every op's cached dispatch decisions (the next call of each signature decides again)."""
+    for op in OPS.values():
+        op.cache.clear()
+
+
+def reset_availability() -> None:
+    """Forget cached backend availability and every dispatch decision made under it (tests, or after changing
+    TRITON_INTERPRET): a cached decision would keep a backend that is no longer there."""
+    backends.clear_probes()
+    clear_decisions()

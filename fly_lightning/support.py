@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from fly_lightning.backends import BACKENDS, load_kernels
+from fly_lightning.backends import BACKENDS
+from fly_lightning.kernels import load_kernels
 from fly_lightning.registry import OPS
 
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fly_lightning.modules import moe_convert
 from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts, make_experts
 from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_combine import moe_combine
@@ -223,9 +224,7 @@ class FlyMoE(nn.Module):
         Fused-layout parameters are shared with ``module``; per-expert Linear lists are copied into stacked storage.
         Raises ``ValueError`` (with the reason) for blocks whose routing or experts ``FlyMoE`` does not compute.
         """
-        from fly_lightning.modules.moe_convert import from_module
-
-        return from_module(cls, module, **options)
+        return moe_convert.from_module(cls, module, **options)
 
     def router_logits(self, x_TH: Tensor) -> Tensor:
         """``[T, E]`` router logits. A wrapped router module that someone observes (forward hooks: transformers

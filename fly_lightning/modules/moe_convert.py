@@ -15,15 +15,15 @@ naming what is not supported. transformers v5 blocks keep their router module (`
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from fly_lightning.modules.moe_layout import ExpertList
 
-if TYPE_CHECKING:
-    from fly_lightning.modules.moe import FlyMoE
+# the FlyMoE class, passed in by ``FlyMoE.from_module`` (which imports this module: no import back)
+FlyMoEType = TypeVar("FlyMoEType", bound=nn.Module)
 
 
 def _is_silu(act: Any) -> bool:
@@ -56,8 +56,8 @@ def _check_router(module: nn.Module, router: nn.Module) -> None:
 
 
 def _new(
-    cls: type[FlyMoE], weight: torch.Tensor, h: int, i: int, e: int, k: int, materialize: bool, **kw: Any
-) -> FlyMoE:
+    cls: type[FlyMoEType], weight: torch.Tensor, h: int, i: int, e: int, k: int, materialize: bool, **kw: Any
+) -> FlyMoEType:
     """A FlyMoE built on the meta device; ``materialize`` allocates (uninitialised) storage on ``weight``'s device.
 
     Without it every parameter and buffer must be replaced by the caller (shared with the wrapped block).
@@ -69,7 +69,7 @@ def _new(
     return moe
 
 
-def _hf_v5(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
+def _hf_v5(cls: type[FlyMoEType], module: nn.Module, options: dict) -> FlyMoEType:
     experts, router = module.experts, module.gate
     _check_block(module)
     if getattr(experts, "has_bias", False) or getattr(experts, "gate_up_proj_bias", None) is not None:
@@ -145,7 +145,7 @@ def _deepseek_router_options(module: nn.Module, router: nn.Module) -> dict:
     )
 
 
-def _attach_shared(moe: FlyMoE, module: nn.Module) -> None:
+def _attach_shared(moe: FlyMoEType, module: nn.Module) -> None:
     """Shared experts keep their modules and names: ungated (``shared_experts``, DeepSeek-V3) or gated by
     ``sigmoid(shared_expert_gate(x))`` (``shared_expert``, Qwen2-MoE)."""
     if getattr(module, "shared_experts", None) is not None:
@@ -157,7 +157,7 @@ def _attach_shared(moe: FlyMoE, module: nn.Module) -> None:
 _LIST_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
 
 
-def _expert_list(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
+def _expert_list(cls: type[FlyMoEType], module: nn.Module, options: dict) -> FlyMoEType:
     experts, router = module.experts, module.gate
     _check_block(module)
     _check_router(module, router)
@@ -195,7 +195,7 @@ def _expert_list(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     return moe
 
 
-def _torchtitan(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
+def _torchtitan(cls: type[FlyMoEType], module: nn.Module, options: dict) -> FlyMoEType:
     router, experts = module.router, module.experts
     gate = router.gate
     if getattr(router, "_debug_force_load_balance", False):
@@ -235,7 +235,7 @@ def _torchtitan(cls: type[FlyMoE], module: nn.Module, options: dict) -> FlyMoE:
     return moe
 
 
-def _keep_child_order(moe: FlyMoE, module: nn.Module) -> FlyMoE:
+def _keep_child_order(moe: FlyMoEType, module: nn.Module) -> FlyMoEType:
     """Children in the wrapped block's order (e.g. ``experts`` before ``gate``), so the state_dict key order and the
     parameter order (by which an optimizer's state_dict refers to parameters) are the original model's."""
     rank = {name: i for i, name in enumerate(module._modules)}
@@ -245,7 +245,7 @@ def _keep_child_order(moe: FlyMoE, module: nn.Module) -> FlyMoE:
     return moe
 
 
-def from_module(cls: type[FlyMoE], module: nn.Module, **options: Any) -> FlyMoE:
+def from_module(cls: type[FlyMoEType], module: nn.Module, **options: Any) -> FlyMoEType:
     experts = getattr(module, "experts", None)
     if experts is None:
         _reject(module, "no `experts` attribute")

@@ -4,10 +4,9 @@ Every operator is a ``torch.library`` custom op, which ``torch.compile`` and ten
 need. In eager mode its Python wrapper is costly: on the H200 host a routing call with logits that require grad
 measured 161-175 us through the custom op, 102-108 us through an ``autograd.Function`` around the dispatcher with
 the same setup and backward, 76-81 us through the dispatcher alone (two runs); RMSNorm with grad 129-133 us against
-87-94 (``benchmarks/probe_route_host.py`` -> ``route_host_4d4e4db.md``, ``route_host_a886c46.md``). ``eager_call``
-picks per call: the custom op when traced (see ``_traced``) or given a tensor subclass, the ``autograd.Function``
-when a gradient is needed, the dispatcher otherwise. Eager backward passes likewise call their ATen formulas
-directly, the backward custom ops only when traced (``traced_or_direct``).
+87-94. ``EagerCall`` picks per call: the custom op when traced (see ``_traced``) or given a tensor subclass, the
+``autograd.Function`` when a gradient is needed, the dispatcher otherwise. Eager backward passes likewise call their
+ATen formulas directly, the backward custom ops only when traced (``TracedOrDirect``).
 
 Forward-mode AD and ``torch.func``'s differentiating transforms run the op's plain-torch reference instead, recorded
 as a fallback: a custom op has no forward-mode formula (under ``torch.func.jvp`` it returned a zero tangent, and the
@@ -25,8 +24,8 @@ from torch import Tensor
 from torch._C._functorch import TransformType, get_interpreter_stack, peek_interpreter_stack
 from torch.autograd import forward_ad
 
+from fly_lightning.dispatch import Op, record_fallback
 from fly_lightning.dtensor import is_dtensor, replicate_plain
-from fly_lightning.registry import Op
 
 _PLAIN = (Tensor, torch.nn.Parameter)  # a module's weights are Parameters: plain data, no __torch_function__
 
@@ -67,8 +66,6 @@ def _differentiated(tensors: list[Tensor]) -> str | None:
 
 def _run_reference(op: Op, args: tuple, reason: str) -> Any:
     """Validate (shapes and values, as a dispatched call would), record the fallback, run the reference."""
-    from fly_lightning.dispatch import record_fallback
-
     if op.validate is not None:
         op.validate(*args)
     if op.check is not None:
@@ -98,29 +95,61 @@ def create_graph_grads(
     return tuple(next(got) if need else None for need in needs)
 
 
-def traced_or_direct(custom_op: Callable[..., Any], impl: Callable[..., Any]) -> Callable[..., Any]:
+class TracedOrDirect:
     """``f(*args)``: ``custom_op`` where something traces the call or a tensor subclass is given (a backward op that
     ``torch.compile`` must see as one opaque call), else ``impl``, the function the custom op wraps, called directly
-    (eager backward passes: a small MoE block's step took 8-23% less host time on the H200 host,
-    ``host_ab_d531afd_6d2294d.md``)."""
+    (eager backward passes: a small MoE block's step took 8-23% less host time on the H200 host)."""
 
-    def call(*args: Any) -> Any:
+    def __init__(self, custom_op: Callable[..., Any], impl: Callable[..., Any]) -> None:
+        self.custom_op = custom_op
+        self.impl = impl
+
+    def __call__(self, *args: Any) -> Any:
         if _opaque([a for a in args if isinstance(a, Tensor)]):
-            return custom_op(*args)
-        return impl(*args)
-
-    return call
+            return self.custom_op(*args)
+        return self.impl(*args)
 
 
-def eager_call(
-    op: Op,
-    custom_op: Callable[..., Any],
-    setup_context: Callable[..., None],
-    backward: Callable[..., Any],
-) -> Callable[..., Any]:
-    """Register ``setup_context`` and ``backward`` as ``custom_op``'s autograd formula, and return ``f(*args)``
-    running ``op`` the cheapest way that keeps ``custom_op``'s semantics: both paths share that one formula."""
-    custom_op.register_autograd(backward, setup_context=setup_context)
+class EagerCall:
+    """``f(*args)`` running ``op`` the cheapest way that keeps ``custom_op``'s semantics.
+
+    Registers ``setup_context`` and ``backward`` as ``custom_op``'s autograd formula, and builds one
+    ``autograd.Function`` (named for the op, so grad_fn and profiler events say which path ran:
+    ``fly_moe_route_eagerBackward``) with the same two functions: both paths share that one formula. Per call, in
+    order: a differentiating transform or dual tensors run the reference (recorded); something tracing, or a tensor
+    subclass, gets the custom op (DTensors the reference, recorded, as they have no sharding rule); a call that needs a
+    gradient goes through the ``autograd.Function``; anything else calls the dispatcher.
+    """
+
+    def __init__(
+        self,
+        op: Op,
+        custom_op: Callable[..., Any],
+        setup_context: Callable[..., None],
+        backward: Callable[..., Any],
+    ) -> None:
+        custom_op.register_autograd(backward, setup_context=setup_context)
+        self.op = op
+        self.custom_op = custom_op
+        self.function = _autograd_function(op, setup_context, backward)
+
+    def __call__(self, *args: Any) -> Any:
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if (reason := _differentiated(tensors)) is not None:
+            return _run_reference(self.op, args, reason)
+        if _opaque(tensors):
+            if not torch.compiler.is_compiling() and any(is_dtensor(t) for t in tensors):
+                return _run_reference(self.op, replicate_plain(args), _NO_SHARD_RULE)
+            return self.custom_op(*args)
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            return self.function.apply(*args)
+        return self.op(*args)
+
+
+def _autograd_function(
+    op: Op, setup_context: Callable[..., None], backward: Callable[..., Any]
+) -> type[torch.autograd.Function]:
+    """A ``torch.autograd.Function`` subclass named ``fly_<op>_eager`` whose forward dispatches ``op``."""
 
     def forward(ctx, *args: Any) -> Any:
         out = op(*args)
@@ -130,23 +159,8 @@ def eager_call(
     def backward_(ctx, *grads: Any) -> Any:
         return backward(ctx, *grads)
 
-    # named for the op: grad_fn and profiler events say which path ran ("fly_moe_route_eagerBackward")
     namespace = {"forward": staticmethod(forward), "backward": staticmethod(backward_)}
-    function = type(f"fly_{op.name}_eager", (torch.autograd.Function,), namespace)
-
-    def call(*args: Any) -> Any:
-        tensors = [a for a in args if isinstance(a, Tensor)]
-        if (reason := _differentiated(tensors)) is not None:
-            return _run_reference(op, args, reason)
-        if _opaque(tensors):
-            if not torch.compiler.is_compiling() and any(is_dtensor(t) for t in tensors):
-                return _run_reference(op, replicate_plain(args), _NO_SHARD_RULE)
-            return custom_op(*args)
-        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-            return function.apply(*args)
-        return op(*args)
-
-    return call
+    return type(f"fly_{op.name}_eager", (torch.autograd.Function,), namespace)
 
 
 # The custom ops have no DTensor sharding rule (only ``rms_norm`` runs on local shards, ``fly_lightning.dtensor``):

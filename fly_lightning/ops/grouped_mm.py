@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call, traced_or_direct
-from fly_lightning.registry import register_op, tensor_key
+from fly_lightning.dispatch import register_op
+from fly_lightning.ops._eager import EagerCall, TracedOrDirect
+from fly_lightning.registry import tensor_key
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -233,7 +234,7 @@ def _grouped_mm_backward_impl(
 
 
 grouped_mm_backward_op = torch.library.custom_op("fly::grouped_mm_backward", mutates_args=())(_grouped_mm_backward_impl)
-_grouped_mm_backward_call = traced_or_direct(grouped_mm_backward_op, _grouped_mm_backward_impl)
+_grouped_mm_backward_call = TracedOrDirect(grouped_mm_backward_op, _grouped_mm_backward_impl)
 
 
 @grouped_mm_backward_op.register_fake
@@ -254,7 +255,7 @@ def _backward(ctx, grad: Tensor):
     return (dx if need_x else None), (dw if need_w else None), None, None
 
 
-_grouped_mm_eager = eager_call(GROUPED_MM, grouped_mm_op, _setup_context, _backward)
+_grouped_mm_eager = EagerCall(GROUPED_MM, grouped_mm_op, _setup_context, _backward)
 
 
 def autocast_operands(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import create_graph_grads, eager_call, traced_or_direct
+from fly_lightning.dispatch import register_op
+from fly_lightning.ops._eager import EagerCall, TracedOrDirect, create_graph_grads
 from fly_lightning.ops.grouped_mm import _fake
 from fly_lightning.ops.moe_grouped_mm import check_permutation, inverse_permutation
-from fly_lightning.registry import register_op, tensor_key
+from fly_lightning.registry import tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 CHUNK_ELEMENTS = 2**25  # fp32 elements materialised at once by the ATen paths: bounds their transient copies
@@ -161,7 +162,7 @@ def _moe_combine_backward_impl(
 moe_combine_backward_op = torch.library.custom_op("fly::moe_combine_backward", mutates_args=())(
     _moe_combine_backward_impl
 )
-_moe_combine_backward_call = traced_or_direct(moe_combine_backward_op, _moe_combine_backward_impl)
+_moe_combine_backward_call = TracedOrDirect(moe_combine_backward_op, _moe_combine_backward_impl)
 
 
 @moe_combine_backward_op.register_fake
@@ -187,7 +188,7 @@ def _backward(ctx, grad: Tensor):
     return (d_rows if need_rows else None), (d_w if need_w else None), None, None
 
 
-_moe_combine_eager = eager_call(MOE_COMBINE, moe_combine_op, _setup_context, _backward)
+_moe_combine_eager = EagerCall(MOE_COMBINE, moe_combine_op, _setup_context, _backward)
 
 
 def moe_combine(

@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call, traced_or_direct
+from fly_lightning.dispatch import register_op
+from fly_lightning.ops._eager import EagerCall, TracedOrDirect
 from fly_lightning.ops.grouped_mm import (
     _FLOATS,
     _aten_mm,
@@ -32,7 +33,7 @@ from fly_lightning.ops.grouped_mm import (
     weight_grad,
     weight_grad_like,
 )
-from fly_lightning.registry import register_op, tensor_key
+from fly_lightning.registry import tensor_key
 
 
 def _validate_moe(
@@ -253,7 +254,7 @@ def _moe_grouped_mm_backward_impl(
 moe_grouped_mm_backward_op = torch.library.custom_op("fly::moe_grouped_mm_backward", mutates_args=())(
     _moe_grouped_mm_backward_impl
 )
-_moe_grouped_mm_backward_call = traced_or_direct(moe_grouped_mm_backward_op, _moe_grouped_mm_backward_impl)
+_moe_grouped_mm_backward_call = TracedOrDirect(moe_grouped_mm_backward_op, _moe_grouped_mm_backward_impl)
 
 
 @moe_grouped_mm_backward_op.register_fake
@@ -286,7 +287,7 @@ def _backward(ctx, grad: Tensor):
     return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None
 
 
-_moe_grouped_mm_eager = eager_call(MOE_GROUPED_MM, moe_grouped_mm_op, _setup_context, _backward)
+_moe_grouped_mm_eager = EagerCall(MOE_GROUPED_MM, moe_grouped_mm_op, _setup_context, _backward)
 
 
 def moe_grouped_mm(

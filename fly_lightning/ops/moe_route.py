@@ -38,8 +38,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call
-from fly_lightning.registry import register_op, tensor_key
+from fly_lightning.dispatch import register_op
+from fly_lightning.ops._eager import EagerCall
+from fly_lightning.registry import tensor_key
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -311,7 +312,7 @@ def moe_route_backward(
     return grad_x.to(logits_TE.dtype)
 
 
-_moe_route_eager = eager_call(MOE_ROUTE, moe_route_op, _setup_context, _backward)
+_moe_route_eager = EagerCall(MOE_ROUTE, moe_route_op, _setup_context, _backward)
 
 
 def moe_route(

@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fly_lightning.dispatch import register_op
 from fly_lightning.dtensor import is_dtensor, run_on_local_shards
-from fly_lightning.ops._eager import create_graph_grads, eager_call
-from fly_lightning.registry import register_op, tensor_key
+from fly_lightning.ops._eager import EagerCall, create_graph_grads
+from fly_lightning.registry import tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -161,7 +162,7 @@ def rms_norm_backward(
     return gx, gw
 
 
-_rms_norm_eager = eager_call(RMS_NORM, rms_norm_op, _setup_context, _backward)
+_rms_norm_eager = EagerCall(RMS_NORM, rms_norm_op, _setup_context, _backward)
 
 
 def rms_norm(

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fly_lightning.ops._eager import create_graph_grads, eager_call, traced_or_direct
-from fly_lightning.registry import register_op, tensor_key
+from fly_lightning.dispatch import register_op
+from fly_lightning.ops._eager import EagerCall, TracedOrDirect, create_graph_grads
+from fly_lightning.registry import tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -103,7 +104,7 @@ def swiglu_backward(grad: Tensor, gate: Tensor, up: Tensor | None) -> tuple[Tens
 
 # ``(d gate, d up)`` as an opaque op; for a fused input ``d gate`` is ``[S, 2I]`` and ``d up`` empty
 swiglu_backward_op = torch.library.custom_op("fly::swiglu_backward", mutates_args=())(swiglu_backward)
-_swiglu_backward_call = traced_or_direct(swiglu_backward_op, swiglu_backward)
+_swiglu_backward_call = TracedOrDirect(swiglu_backward_op, swiglu_backward)
 
 
 @swiglu_backward_op.register_fake
@@ -124,7 +125,7 @@ def _backward(ctx, grad: Tensor):
     return d_gate, (None if up is None else d_up)
 
 
-_swiglu_eager = eager_call(SWIGLU, swiglu_op, _setup_context, _backward)
+_swiglu_eager = EagerCall(SWIGLU, swiglu_op, _setup_context, _backward)
 
 
 def swiglu(gate_SI: Tensor, up_SI: Tensor | None = None) -> Tensor:

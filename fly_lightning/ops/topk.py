@@ -14,8 +14,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from fly_lightning.ops._eager import eager_call
-from fly_lightning.registry import register_op, tensor_key
+from fly_lightning.dispatch import register_op
+from fly_lightning.ops._eager import EagerCall
+from fly_lightning.registry import tensor_key
 
 
 class TopK(NamedTuple):
@@ -81,7 +82,7 @@ def _backward(ctx, grad_values: Tensor, grad_indices: Tensor | None):
     return grad_x, None
 
 
-_topk_eager = eager_call(TOPK, topk_op, _setup_context, _backward)
+_topk_eager = EagerCall(TOPK, topk_op, _setup_context, _backward)
 
 
 def topk(x: Tensor, k: int) -> TopK:

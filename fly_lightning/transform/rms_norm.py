@@ -37,6 +37,9 @@ _KNOWN = {
     "Olmo2RMSNorm": "plain",
     **dict.fromkeys(("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm"), "gemma"),
 }
+# Liger-Kernel's RMSNorm has a fused backward; ours runs ATen's (by design), whose composite formula for the Llama-style
+# cast is slower. Swapping it would take speed away from a user who composes the two: it is left, said in the summary.
+_LIGER_REASON = "Liger-Kernel's RMSNorm (fused forward and backward) kept: ours has ATen's backward"
 _OPTIONS = {"torch": {}, "plain": {}, "gemma": {"offset": 1.0}, "llama": {"cast_before_scale": True}}
 _PROBED = ("llama", "plain", "gemma")
 
@@ -53,6 +56,8 @@ def _match(module: nn.Module) -> str | None:
     if type(module) is nn.RMSNorm:
         return "torch"
     cls = type(module).__name__
+    if type(module).__module__.startswith("liger_kernel.") and cls.endswith("RMSNorm"):
+        return "liger"
     if isinstance(module, FlyRMSNorm) or not cls.endswith("RMSNorm") or _weight_1d(module) is None:
         return None
     if cls in _KNOWN:
@@ -63,6 +68,8 @@ def _match(module: nn.Module) -> str | None:
 
 
 def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
+    if variant == "liger":
+        raise Unsupported(_LIGER_REASON)
     if variant == "torch":
         if len(module.normalized_shape) != 1:
             raise Unsupported(f"normalized_shape {tuple(module.normalized_shape)} spans more than the last dim")

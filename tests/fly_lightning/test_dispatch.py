@@ -6,7 +6,7 @@ import torch
 import fly_lightning
 from fly_lightning import DISPATCH_LOG, dispatch_config
 from fly_lightning.backends import BACKENDS
-from fly_lightning.registry import Op
+from fly_lightning.dispatch import Op
 
 
 def _scratch_op(name="scratch", triton_supports=lambda x: True, triton_fn=None):
@@ -78,12 +78,12 @@ def test_backend_preference_order_respected():
 def test_unavailable_backend_reason_recorded(monkeypatch):
     op, _ = _scratch_op()
     monkeypatch.delenv("TRITON_INTERPRET")  # a CPU machine without the interpreter: Triton has no device
-    fly_lightning.backends.reset_availability()
+    fly_lightning.registry.reset_availability()
     try:
         op(torch.ones(2))
     finally:
         monkeypatch.undo()
-        fly_lightning.backends.reset_availability()
+        fly_lightning.registry.reset_availability()
     rec = DISPATCH_LOG.records("scratch")[0]
     assert rec["backend"] == "aten" and "triton: no CUDA/ROCm device" in rec["reason"]
 
@@ -170,12 +170,12 @@ def test_reset_availability_forgets_decisions(monkeypatch):
     fly_lightning.rms_norm(x, None, 1e-6)
     assert DISPATCH_LOG.records("rms_norm")[-1]["backend"] == "triton"
     monkeypatch.delenv("TRITON_INTERPRET")
-    fly_lightning.backends.reset_availability()
+    fly_lightning.registry.reset_availability()
     try:
         fly_lightning.rms_norm(x, None, 1e-6)  # the same signature: decided again, Triton gone
     finally:
         monkeypatch.undo()
-        fly_lightning.backends.reset_availability()
+        fly_lightning.registry.reset_availability()
     rec = DISPATCH_LOG.records("rms_norm")[-1]
     assert rec["backend"] == "aten" and "triton: no CUDA/ROCm device" in rec["reason"]
 

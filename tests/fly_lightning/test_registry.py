@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import fly_lightning
-from fly_lightning.registry import OPS, Op, get_op, register_op
+from fly_lightning.dispatch import Op, register_op
+from fly_lightning.registry import OPS, get_op
 
 
 def test_rms_norm_registered_with_its_backends():

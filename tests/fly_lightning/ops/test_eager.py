@@ -1,4 +1,4 @@
-"""``eager_call``: the path each public call takes (custom op, autograd.Function, dispatcher), and that the Function
+"""``EagerCall``: the path each public call takes (custom op, autograd.Function, dispatcher), and that the Function
 path gives the custom op's outputs and gradients, for every operator with a backward."""
 
 import warnings
@@ -13,6 +13,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.profiler import profile
 
 import fly_lightning
+from fly_lightning.dispatch import Op
 from fly_lightning.ops.grouped_mm import grouped_mm_op
 from fly_lightning.ops.moe_combine import moe_combine_op
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm_op
@@ -20,7 +21,6 @@ from fly_lightning.ops.moe_route import moe_route_op
 from fly_lightning.ops.rms_norm import rms_norm_op
 from fly_lightning.ops.swiglu import swiglu_op
 from fly_lightning.ops.topk import topk_op
-from fly_lightning.registry import Op
 
 
 @dataclass

@@ -1,6 +1,5 @@
 """Test setup: Triton kernels run on CPU through the interpreter; dispatch state is reset between tests."""
 
-import contextlib
 import os
 
 # must be set before any @triton.jit decorator runs
@@ -10,7 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import fly_lightning  # noqa: E402
-from fly_lightning.backends import reset_availability  # noqa: E402
+from fly_lightning.registry import reset_availability  # noqa: E402
 
 reset_availability()
 
@@ -26,13 +25,14 @@ def _clean_dispatch_state():
     fly_lightning.DISPATCH_LOG.reset()
 
 
-@pytest.fixture(scope="module")  # module scope: hypothesis refuses function-scoped fixtures
+@pytest.fixture(scope="session", autouse=True)
 def poisoned_outputs():
-    """Keep deterministic mode's fill of new tensors (NaN / largest integer) on the kernels' outputs too, which
-    ``written_in_full`` skips outside tests: an element a kernel fails to store then shows in the comparison."""
-    from fly_lightning.kernels.triton import moe_combine, moe_route, rms_norm, swiglu, topk
+    """Every kernel output is poisoned for the whole session (``fly_lightning.kernels.outputs.POISON``): filled with
+    NaN / the largest integer, with or without deterministic algorithms, so an element a kernel fails to store shows
+    in the comparison. Autouse, so no test can forget it; a test of the production allocation switches it off with
+    ``monkeypatch.setattr(outputs, "POISON", False)``."""
+    from fly_lightning.kernels import outputs
 
-    with pytest.MonkeyPatch.context() as patch:
-        for module in (moe_combine, moe_route, rms_norm, swiglu, topk):
-            patch.setattr(module, "written_in_full", contextlib.nullcontext)
-        yield
+    previous, outputs.POISON = outputs.POISON, True
+    yield
+    outputs.POISON = previous

@@ -32,9 +32,12 @@ from typing import Any
 import torch
 
 try:  # inside the package
+    from .. import outputs
     from . import _toolchain as compile_check
 except ImportError:  # loaded by file path in the compile child (keeps the child free of fly_lightning imports)
     import _toolchain as compile_check
+
+    outputs = compile_check.outputs_module()
 
 KERNEL_NAME = "fly_moe_route_fwd"
 BLOCK_THREADS = 256
@@ -336,8 +339,8 @@ def launch_moe_route(
     if not ok:
         raise ValueError(reason)
     dev = logits.device
-    weights = torch.empty(T, k, dtype=torch.float32, device=dev)
-    ids = torch.empty(T, k, dtype=torch.int32, device=dev)
+    weights = outputs.empty(T, k, dtype=torch.float32, device=dev)
+    ids = outputs.empty(T, k, dtype=torch.int32, device=dev)
     counts = torch.zeros(E, dtype=torch.int32, device=dev)  # atomics accumulate into zeros
     if T > 0:
         # FlyDSL bakes which axes have stride 1 into the compiled layout (only E == 1 can differ).

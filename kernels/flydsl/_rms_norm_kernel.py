@@ -29,9 +29,12 @@ from typing import Any
 import torch
 
 try:  # inside the package
+    from .. import outputs
     from . import _toolchain as compile_check
 except ImportError:  # loaded by file path in the compile child (keeps the child free of fly_lightning imports)
     import _toolchain as compile_check
+
+    outputs = compile_check.outputs_module()
 
 KERNEL_NAME = "fly_rms_norm_fwd"
 BLOCK_THREADS = 256
@@ -327,8 +330,8 @@ def launch_rms_norm(
         if w.shape != (H,) or w.device != x.device:
             raise ValueError(f"weight must be [{H}] on {x.device}")
         w = w.contiguous()
-    y = torch.empty((rows, H), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    y = outputs.empty((rows, H), dtype=x.dtype, device=x.device)
+    rstd = outputs.empty(rows, dtype=torch.float32, device=x.device)
     if rows == 0:
         return y, rstd
     vec = 16 // x.element_size()

@@ -284,6 +284,19 @@ def compile_and_collect(jit_fn: Callable, args: tuple, *, export_name: str | Non
     return facts
 
 
+def outputs_module():
+    """``kernels/outputs.py``, the kernels' output allocator, loaded by its path for kernel modules that were
+    themselves loaded by path (the compile child imports no fly_lightning code). One module object per process."""
+    name = "_fly_lightning_kernel_outputs"
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, _HERE.parent / "outputs.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def _worker(module_path: str, func_name: str, kwargs_json: str) -> int:
     try:
         name = Path(module_path).stem

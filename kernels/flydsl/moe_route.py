@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from fly_lightning.kernels import outputs
 from fly_lightning.kernels.flydsl import _moe_route_kernel as kernel
 from fly_lightning.ops.moe_route import MOE_ROUTE
 
@@ -37,4 +38,6 @@ def moe_route_flydsl(logits_TE, k, score, renormalize, bias_E, route_scale, n_gr
     if route_scale != 1.0:
         weights = weights * route_scale
     offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-    return weights, ids, counts, offsets, ids.new_empty((0,)), ids.new_empty((0,))  # outputs may not alias
+    sorted_slots = outputs.empty(0, dtype=ids.dtype, device=ids.device)  # no permutation: two empty outputs,
+    slot_pos = outputs.empty(0, dtype=ids.dtype, device=ids.device)  # not one twice (outputs may not alias)
+    return weights, ids, counts, offsets, sorted_slots, slot_pos

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -93,8 +94,59 @@ PRE_HOPPER_CONFIG = GroupedMMConfig(128, 128, 32, 8, 3, 8, tma=False)
 INTERPRETER_CONFIG = GroupedMMConfig(32, 32, 32, 2, 1, 4, tma=False, programs_per_sm=1)
 INTERPRETER_PROGRAMS = 3
 
-MEASURED: dict[tuple, GroupedMMConfig] = {}
-"""Configurations chosen by ``tune`` (or ``FLY_LIGHTNING_GROUPED_MM_TUNE=1``), keyed like ``measure_key``."""
+
+class _Watched(dict):
+    """A dict that calls its ``listeners`` after every change (the launcher drops its cached launch plans, which hold
+    configurations chosen from it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listeners: list[Callable[[], object]] = []
+
+    def _changed(self) -> None:
+        for listener in self.listeners:
+            listener()
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        self._changed()
+
+    def __delitem__(self, key) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def __ior__(self, other):
+        super().__ior__(other)
+        self._changed()
+        return self
+
+    def clear(self) -> None:
+        super().clear()
+        self._changed()
+
+    def pop(self, *args):
+        value = super().pop(*args)
+        self._changed()
+        return value
+
+    def popitem(self):
+        item = super().popitem()
+        self._changed()
+        return item
+
+    def setdefault(self, key, default=None):
+        value = super().setdefault(key, default)
+        self._changed()
+        return value
+
+    def update(self, *args, **kwargs) -> None:
+        super().update(*args, **kwargs)
+        self._changed()
+
+
+MEASURED: dict[tuple, GroupedMMConfig] = _Watched()
+"""Configurations chosen by ``tune`` (or ``FLY_LIGHTNING_GROUPED_MM_TUNE=1``), keyed like ``measure_key``. Any change
+drops the launcher's cached launch plans (``_grouped_mm_kernel.reset_plans``), so the next call sees it."""
 REJECTED: dict[tuple, dict[str, str]] = {}
 """Candidates ``tune`` refused, keyed like ``measure_key``: configuration label -> why (wrong result, no launch)."""
 

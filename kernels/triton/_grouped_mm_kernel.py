@@ -32,12 +32,13 @@ import os
 import statistics
 import time
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._grouped_mm_config import (
     INTERPRETER_PROGRAMS,
     MEASURED,
@@ -49,7 +50,7 @@ from fly_lightning.kernels.triton._grouped_mm_config import (
     table_config,
     tune_candidates,
 )
-from fly_lightning.kernels.triton._select import block_of, cdiv
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._support import interpreting, on_device
 
 
@@ -318,6 +319,32 @@ def _effective_config(cfg: GroupedMMConfig, tma_a: bool, tma_w: bool, tma_store:
     return cfg
 
 
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything about a launch that follows from its signature (``_plan_key``), computed once by ``_plan``."""
+
+    config: GroupedMMConfig  # as launched: after _effective_config and the pointer path's narrower tile
+    programs: int  # the grid
+    table: bool  # the table schedule: _tile_schedule_kernel runs first
+    tma_allocator: bool  # some operand goes through a device-side TMA descriptor (Triton's scratch allocator)
+    scalars: tuple  # _grouped_mm_kernel's runtime scalars: M, N, K, E, X_ROWS, the five strides, NUM_PROGS
+    schedule_consts: dict  # _tile_schedule_kernel's constexprs and options
+    consts: dict  # _grouped_mm_kernel's constexprs and options
+
+
+_PLANS: dict[tuple, LaunchPlan] = {}
+_MAX_PLANS = 4096  # a bound for processes that see endless shapes; training sees a handful
+
+
+def reset_plans() -> None:
+    """Forget every cached launch plan: each signature plans again at its next call (and reads
+    ``FLY_LIGHTNING_GROUPED_MM_TUNE`` again). Changes to ``MEASURED`` call this by themselves."""
+    _PLANS.clear()
+
+
+MEASURED.listeners.append(reset_plans)
+
+
 def launch(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -329,33 +356,92 @@ def launch(
     gather: bool = False,
     scatter: bool = False,
     config: GroupedMMConfig | None = None,
+    may_tune: bool = False,
 ) -> torch.Tensor:
     """Run the kernel into ``out``: ``[M, N]``, M rows in group order (slot order with ``scatter``).
 
     ``x`` is ``[M, K]`` (``[T, K]`` with ``gather``: row r reads ``x[idx[r] // topk]``); ``w`` ``[E, K, N]`` with
     N or K contiguous; ``idx`` int32 ``[M]`` (gather/scatter only).
+
+    The launch is planned once per signature (shapes, strides, dtypes, device, form, 16-byte alignment of the data
+    pointers, ``config``, ``may_tune``) and the plan cached: a call of a known signature builds its key, looks the plan
+    up and launches. ``may_tune`` (the operators' calls without a ``config``): with ``FLY_LIGHTNING_GROUPED_MM_TUNE=1``,
+    planning a CUDA signature whose shape class has no measured choice yet runs ``tune`` first (never while a CUDA
+    graph is being captured: such a plan is not cached, so the next call outside capture tunes). The variable is read
+    when a signature is planned, so setting it later affects only signatures first called afterwards, or every one
+    after ``reset_plans()``.
     """
-    with on_device(x):
-        return _launch(x, w, offs, out, idx, topk, gather, scatter, config)
-
-
-def _launch(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    offs: torch.Tensor,
-    out: torch.Tensor,
-    idx: torch.Tensor | None,
-    topk: int,
-    gather: bool,
-    scatter: bool,
-    config: GroupedMMConfig | None,
-) -> torch.Tensor:
     e, k, n = w.shape
     m = idx.shape[0] if (gather or scatter) else x.shape[0]
     if m == 0 or n == 0:
         return out
     if k == 0:
         return out.zero_()
+    key = _plan_key(x, w, out, m, topk, gather, scatter, config, may_tune)
+    with on_device(x):
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _plan(key, x, w, offs, out, idx, m, topk, gather, scatter, config, may_tune)
+        _launch(plan, x, w, offs, out, idx)
+    return out
+
+
+def _launch(
+    plan: LaunchPlan, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, idx: torch.Tensor | None
+) -> None:
+    """The kernel launches of one call, as ``plan`` says."""
+    if plan.tma_allocator:
+        triton.set_allocator(_tma_allocator)  # a context variable: set per call (threads start without it)
+    tile_end = offs
+    if plan.table:  # per-group tile counts first, by a one-program kernel (still no host sync)
+        tile_end = outputs.empty_like(offs)
+        m, n, _, e = plan.scalars[:4]
+        _tile_schedule_kernel[(1,)](offs, tile_end, m, n, e, **plan.schedule_consts)
+    index = idx if idx is not None else offs  # placeholder pointer, never read without GATHER/SCATTER
+    _grouped_mm_kernel[(plan.programs,)](x, w, out, offs, index, tile_end, *plan.scalars, **plan.consts)
+
+
+def _plan_key(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    out: torch.Tensor,
+    m: int,
+    topk: int,
+    gather: bool,
+    scatter: bool,
+    config: GroupedMMConfig | None,
+    may_tune: bool,
+) -> tuple:
+    """What a launch plan depends on: shapes, strides, dtypes, device, form and configuration, and whether each data
+    pointer is 16-byte aligned (TMA descriptors need it; the one part read from the data, not the layout)."""
+    aligned = (x.data_ptr() % 16 == 0) + 2 * (w.data_ptr() % 16 == 0) + 4 * (out.data_ptr() % 16 == 0)
+    return (x.shape, w.shape, w.stride(), x.stride(0), out.stride(0), m, x.dtype, w.dtype, out.dtype, x.device,
+            aligned, topk, gather, scatter, config, may_tune)  # fmt: skip
+
+
+def _plan(
+    key: tuple,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    idx: torch.Tensor | None,
+    m: int,
+    topk: int,
+    gather: bool,
+    scatter: bool,
+    config: GroupedMMConfig | None,
+    may_tune: bool,
+) -> LaunchPlan:
+    """Plan a launch of this signature (tuning first where asked, see ``launch``) and cache the plan under ``key``."""
+    cache = True
+    if config is None and may_tune and auto_tune_enabled() and x.is_cuda:  # the variable: read once per plan
+        if measure_key(x, w, m, gather, scatter) not in MEASURED:
+            if torch.cuda.is_current_stream_capturing():
+                cache = False  # the table's choice for now; the next call outside capture tunes
+            else:
+                tune(x, w, offs, idx=idx, topk=topk, gather=gather, scatter=scatter)
+    e, k, n = w.shape
     cfg = config or choose_config(x, w, m, gather, scatter)
     w_k_major = w.stride(2) != 1
     w_inner = w.stride(2) if w_k_major else w.stride(1)
@@ -367,43 +453,17 @@ def _launch(
     if cfg.tma and not tma_w and not interp and cfg.block_m * cfg.block_n > 128 * 128:
         cfg = replace(cfg, block_n=128)  # the pointer path spills registers with larger tiles
     cfg = _effective_config(cfg, tma_a, tma_w, tma_store, interp)
-    if (tma_a or tma_w or tma_store) and x.is_cuda:
-        triton.set_allocator(_tma_allocator)
     bm, bn = cfg.block_m, cfg.block_n
-    upper = (cdiv(m, bm) + e) * cdiv(n, bn)  # plain arithmetic: triton.cdiv is a JIT function, slow on the host
+    upper = (cdiv(m, bm) + e) * cdiv(n, bn)
     if interp:
         progs = min(INTERPRETER_PROGRAMS, upper)
     elif cfg.programs_per_sm:
         progs = min(cfg.programs_per_sm * _num_sms(x.device.index or 0), upper)
     else:
         progs = upper
-    index = idx if idx is not None else offs  # placeholder pointer, never read without GATHER/SCATTER
-    table = cfg.schedule == "table"
-    tile_end = offs
-    if table:  # per-group tile counts first, by a one-program kernel (still no host sync)
-        tile_end = torch.empty_like(offs)
-        _tile_schedule_kernel[(1,)](offs, tile_end, m, n, e, BLOCK_M=bm, BLOCK_N=bn,
-                                    E_POW2=max(16, block_of(e)), num_warps=4)  # fmt: skip
-    _grouped_mm_kernel[(progs,)](
-        x,
-        w,
-        out,
-        offs,
-        index,
-        tile_end,
-        m,
-        n,
-        k,
-        e,
-        x.shape[0],
-        x.stride(0),
-        w.stride(0),
-        w.stride(1),
-        w.stride(2),
-        out.stride(0),
-        progs,
-        E_POW2=max(1024, block_of(e)),  # one compilation for every E up to 1024
-        TABLE=table,
+    consts = dict(
+        E_POW2=max(1024, next_pow2(e)),  # one compilation for every E up to 1024
+        TABLE=cfg.schedule == "table",
         LOG2_E=8 if e <= 256 else 12,
         TOPK=topk,
         BLOCK_M=bm,
@@ -425,7 +485,20 @@ def _launch(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    return out
+    plan = LaunchPlan(
+        config=cfg,
+        programs=progs,
+        table=cfg.schedule == "table",
+        tma_allocator=(tma_a or tma_w or tma_store) and x.is_cuda,
+        scalars=(m, n, k, e, x.shape[0], x.stride(0), w.stride(0), w.stride(1), w.stride(2), out.stride(0), progs),
+        schedule_consts=dict(BLOCK_M=bm, BLOCK_N=bn, E_POW2=max(16, next_pow2(e)), num_warps=4),
+        consts=consts,
+    )
+    if cache:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
 
 
 def _constants(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, n: int, k: int) -> dict:
@@ -487,7 +560,7 @@ def tune(
     table = table_config(x, w, m)
     # zero-filled: rows no configuration writes (past the last offset, unrouted slots) then compare equal
     expected = launch(x, w, offs, torch.zeros(m, w.shape[2], dtype=x.dtype, device=x.device), **index, config=table)
-    out = torch.empty_like(expected)
+    out = outputs.empty_like(expected, written_in_full=False)  # zeroed before each checked run
     if candidates is None:
         candidates = tune_candidates(shape_class(m, w.shape[2], w.shape[1], w.shape[0])[0])
     if gather or scatter:  # gathered rows (no TMA for them) or a scattered store: warp specialisation never runs

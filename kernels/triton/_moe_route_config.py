@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from fly_lightning.kernels.triton._select import block_of, cdiv
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
 
 # Triton after 3.6 (the H200 image's, where every timing here was taken) lowers this kernel differently. Compiled for
 # sm_90 with 3.7.1 (torch 2.13's), 3.8.0 and 3.9.0, the broadcast winner-key store takes Qwen3's shape to 229-255
@@ -61,18 +61,18 @@ def tile_shape(n_experts: int, n_groups: int | None, row_stride: int, itemsize: 
     vec = 16 // itemsize  # one 16-byte load per chunk, as long as rows and groups stay aligned to it
     while vec > 1 and (sg % vec or row_stride % vec):
         vec //= 2
-    g = block_of(groups)
-    sgp = max(block_of(sg), vec)
+    g = next_pow2(groups)
+    sgp = max(next_pow2(sg), vec)
     lg = max(1, min(sgp // max(cfg.elems_per_thread, vec), 32 // g))
     rows = (32 // (g * lg)) * cfg.num_warps * cfg.rows_per_thread
     return TileShape(
-        G=g, LG=lg, ROWS=rows, C=sgp // (lg * vec), VEC=vec, SG=sg, NG=groups, CB=block_of((g - 1) * sg + sgp)
+        G=g, LG=lg, ROWS=rows, C=sgp // (lg * vec), VEC=vec, SG=sg, NG=groups, CB=next_pow2((g - 1) * sg + sgp)
     )
 
 
 def default_tail(n_experts: int) -> str:
     """The counting tail by row width: packed up to 128 experts, ticket above (see ``launch_config``)."""
-    return "packed" if block_of(n_experts) <= 128 else "ticket"
+    return "packed" if next_pow2(n_experts) <= 128 else "ticket"
 
 
 def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: bool = False) -> LaunchConfig:
@@ -135,7 +135,7 @@ def launch_config(n_experts: int, k: int, itemsize: int, grouped: bool, biased: 
     runs, no gain or a loss elsewhere (DeepSeek-V3 fp32 19.8 -> 20.8), and 32 bytes of spills in the 255-register
     kernels.
     """
-    width = block_of(n_experts)
+    width = next_pow2(n_experts)
     per_row = min(32, width)
     ept = 32
     if itemsize == 2 and n_experts >= 128 and not grouped:

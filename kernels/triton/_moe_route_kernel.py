@@ -27,8 +27,8 @@ slot into the sorted order.
 
 Determinism: the counts are sums of integer atomics, which are exact and commutative, so their result does not depend
 on the order the atomics land in; ``torch.use_deterministic_algorithms(True)`` changes nothing here (the outputs are
-allocated without its fill, ``written_in_full``: every element is stored). The permutation uses no atomics: ranks
-follow token order inside a program and program order across programs.
+allocated without its fill, ``fly_lightning.kernels.outputs``: every element is stored). The permutation uses no
+atomics: ranks follow token order inside a program and program order across programs.
 """
 
 from __future__ import annotations

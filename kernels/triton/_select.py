@@ -208,12 +208,3 @@ def relative_distance(values: torch.Tensor, cb: int) -> torch.Tensor:
     dist = key.max(-1, keepdim=True).values - key
     near, step = 2**30 // cb, 4 * cb
     return torch.minimum(dist, dist // step + near - near // step)
-
-
-def block_of(n: int) -> int:
-    """Next power of two (plain arithmetic: ``triton.next_power_of_2`` is a JIT function, slow on the host path)."""
-    return 1 << (max(1, n) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)

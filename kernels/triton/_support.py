@@ -35,30 +35,6 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-class _NoFill:
-    def __enter__(self) -> None:
-        torch.utils.deterministic.fill_uninitialized_memory = False
-
-    def __exit__(self, *exc: object) -> None:
-        torch.utils.deterministic.fill_uninitialized_memory = True
-
-
-def written_in_full() -> contextlib.AbstractContextManager:
-    """Allocate, inside this, only outputs that the kernel stores every element of.
-
-    With ``torch.use_deterministic_algorithms(True)`` PyTorch fills every new tensor (NaN, or the largest integer) so
-    that reading memory nobody wrote is reproducible. For such outputs the fill is a wasted pass: one more kernel per
-    tensor (the routing op on Mixtral's shape, H200, CUDA-graph replay: 6.0 us with deterministic algorithms before
-    this, 2.4 us after, the same as without them; ``moe_route_9e1325c.md``, ``moe_route_6bee48c.md``). The flag is
-    process-wide, so another thread allocating at the same moment skips its fill too (results stay right, only
-    unwritten memory would not read as NaN there), and leaving sets it back to True, which would undo another
-    thread's switching it off in between.
-    """
-    if torch.are_deterministic_algorithms_enabled() and torch.utils.deterministic.fill_uninitialized_memory:
-        return _NoFill()
-    return contextlib.nullcontext()
-
-
 def launch_tuned(tuned: Autotuner, grid: Callable[[dict], tuple], args: tuple, consts: dict[str, Any]) -> None:
     """Launch the ``triton.autotune`` kernel ``tuned``: through its autotuner the first time a tuning key is seen
     (which measures the configs), then straight through the kernel with the config it picked. The autotuner's

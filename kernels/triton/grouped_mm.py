@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton._support import device_reason
 from fly_lightning.ops.grouped_mm import GROUPED_MM
@@ -39,14 +40,6 @@ def _supports(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out_dtype: t
     return layout_reason(x, w, offs) or True
 
 
-def maybe_tune(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, m: int, **index: object) -> None:
-    """With ``FLY_LIGHTNING_GROUPED_MM_TUNE=1``, measure the candidates once per shape class (never while capturing)."""
-    if not (gk.auto_tune_enabled() and x.is_cuda) or torch.cuda.is_current_stream_capturing():
-        return
-    if gk.measure_key(x, w, m, bool(index.get("gather")), bool(index.get("scatter"))) not in gk.MEASURED:
-        gk.tune(x, w, offs, **index)
-
-
 @GROUPED_MM.implement(
     "triton",
     supports=_supports,
@@ -60,7 +53,7 @@ def grouped_mm_triton(
     out_dtype: torch.dtype | None,
     config: gk.GroupedMMConfig | None = None,
 ) -> torch.Tensor:
-    out = torch.empty(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype, device=x.device)
-    if config is None:
-        maybe_tune(x, w, offs, x.shape[0])
-    return gk.launch(x, w, offs, out, config=config)
+    # rows at and past the last offset stay unwritten, as torch's (deterministic mode's fill kept for them)
+    out = outputs.empty(x.shape[0], w.shape[2], dtype=out_dtype or x.dtype, device=x.device, written_in_full=False)
+    # FLY_LIGHTNING_GROUPED_MM_TUNE=1: measured once per shape class when a signature is first planned (gk.launch)
+    return gk.launch(x, w, offs, out, config=config, may_tune=config is None)

@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._select import block_of, cdiv
-from fly_lightning.kernels.triton._support import device_reason, on_device, written_in_full
+from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
+from fly_lightning.kernels.triton._support import device_reason, on_device
 from fly_lightning.ops.moe_combine import MOE_COMBINE
 
 MAX_K = 32  # slots per token, unrolled
@@ -79,7 +80,7 @@ NUM_WARPS = 4
 @functools.lru_cache(maxsize=256)
 def _plan(h: int, itemsize: int) -> tuple[int, int]:
     """(BT, BH): up to 4 KB of each row (2048 bf16 / 1024 fp32 columns), about 4096 elements per program."""
-    bh = min(block_of(h), 4096 // itemsize)
+    bh = min(next_pow2(h), 4096 // itemsize)
     return max(1, 4096 // bh), bh
 
 
@@ -94,8 +95,7 @@ def moe_combine_triton(
 ) -> torch.Tensor:
     t, k = weights.shape
     h = rows.shape[1]
-    with written_in_full():  # the grid covers [T, H] (and k = 0 zeroes it below)
-        y = torch.empty((t, h), dtype=out_dtype or rows.dtype, device=rows.device)
+    y = outputs.empty((t, h), dtype=out_dtype or rows.dtype, device=rows.device)  # the grid covers [T, H]
     if y.numel() == 0:
         return y
     if k == 0:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
-from fly_lightning.kernels.triton.grouped_mm import layout_reason, maybe_tune
+from fly_lightning.kernels.triton.grouped_mm import layout_reason
 from fly_lightning.ops.moe_grouped_mm import MOE_GROUPED_MM
 
 
@@ -44,8 +45,7 @@ def moe_grouped_mm_triton(
     out_dtype: torch.dtype | None,
     config: gk.GroupedMMConfig | None = None,
 ) -> torch.Tensor:
-    out = torch.empty(perm.shape[0], w.shape[2], dtype=out_dtype or x.dtype, device=x.device)
-    index = dict(idx=perm, topk=topk, gather=gather, scatter=scatter)
-    if config is None:
-        maybe_tune(x, w, offs, perm.shape[0], **index)
-    return gk.launch(x, w, offs, out, config=config, **index)
+    # every row: the contract has offs[-1] == M (every row belongs to an expert)
+    out = outputs.empty(perm.shape[0], w.shape[2], dtype=out_dtype or x.dtype, device=x.device)
+    return gk.launch(x, w, offs, out, idx=perm, topk=topk, gather=gather, scatter=scatter, config=config,
+                     may_tune=config is None)  # fmt: skip

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._moe_route_config import (
     NEWER_TRITON,
     LaunchConfig,
@@ -19,8 +21,8 @@ from fly_lightning.kernels.triton._moe_route_config import (
     tile_shape,
 )
 from fly_lightning.kernels.triton._moe_route_kernel import PACK_BITS, _moe_route_fwd, _perm_base, _perm_scatter
-from fly_lightning.kernels.triton._select import BF16_INF, FP16_INF, MAX_K, block_of, cdiv
-from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device, written_in_full
+from fly_lightning.kernels.triton._select import BF16_INF, FP16_INF, MAX_K
+from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device
 from fly_lightning.ops.moe_route import MOE_ROUTE
 
 MAX_E = 1024
@@ -143,8 +145,8 @@ def _plan(
     constexprs = dict(
         E=n_experts,
         K=k,
-        KP=block_of(k),
-        BLOCK_E=block_of(n_experts),
+        KP=next_pow2(k),
+        BLOCK_E=next_pow2(n_experts),
         G=shape.G,
         LG=shape.LG,
         ROWS=shape.ROWS,
@@ -222,16 +224,15 @@ def moe_route_triton(
         )
     # every output element is stored (counts and offsets of every expert by the tail; each program's count of every
     # expert in hist)
-    with written_in_full():
-        weights = torch.empty((n_tokens, k), dtype=torch.float32, device=dev)
-        ids = torch.empty((n_tokens, k), **i32)
-        counts = torch.empty((n_experts,), **i32)
-        offsets = torch.empty((n_experts,), **i32)
-        if return_permutation:
-            sorted_slots, slot_pos = torch.empty((n_tokens * k,), **i32), torch.empty((n_tokens, k), **i32)
-        else:
-            sorted_slots, slot_pos = torch.empty((0,), **i32), torch.empty((0,), **i32)
-        hist = torch.empty((plan.programs * n_experts,), **i32) if plan is not None and return_permutation else counts
+    weights = outputs.empty((n_tokens, k), dtype=torch.float32, device=dev)
+    ids = outputs.empty((n_tokens, k), **i32)
+    counts = outputs.empty((n_experts,), **i32)
+    offsets = outputs.empty((n_experts,), **i32)
+    if return_permutation:
+        sorted_slots, slot_pos = outputs.empty((n_tokens * k,), **i32), outputs.empty((n_tokens, k), **i32)
+    else:
+        sorted_slots, slot_pos = outputs.empty((0,), **i32), outputs.empty((0,), **i32)
+    hist = outputs.empty((plan.programs * n_experts,), **i32) if plan is not None and return_permutation else counts
     if plan is None:  # no tokens
         counts.zero_()
         offsets.zero_()

@@ -16,14 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._select import cdiv
-from fly_lightning.kernels.triton._support import (
-    device_reason,
-    interpreting,
-    launch_tuned,
-    on_device,
-    written_in_full,
-)
+from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._math import cdiv
+from fly_lightning.kernels.triton._support import device_reason, interpreting, launch_tuned, on_device
 from fly_lightning.ops.rms_norm import RMS_NORM
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -221,30 +216,56 @@ def _supports(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: 
     return True
 
 
+@dataclass(frozen=True)
+class _Plan:
+    cfg: LaunchConfig
+    tuned: bool  # autotune rows per program and warps (launch_tuned) instead of launching cfg's
+    consts: dict  # the kernel's constexprs
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(
+    h: int,
+    itemsize: int,
+    contiguous_rows: bool,
+    has_w: bool,
+    cast_first: bool,
+    config: LaunchConfig | None,
+    interpret: bool,
+) -> _Plan:
+    """Everything about a launch that depends only on the call's signature (cached: the eager path is host-bound)."""
+    cfg = config or launch_config(h, itemsize, contiguous_rows)
+    if config is None and interpret and cfg.kernel == "rows":
+        # the interpreter runs programs one after another: few programs with many rows each
+        cfg = LaunchConfig("rows", cfg.block, max(1, min(256, 16384 // cfg.block)), 4)
+    flags = dict(HAS_W=has_w, CAST_FIRST=cast_first)
+    if cfg.kernel == "unaligned":
+        consts = dict(H=h, VEC=16 // itemsize, BLOCK=cfg.block, **flags)
+    else:
+        consts = dict(H=h, BLOCK=cfg.block, CHUNKED=cfg.block < h, **flags)
+    return _Plan(cfg, config is None and not interpret, consts)
+
+
 def _launch(
-    cfg: LaunchConfig,
-    tuned: bool,
+    plan: _Plan,
     x2: torch.Tensor,
     w: torch.Tensor,
     y: torch.Tensor,
     rstd: torch.Tensor,
     n_rows: int,
-    h: int,
     eps: float,
     offset: float,
-    flags: dict,
 ) -> None:
+    cfg, consts = plan.cfg, plan.consts
     if cfg.kernel == "unaligned":
         args = (x2, w, y, rstd, eps, offset)
-        consts = dict(H=h, VEC=16 // x2.element_size(), BLOCK=cfg.block, **flags)
-        if tuned:
+        if plan.tuned:
             launch_tuned(_rms_norm_unaligned_tuned, lambda meta: (n_rows,), args, consts)
         else:
             _rms_norm_unaligned[(n_rows,)](*args, num_warps=cfg.num_warps, **consts)
     else:
-        args = (x2, w, y, rstd, n_rows, x2.stride(0), h, eps, offset)
-        consts = dict(H=h, BLOCK=cfg.block, CHUNKED=cfg.block < h, **flags)
-        if tuned:
+        args = (x2, w, y, rstd, n_rows, x2.stride(0), consts["H"], eps, offset)
+        if plan.tuned:
             launch_tuned(_rms_norm_rows_tuned, lambda meta: (cdiv(n_rows, meta["ROWS"]),), args, consts)
         else:
             _rms_norm_rows[(cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, num_warps=cfg.num_warps, **consts)
@@ -266,21 +287,15 @@ def rms_norm_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = x.shape[-1]
     out_dtype = torch.promote_types(x.dtype, weight.dtype) if cast_before_scale and weight is not None else x.dtype
-    with written_in_full():  # every row, whichever kernel runs (and rows of no elements below)
-        y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        rstd = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
+    # every row, whichever kernel runs (and rows of no elements below)
+    y = outputs.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = outputs.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
     if x.numel() == 0:  # rows of width 0 have no mean square: NaN, as the reference computes it
         return y, rstd.fill_(float("nan"))
     x2 = x.view(-1, h)
-    n_rows = x2.shape[0]
-    contiguous_rows = x2.stride(0) == h and y.dtype == x.dtype
-    cfg = config or launch_config(h, x.element_size(), contiguous_rows)
-    tuned = config is None and not interpreting()
-    if config is None and interpreting() and cfg.kernel == "rows":
-        # the interpreter runs programs one after another: few programs with many rows each
-        cfg = LaunchConfig("rows", cfg.block, max(1, min(256, 16384 // cfg.block)), 4)
-    w = weight if weight is not None else x2  # placeholder pointer, never read
-    flags = dict(HAS_W=weight is not None, CAST_FIRST=cast_before_scale and weight is not None)
+    has_w = weight is not None
+    contiguous_rows = x2.stride(0) == h and out_dtype == x.dtype
+    plan = _plan(h, x.element_size(), contiguous_rows, has_w, cast_before_scale and has_w, config, interpreting())
     with on_device(x):
-        _launch(cfg, tuned, x2, w, y, rstd, n_rows, h, eps, offset, flags)
+        _launch(plan, x2, weight if has_w else x2, y, rstd, x2.shape[0], eps, offset)  # x2: a placeholder, never read
     return y, rstd

@@ -11,8 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._select import block_of, cdiv
-from fly_lightning.kernels.triton._support import device_reason, on_device, written_in_full
+from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
+from fly_lightning.kernels.triton._support import device_reason, on_device
 from fly_lightning.ops.swiglu import SWIGLU, split_gate_up
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -43,7 +44,7 @@ def _supports(gate: torch.Tensor, up: torch.Tensor | None) -> bool | str:
 
 def _plan(i: int) -> tuple[int, int]:
     """(BT, BI): about 2048 outputs per program, 16-byte vectors along the row."""
-    bi = min(block_of(i), 2048)
+    bi = min(next_pow2(i), 2048)
     return max(1, 2048 // bi), bi
 
 
@@ -56,8 +57,7 @@ def _plan(i: int) -> tuple[int, int]:
 def swiglu_triton(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
     g, u = split_gate_up(gate, up)
     s, i = g.shape
-    with written_in_full():  # the grid covers [S, I]
-        y = torch.empty((s, i), dtype=g.dtype, device=g.device)
+    y = outputs.empty((s, i), dtype=g.dtype, device=g.device)  # the grid covers [S, I]
     if y.numel() == 0:
         return y
     bt, bi = _plan(i)

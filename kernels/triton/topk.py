@@ -16,13 +16,13 @@ import torch
 import triton
 import triton.language as tl
 
+from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._select import (
     BF16_INF,
     FP16_INF,
     MAX_K,
     PAD,
-    block_of,
-    cdiv,
     coarse_tie,
     descent_step,
     exact_step,
@@ -34,7 +34,7 @@ from fly_lightning.kernels.triton._select import (
     rows5,
     tile_cols,
 )
-from fly_lightning.kernels.triton._support import device_reason, on_device, written_in_full
+from fly_lightning.kernels.triton._support import device_reason, on_device
 from fly_lightning.ops.topk import TOPK
 
 MAX_N = 1024
@@ -110,7 +110,7 @@ class LaunchConfig:
 
 
 def launch_config(n: int, itemsize: int) -> LaunchConfig:
-    per_row = min(32, block_of(n))
+    per_row = min(32, next_pow2(n))
     return LaunchConfig(rows_per_thread=max(1, 32 // per_row))
 
 
@@ -143,13 +143,13 @@ def _plan(n: int, k: int, dtype: torch.dtype, row_stride: int, rows_total: int, 
     vec = 16 // itemsize
     while vec > 1 and (n % vec or (rows_total > 1 and row_stride % vec)):
         vec //= 2
-    np2 = max(block_of(n), vec)
+    np2 = max(next_pow2(n), vec)
     lg = max(1, min(np2 // max(cfg.elems_per_thread, vec), 32))
     rows = (32 // lg) * cfg.num_warps * cfg.rows_per_thread
     constexprs = dict(
         N=n,
         K=k,
-        KP=block_of(k),
+        KP=next_pow2(k),
         LG=lg,
         ROWS=rows,
         C=np2 // (lg * vec),
@@ -171,9 +171,8 @@ def _plan(n: int, k: int, dtype: torch.dtype, row_stride: int, rows_total: int, 
 )
 def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     n = x.shape[-1]
-    with written_in_full():  # k values and indices of every row
-        values = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
-        indices = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
+    values = outputs.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)  # k values and indices of every row
+    indices = outputs.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
     if values.numel() == 0:
         return values, indices
     x2 = x.view(-1, n)

@@ -196,7 +196,7 @@ def test_compile_validates_at_trace_time():
 def test_deterministic_algorithms_same_result_and_all_outputs_written():
     x, w = torch.randn(7, 4097, dtype=torch.bfloat16), torch.randn(4097, dtype=torch.bfloat16)
     y0 = rms_norm(x, w, 1e-6)
-    torch.use_deterministic_algorithms(True)  # also fills torch.empty with NaN: unwritten outputs would show
+    torch.use_deterministic_algorithms(True)  # outputs are poisoned (NaN, tests/conftest.py): unwritten ones would show
     try:
         fly_lightning.DISPATCH_LOG.reset()
         y1 = rms_norm(x, w, 1e-6)
@@ -204,6 +204,26 @@ def test_deterministic_algorithms_same_result_and_all_outputs_written():
         torch.use_deterministic_algorithms(False)
     assert torch.isfinite(y1).all()
     assert torch.equal(y0, y1)
+
+
+def test_the_all_outputs_written_check_catches_a_kernel_that_skips_a_row(monkeypatch):
+    """The check above, run against a Triton RMSNorm whose launch skips the last row: that row keeps its poison
+    (``fly_lightning.kernels.outputs``, on for the test session), and the check fails."""
+    import fly_lightning.kernels.triton.rms_norm as triton_rms_norm
+
+    real_launch, launched = triton_rms_norm._launch, []
+
+    def skip_the_last_row(plan, x2, w, y, rstd, n_rows, eps, offset):
+        launched.append((n_rows, plan.cfg.kernel))
+        real_launch(plan, x2, w, y, rstd, n_rows - 1, eps, offset)
+
+    monkeypatch.setattr(triton_rms_norm, "_launch", skip_the_last_row)
+    with pytest.raises(AssertionError, match="isfinite"):
+        test_deterministic_algorithms_same_result_and_all_outputs_written()
+    assert _last()["backend"] == "triton" and launched == [(7, "unaligned")] * 2  # the broken kernel ran, twice
+    x, w = torch.randn(7, 4097, dtype=torch.bfloat16), torch.randn(4097, dtype=torch.bfloat16)
+    y = rms_norm(x, w, 1e-6)
+    assert y[-1].isnan().all() and y[:-1].isfinite().all()  # exactly the skipped row shows
 
 
 def test_a_valid_call_does_not_let_a_later_invalid_one_through():

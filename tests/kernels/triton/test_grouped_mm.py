@@ -6,11 +6,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fly_lightning.backends import reset_availability
 from fly_lightning.kernels.triton import _grouped_mm_config as gc
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
-from fly_lightning.kernels.triton.grouped_mm import layout_reason
+from fly_lightning.kernels.triton.grouped_mm import grouped_mm_triton, layout_reason
+from fly_lightning.kernels.triton.moe_grouped_mm import moe_grouped_mm_triton
 from fly_lightning.ops.grouped_mm import grouped_mm_reference
+from fly_lightning.registry import reset_availability
 
 BASE = gc.INTERPRETER_CONFIG
 VARIANTS = {
@@ -274,6 +275,73 @@ def test_measured_choice_overrides_the_table_and_table_config_ignores_it(monkeyp
     gc.MEASURED[gc.measure_key(x, w, 8, False, False)] = BASE
     assert gc.choose_config(x, w, 8) == BASE and gc.table_config(x, w, 8) == table
     assert gc.choose_config(x, w, 8, gather=True) == table  # another key
+
+
+@pytest.fixture
+def fresh_plans():
+    gk.reset_plans()
+    yield
+    gk.reset_plans()
+
+
+def test_launch_plans_are_planned_once_per_signature(monkeypatch, fresh_plans):
+    """The first call of a signature plans its launch; later calls look the plan up. Another row count,
+    configuration or data alignment (TMA descriptors need 16 bytes) is another signature."""
+    planned = []
+    real_plan = gk._plan
+    monkeypatch.setattr(gk, "_plan", lambda *args: planned.append(args[0]) or real_plan(*args))
+    x, w, offs = _problem([5, 0, 20, 9], k=24, n=40, tail=3)
+    for _ in range(3):
+        out = torch.full((x.shape[0], 40), float("nan"), dtype=x.dtype)
+        gk.launch(x, w, offs, out, config=VARIANTS["table"])
+        _check(out, x, w, offs)
+        assert out[int(offs[-1]) :].isnan().all()
+    assert len(planned) == 1 and gk._PLANS[planned[0]].table
+    gk.launch(x[:30], w, offs, torch.empty(30, 40, dtype=x.dtype), config=VARIANTS["table"])
+    gk.launch(x, w, offs, out, config=VARIANTS["pointer"])
+    shifted = torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view_as(x).copy_(x)  # 2-byte aligned data
+    gk.launch(shifted, w, offs, out, config=VARIANTS["table"])
+    _check(out, x, w, offs)
+    assert len(planned) == 4 and len(set(planned)) == 4
+
+
+def test_a_measured_choice_reaches_signatures_already_planned(monkeypatch, clean_tuning, fresh_plans):
+    """``MEASURED`` changes (``tune`` recording a choice, a clear) drop the cached plans: the next call plans again
+    and launches the measured choice, as ``choose_config`` picks it on every call."""
+    monkeypatch.setattr(gc, "interpreting", lambda: False)  # choose_config consults MEASURED, as on a GPU
+    x, w, offs = _problem([5, 0, 20, 9], k=24, n=40, tail=3)
+    key = gc.measure_key(x, w, x.shape[0], False, False)
+    gc.MEASURED[key] = VARIANTS["pointer"]
+    out = torch.empty(x.shape[0], 40, dtype=x.dtype)
+    gk.launch(x, w, offs, out)
+    assert [p.config for p in gk._PLANS.values()] == [VARIANTS["pointer"]]
+    gc.MEASURED[key] = VARIANTS["table"]
+    assert not gk._PLANS
+    gk.launch(x, w, offs, out)
+    _check(out, x, w, offs)
+    assert [p.config for p in gk._PLANS.values()] == [VARIANTS["table"]]
+    gc.MEASURED.clear()
+    assert not gk._PLANS
+
+
+def test_the_tuning_variable_is_read_when_a_signature_is_planned(monkeypatch, fresh_plans):
+    """``FLY_LIGHTNING_GROUPED_MM_TUNE`` is read once per plan of the operators' calls without a configuration (not
+    per call, and never with an explicit one); ``reset_plans`` makes the next call read it again. (Tuning itself
+    needs CUDA tensors: never here.)"""
+    reads = []
+    monkeypatch.setattr(gk, "auto_tune_enabled", lambda: reads.append(1) or True)
+    monkeypatch.setattr(gk, "tune", lambda *args, **kwargs: pytest.fail("tuned CPU tensors"))
+    x, w, offs = _problem([5, 0, 20, 9], k=24, n=40)
+    perm = torch.randperm(x.shape[0]).to(torch.int32)
+    for _ in range(3):
+        _check(grouped_mm_triton(x, w, offs, None), x, w, offs)
+        moe_grouped_mm_triton(x, w, offs, perm, 1, True, False, None)
+    assert len(reads) == 2  # one plan each
+    grouped_mm_triton(x, w, offs, None, config=BASE)
+    assert len(reads) == 2
+    gk.reset_plans()
+    grouped_mm_triton(x, w, offs, None)
+    assert len(reads) == 3
 
 
 def test_support_reasons(monkeypatch):

@@ -6,11 +6,9 @@ import torch
 from fly_lightning.kernels.triton.rms_norm import LaunchConfig, launch_config, rms_norm_triton
 from fly_lightning.ops.rms_norm import rms_norm_reference
 
-pytestmark = pytest.mark.usefixtures("poisoned_outputs")  # see conftest.py
-
 
 def _check(x, w, cfg, cast=False, offset=0.0):
-    torch.use_deterministic_algorithms(True)  # torch.empty is NaN-filled: unwritten elements would show
+    torch.use_deterministic_algorithms(True)  # outputs are poisoned (conftest.py): unwritten elements would show
     try:
         y, rstd = rms_norm_triton(x, w, 1e-6, offset, cast, config=cfg)
     finally:
@@ -74,15 +72,14 @@ def test_autotune_pruning_keeps_valid_configs():
 @pytest.mark.parametrize("shape", [(5, 0), (0, 8), (2, 0, 3)])
 def test_empty_inputs_match_the_reference(shape):
     """Nothing to launch: rows of width 0 still get their rstd (NaN, as the reference), without deterministic mode's
-    fill too (``written_in_full`` skips it for these outputs)."""
+    fill too (``fly_lightning.kernels.outputs`` skips it for these outputs)."""
     x = torch.randn(*shape)
     torch.use_deterministic_algorithms(True)
     try:
-        with pytest.MonkeyPatch.context() as patch:  # the allocation as outside tests: no fill to hide a missed row
-            import fly_lightning.kernels.triton.rms_norm as module
-            from fly_lightning.kernels.triton._support import written_in_full
+        with pytest.MonkeyPatch.context() as patch:  # the allocation as outside tests: no poison to hide a missed row
+            from fly_lightning.kernels import outputs
 
-            patch.setattr(module, "written_in_full", written_in_full)
+            patch.setattr(outputs, "POISON", False)
             y, rstd = rms_norm_triton(x, None, 1e-6, 0.0, False)
     finally:
         torch.use_deterministic_algorithms(False)

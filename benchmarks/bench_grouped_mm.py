@@ -14,11 +14,9 @@ the 8 distinct model-projection shapes, which cover the 16 projection and uneven
 uniform shapes (about 3 more minutes), ``--peer none`` skips it. Inductor caches under $TORCHINDUCTOR_CACHE_DIR:
 point it at a kept folder to reuse the autotuning across runs.
 
-    python -m benchmarks.bench_grouped_mm             # the suite: about 4-5 min on an H200 (peer autotuning ~3)
-    python -m benchmarks.bench_grouped_mm --sweep     # launch configurations per shape class: about 3 min
-    python -m benchmarks.bench_grouped_mm --moe       # MoE layer, fused gather/scatter vs plain: about 1 min
-    python -m benchmarks.bench_grouped_mm --check     # GPU correctness of every path: about 1 min
-    (modes combine; results: $OUT/grouped_mm_suite.{json,md}, grouped_mm_sweep.*, moe_layer.*, grouped_mm_check.*)
+    python -m benchmarks.bench_grouped_mm               # about 4-5 min on an H200 (peer autotuning ~3)
+    python -m benchmarks.bench_grouped_mm --peer all    # the committed run: the peer on every case, about 8 min
+    (writes grouped_mm.{json,md})
 """
 
 from __future__ import annotations
@@ -31,17 +29,10 @@ import torch
 
 import fly_lightning
 from benchmarks.grouped_mm_cases import Case, cases, make_inputs
-from benchmarks.harness import Results, first_call_s, geomean, interleaved_ms, rotation_count, time_ms
+from benchmarks.harness import Results, backend_of, first_call_s, geomean, interleaved_ms, rotation_count, time_ms
 from fly_lightning.ops.grouped_mm import grouped_mm_reference
 
 PEER_UNIFORM_SUBSET: tuple[str, ...] = ()  # uniform cases the default peer subset also compiles
-
-
-def backend_of(op_name: str, *args) -> str | None:
-    """The backend the dispatcher chose for these arguments' signature under the current policy."""
-    op = fly_lightning.get_op(op_name)
-    decision = op.cache.get((fly_lightning.get_dispatch_config().uid, op.signature(*args)))
-    return decision.backend if decision is not None else None
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -103,7 +94,7 @@ class Peer:
         return self.compiled[key]
 
 
-def elapsed_ms(fn: Callable, reps: int = 1) -> float:
+def _elapsed_ms(fn: Callable, reps: int = 1) -> float:
     """Mean time of ``reps`` back-to-back calls (device events on CUDA, else wall clock), after one warm-up call."""
     fn()
     if not torch.cuda.is_available():
@@ -121,7 +112,7 @@ def elapsed_ms(fn: Callable, reps: int = 1) -> float:
 
 
 def _reps(fn: Callable, args: tuple, budget_s: float = 0.25) -> int:
-    return int(min(100, max(10, budget_s * 1e3 / max(elapsed_ms(lambda: fn(*args)), 1e-3))))
+    return int(min(100, max(10, budget_s * 1e3 / max(_elapsed_ms(lambda: fn(*args)), 1e-3))))
 
 
 ROUNDS = 4  # side-by-side timing (harness.interleaved_ms): ours first had an edge when timed in sequence
@@ -132,7 +123,7 @@ def suite(peer_mode: str, only: str | None = None, device: str = "cuda", case_li
     from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
     from fly_lightning.kernels.triton._grouped_mm_config import choose_config, shape_class, tune_candidates
 
-    res = Results("grouped_mm_suite")
+    res = Results("grouped_mm")
     peer = Peer() if peer_mode != "none" else None
     impls: dict[str, Callable] = {"fly": lambda x, w, o: fly_lightning.grouped_mm(x, w, o), "aten": None, "loop": None}
     for case in case_list or cases():
@@ -263,37 +254,23 @@ def _summarise(res: Results, peer: Peer | None) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--suite", action="store_true", help="run the 24-case suite (default when no mode is given)")
-    p.add_argument("--sweep", action="store_true", help="time the kernel's launch configurations per shape class")
-    p.add_argument("--moe", action="store_true", help="MoE layer benchmark: fused gather/scatter vs plain")
-    p.add_argument("--check", action="store_true", help="GPU correctness checks of every path")
-    p.add_argument("--peer", choices=("subset", "all", "none"), default="subset")
-    p.add_argument("--only", help="run the suite cases whose name contains this")
+    p.add_argument(
+        "--peer",
+        choices=("subset", "all", "none"),
+        default="subset",
+        help="the Triton peer on the model-projection shapes (subset), every case (all) or none",
+    )
+    p.add_argument("--only", help="run the cases whose name contains this")
     p.add_argument("--no-tune", action="store_true", help="skip the per-case measured configuration (fly_tuned)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference stays fp32
-    modes = [m for m in ("check", "suite", "moe", "sweep") if getattr(args, m)] or ["suite"]
-    for mode in modes:
-        start = time.perf_counter()
-        if mode == "check":
-            from benchmarks.check_grouped_mm_gpu import run_checks
-
-            res = run_checks()
-        elif mode == "suite":
-            res = suite(args.peer, args.only, tune=not args.no_tune)
-        elif mode == "moe":
-            from benchmarks.bench_moe_layer import run_moe
-
-            res = run_moe()
-        else:
-            from benchmarks.sweep_grouped_mm import run_sweep
-
-            res = run_sweep()
-        res.summary["wall_s"] = round(time.perf_counter() - start, 1)
-        path = res.save()
-        print(f"{mode}: {res.summary}\nwrote {path}", flush=True)
+    start = time.perf_counter()
+    res = suite(args.peer, args.only, tune=not args.no_tune)
+    res.summary["wall_s"] = round(time.perf_counter() - start, 1)
+    path = res.save()
+    print(f"{res.summary}\nwrote {path}", flush=True)
 
 
 if __name__ == "__main__":

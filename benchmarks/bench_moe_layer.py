@@ -1,4 +1,4 @@
-"""MoE layer benchmark (GPU), run by ``bench_grouped_mm --moe``: one MoE block end to end (router, routing, experts,
+"""MoE layer suite (GPU): one MoE block end to end (router, routing, experts,
 combine) on real model shapes, bf16, forward and forward+backward, all variants on the same weights:
 
 - ``hf_grouped_mm``: transformers' own block (v5) with its ``grouped_mm`` experts implementation: sort, permute,
@@ -10,11 +10,15 @@ combine) on real model shapes, bf16, forward and forward+backward, all variants 
 
 The ``FlyMoE`` variants wrap the transformers block (``FlyMoE.from_module``: shared parameters). Outputs are first
 compared with ``hf_grouped_mm`` (else ``plain_aten``), then timed side by side: the variants take turns in rounds
-(``harness.interleaved_ms``). About 1 minute on an H200.
+(``harness.interleaved_ms``).
+
+    python -m benchmarks.bench_moe_layer    # about 1 minute on an H200 (writes moe_layer.*)
 """
 
 from __future__ import annotations
 
+import argparse
+import time
 from contextlib import nullcontext
 
 import torch
@@ -139,3 +143,17 @@ def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype
         "Set fly_lightning.modules.moe.AUTO_PATH to the faster of fused/plain (FlyMoE(path='auto') uses it).",
     ]
     return res
+
+
+def main() -> None:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    start = time.perf_counter()
+    res = run_moe()
+    res.summary["wall_s"] = round(time.perf_counter() - start, 1)
+    print(f"{res.summary}\nwrote {res.save()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,19 +1,17 @@
-"""MoE routing on the GPU: ``fly_lightning.moe_route`` against the ATen routing sequence and ``torch.compile`` of it,
-with deterministic algorithms off and on; then ``fly_lightning.topk`` against ``torch.topk``.
+"""MoE routing suite (GPU): ``fly_lightning.moe_route`` against the ATen routing sequence and ``torch.compile`` of it,
+with deterministic algorithms off and on, on the ten cases of ``benchmarks/moe_route_cases.py``; then
+``fly_lightning.topk`` against ``torch.topk``.
 
-    python -m benchmarks.bench_moe_route             # the suite, about 2-3 minutes on an H200
-    python -m benchmarks.bench_moe_route --sweep     # launch-configuration sweep, about 2 minutes
+    python -m benchmarks.bench_moe_route               # about 2-3 minutes on an H200 (writes moe_route.*, topk.*)
     python -m benchmarks.bench_moe_route --no-compile  # skip the torch.compile baseline (saves most of the time)
 
 The suite first checks every case on the GPU against the reference (ids, weights, counts, offsets, permutation; also
 after CUDA-graph capture and with deterministic algorithms) and skips the timing of a case that fails. Timings:
 ``*_ms`` are per call with CUDA events around each eager call (host overhead included when it dominates),
 ``*_graph_ms`` from CUDA-graph replays (device time only); cold start apart, ``*_cold_s`` (first calls, before the
-check). The ATen sequence is scores, topk, gate renormalisation, per-expert counts with ``scatter_add_`` (capturable,
-deterministic for 1-D input) and ``cumsum`` offsets; the plain ``bincount`` variant synchronises with the host, so it
-is timed eagerly only. Bytes moved: logits read + outputs written; the copy-bandwidth share is reported for cases
-with at least 16 MiB of logits. Writes ``moe_route`` and ``topk`` results (or ``moe_route_sweep``) through
-``Results.save()``: ``$OUT`` when set, else ``benchmarks/results``.
+check). The plain ``bincount`` variant of the ATen sequence synchronises with the host, so it is timed eagerly only.
+Bytes moved: logits read + outputs written; the copy-bandwidth share is reported for cases with at least 16 MiB of
+logits.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -34,45 +32,19 @@ from benchmarks.harness import (
     interleaved_graph_ms,
     interleaved_ms,
     rotation_count,
-    time_graph_ms,
+)
+from benchmarks.moe_route_cases import (
+    BIG_LOGITS_BYTES,
+    CASES,
+    MIB,
+    Case,
+    aten_route,
+    aten_route_permutation,
+    route_args,
+    route_bytes,
+    route_inputs,
 )
 
-MIB = 2**20
-BIG_LOGITS_BYTES = 16 * MIB  # the issue's copy-bandwidth goal counts the cases with at least this much logits
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    tokens: int
-    experts: int
-    k: int
-    dtype: torch.dtype = torch.bfloat16
-    score: str = "softmax"
-    renormalize: bool = True
-    bias: bool = False
-    n_groups: int | None = None
-    topk_groups: int | None = None
-    route_scale: float = 1.0
-    permutation: bool = False  # also time the variant that returns the token permutation
-
-    @property
-    def logits_bytes(self) -> int:
-        return self.tokens * self.experts * torch.finfo(self.dtype).bits // 8
-
-
-CASES = [
-    Case("mixtral", 16384, 8, 2, permutation=True),
-    Case("qwen2-moe", 4096, 60, 4, renormalize=False),
-    Case("olmoe", 16384, 64, 8, renormalize=False),
-    Case("qwen3-moe", 16384, 128, 8),
-    Case("qwen3-moe-64k", 65536, 128, 8, permutation=True),
-    Case("deepseek-v3-fp32", 16384, 256, 8, torch.float32, "sigmoid", True, True, 8, 4, 2.5, permutation=True),
-    Case("deepseek-v3-64k", 65536, 256, 8, torch.bfloat16, "sigmoid", True, True, 8, 4, 2.5),
-    Case("glm-4.5", 32768, 160, 8, torch.bfloat16, "sigmoid", True, True, route_scale=2.5),
-    Case("llama4", 65536, 16, 1, score="sigmoid", renormalize=False),
-    Case("deepseek-v2-lite-fp32", 65536, 64, 6, torch.float32, renormalize=False),
-]
 TOPK_CASES = [
     (16384, 8, 2, torch.bfloat16),
     (4096, 60, 4, torch.bfloat16),
@@ -81,42 +53,6 @@ TOPK_CASES = [
     (16384, 256, 8, torch.float32),
     (8192, 1000, 5, torch.float32),
 ]
-
-
-# --- the ATen routing sequence (what a model does today), graph-capturable -------------------------------------------
-
-
-def aten_route(logits, k, score, renorm, bias, route_scale, n_groups, topk_groups, counts="scatter"):
-    s = torch.softmax(logits.float(), dim=-1) if score == "softmax" else torch.sigmoid(logits.float())
-    if bias is None and n_groups is None:
-        w, ids = torch.topk(s, k, dim=-1)
-    else:
-        sel = s if bias is None else s + bias
-        if n_groups is not None:
-            t, e = sel.shape
-            group_scores = sel.view(t, n_groups, -1).topk(2, dim=-1).values.sum(-1)
-            chosen = group_scores.topk(topk_groups, dim=-1).indices
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
-            sel = sel.masked_fill(~keep.repeat_interleave(e // n_groups, dim=1), float("-inf"))
-        ids = torch.topk(sel, k, dim=-1).indices
-        w = s.gather(1, ids)
-    if renorm:
-        w = w / (w.sum(-1, keepdim=True) + 1e-20)
-    w = w * route_scale
-    flat = ids.flatten()
-    if counts == "scatter":
-        n = torch.zeros(logits.shape[1], dtype=torch.int32, device=logits.device)
-        n = n.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    else:
-        n = torch.bincount(flat, minlength=logits.shape[1]).to(torch.int32)
-    return w, ids.to(torch.int32), n, torch.cumsum(n, 0, dtype=torch.int32)
-
-
-def aten_route_permutation(logits, *args):
-    w, ids, n, offsets = aten_route(logits, *args)
-    perm = torch.argsort(ids.flatten(), stable=True)
-    pos = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-    return w, ids, n, offsets, perm.to(torch.int32), pos.to(torch.int32)
 
 
 # --- helpers ---------------------------------------------------------------------------------------------------------
@@ -132,29 +68,12 @@ def deterministic(on: bool):
         torch.use_deterministic_algorithms(previous)
 
 
-def _args(case: Case, bias):
-    return (case.k, case.score, case.renormalize, bias, case.route_scale, case.n_groups, case.topk_groups)
-
-
-def _inputs(case: Case, device) -> tuple[list[tuple], torch.Tensor | None]:
-    g = torch.Generator(device=device).manual_seed(0)
-    sets = rotation_count(case.logits_bytes)
-    xs = [(torch.randn(case.tokens, case.experts, device=device, generator=g) * 2).to(case.dtype) for _ in range(sets)]
-    bias = (torch.randn(case.experts, device=device, generator=g) * 0.05) if case.bias else None
-    return [(x,) for x in xs], bias
-
-
-def _bytes(case: Case, permutation: bool = False) -> int:
-    out = case.tokens * case.k * 8 + case.experts * 8  # weights fp32 + ids int32; counts + offsets
-    return case.logits_bytes + out + (case.tokens * case.k * 8 if permutation else 0)
-
-
 def check(case: Case, x: torch.Tensor, bias) -> tuple[str | None, dict]:
     """None when our output matches the reference (see the module docstring), else what differs."""
     from fly_lightning import DISPATCH_LOG
     from fly_lightning.ops.moe_route import moe_route_op, moe_route_reference, routing_counts
 
-    args = (x, *_args(case, bias), True)
+    args = (x, *route_args(case, bias), True)
     out = moe_route_op(*args)
     backend = DISPATCH_LOG.records("moe_route")[-1]
     if backend["backend"] != "triton":
@@ -318,8 +237,8 @@ def run_suite(compile_baseline: bool) -> None:
     speed = {key: [] for key in ("eager_off", "graph_off", "eager_on", "graph_on", "vs_compiled_graph_off")}
     big_pct = []
     for case in CASES:
-        inputs, bias = _inputs(case, dev)
-        args = _args(case, bias)
+        inputs, bias = route_inputs(case, dev)
+        args = route_args(case, bias)
         ours = _bind(moe_route, *args)  # the public API, dispatcher included
         comp = _bind(compiled, *args) if compiled else None
         cold = _cold_starts(case, ours, comp, _bind(moe_route, *args, return_permutation=True), inputs[0][0])
@@ -356,7 +275,7 @@ def run_suite(compile_baseline: bool) -> None:
                 row["speedup_vs_aten_graph"] = _ratio(row["aten_graph_ms"], row["ours_graph_ms"])
                 row["speedup_vs_compiled_graph"] = _ratio(row.get("compiled_graph_ms"), row["ours_graph_ms"])
                 if row["ours_graph_ms"]:
-                    gbps = _bytes(case) / row["ours_graph_ms"] / 1e6
+                    gbps = route_bytes(case) / row["ours_graph_ms"] / 1e6
                     row["GBps"] = round(gbps, 1)
                     row["pct_copy_bw"] = round(100 * gbps / copy_gbps, 1)
                     if case.logits_bytes >= BIG_LOGITS_BYTES and not det:
@@ -427,110 +346,13 @@ def run_suite(compile_baseline: bool) -> None:
     print(f"total {time.perf_counter() - start:.0f} s")
 
 
-# --- the launch-configuration sweep ----------------------------------------------------------------------------------
-
-
-def sweep_configs(case: Case):
-    """The launcher's configuration, then one factor changed at a time."""
-    from fly_lightning.kernels.triton._moe_route_config import launch_config
-
-    base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None, case.bias)
-    variants = [base]
-    for ept in (base.elems_per_thread // 2, base.elems_per_thread * 2):
-        variants.append(replace(base, elems_per_thread=ept))
-    heights = sorted({1, max(1, base.rows_per_thread // 2), base.rows_per_thread, base.rows_per_thread * 2})
-    for rpt in heights:
-        variants.append(replace(base, rows_per_thread=rpt))
-    for warps in (2, 8):
-        variants.append(replace(base, num_warps=warps))
-    for pps in (1, 2, 8):
-        variants.append(replace(base, programs_per_sm=pps))
-    variants.append(replace(base, num_stages=2))
-    return list(dict.fromkeys(variants))
-
-
-def pipeline_configs(case: Case):
-    """The launcher's configuration, then with the prefetch flipped, the other form of the winner-key store, the other
-    counting tail, and a few grid sizes for each tail (prefetching pays with more tiles per program; the tails' cost
-    grows with the number of programs)."""
-    from fly_lightning.kernels.triton._moe_route_config import NEWER_TRITON, launch_config
-
-    base = launch_config(case.experts, case.k, torch.finfo(case.dtype).bits // 8, case.n_groups is not None, case.bias)
-    variants = [base, replace(base, prefetch=not base.prefetch), replace(base, direct_store=not NEWER_TRITON)]
-    other_tail = replace(base, tail="packed" if base.tail == "ticket" else "ticket")
-    variants.append(other_tail)
-    for pps in (1, 2, 3, 4):
-        variants += [replace(base, programs_per_sm=pps), replace(other_tail, programs_per_sm=pps)]
-    return list(dict.fromkeys(variants))
-
-
-def run_sweep(pipeline: bool = False) -> None:
-    from fly_lightning.kernels.triton._moe_route_config import NEWER_TRITON, tile_shape
-    from fly_lightning.kernels.triton.moe_route import moe_route_triton
-    from fly_lightning.ops.moe_route import moe_route_reference, routing_counts
-
-    start = time.perf_counter()
-    dev = torch.device("cuda")
-    copy_gbps = copy_bandwidth_gbps(dev)
-    res = Results("moe_route_sweep_pipeline" if pipeline else "moe_route_sweep")
-    for case in CASES:
-        inputs, bias = _inputs(case, dev)
-        args = (*_args(case, bias), False)
-        ref_ids = moe_route_reference(inputs[0][0], *args)[1]
-        timings = []
-        for cfg in (pipeline_configs if pipeline else sweep_configs)(case):
-            shape = tile_shape(case.experts, case.n_groups, case.experts, torch.finfo(case.dtype).bits // 8, cfg)
-            row = dict(
-                case=case.name,
-                T=case.tokens,
-                E=case.experts,
-                k=case.k,
-                ept=cfg.elems_per_thread,
-                rpt=cfg.rows_per_thread,
-                warps=cfg.num_warps,
-                pps=cfg.programs_per_sm,
-                stages=cfg.num_stages,
-                prefetch=cfg.prefetch,
-                relaxed_tail=cfg.relaxed_tail,
-                tail=cfg.tail,
-                direct_store=NEWER_TRITON if cfg.direct_store is None else cfg.direct_store,
-                tile=f"{shape.G}x{shape.LG}x{shape.ROWS}x{shape.C}x{shape.VEC}",
-            )
-            try:
-                out = moe_route_triton(inputs[0][0], *args, config=cfg)
-                row["ids_match"] = bool(torch.equal(out[1], ref_ids))
-                expected = routing_counts(out[1], case.experts, False)
-                row["counts_ok"] = bool(torch.equal(out[2], expected[0]) and torch.equal(out[3], expected[1]))
-                row["graph_ms"] = time_graph_ms(
-                    _bind(moe_route_triton, *args, config=cfg), inputs, calls_per_graph=20, replays=10
-                )["median_ms"]
-                row["pct_copy_bw"] = round(100 * _bytes(case) / row["graph_ms"] / 1e6 / copy_gbps, 1)
-                timings.append((row["graph_ms"], row))
-            except Exception as exc:  # noqa: BLE001 - a configuration that fails to compile is reported
-                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
-            res.add(**row)
-        if timings:
-            best_ms, best = min(timings, key=lambda t: t[0])
-            default_ms = timings[0][0]
-            res.summary[case.name] = (
-                f"best {best_ms * 1e3:.1f} us (ept={best['ept']} rpt={best['rpt']} "
-                f"warps={best['warps']} pps={best['pps']} stages={best['stages']} prefetch={best['prefetch']} "
-                f"direct_store={best['direct_store']} relaxed_tail={best['relaxed_tail']} tail={best['tail']}), "
-                f"default {default_ms * 1e3:.1f} us"
-            )
-    res.summary["sweep_seconds"] = round(time.perf_counter() - start, 1)
-    print(res.save())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sweep", action="store_true", help="time launch configurations per case instead")
-    parser.add_argument("--pipeline", action="store_true", help="with --sweep: prefetch and store-form variants")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     a = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA device")
-    run_sweep(a.pipeline) if a.sweep else run_suite(compile_baseline=not a.no_compile)
+    run_suite(compile_baseline=not a.no_compile)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,16 @@
 """How far the open speed goals sit from what this H200 allows, from committed results (CPU only, no timing).
 
-- Grouped GEMM (issue 3, 1.2x geomean over the Triton peer): each case's roofline time is
+- Grouped GEMM (1.2x geomean over the Triton peer, ``grouped_mm.json``): each case's roofline time is
   ``max(2MKN / best rate, bytes / copy bandwidth)`` with the roofs of ``gemm_roof.json`` (the fastest bf16 GEMM rate
   measured here and the copy bandwidth; bytes = x + every expert's weight + out, bf16). ``peer / roof`` is the most any
   kernel could gain over the peer on the case; the goal needs, on geomean, ``1.2 / geomean(peer / roof)`` of the
   roofline. Ours and the dense cuBLAS reference are placed on the same scale.
-- Routing (issue 5, 40x geomean over the ATen sequence; 50% of copy bandwidth on the 16 MiB+ cases): the floor run
+- Routing (40x geomean over the ATen sequence; 50% of copy bandwidth on the 16 MiB+ cases): the floor run
   (``moe_route_floor.json``) times, in one process, our kernel and single-launch kernels that do less than a router:
   a copy with the counting tail, and the scores with the tail and no selection at all. They are simple kernels, not
   proofs (ours beat the score floor on two small cases), so the bound per case is the fastest launch measured, ours
   or a floor; the goal needs the geomean of ATen / that time at 40x or more. Bytes (logits read, outputs written)
-  are the suite's (``bench_moe_route._bytes``), the copy bandwidth the floor run's own.
+  are the suite's (``moe_route_cases.route_bytes``), the copy bandwidth the floor run's own.
 
 Geomeans are of unrounded ratios. The roofs are a separate run of the same machine and image.
 
@@ -24,8 +24,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_moe_route import BIG_LOGITS_BYTES, CASES, MIB, _bytes
 from benchmarks.harness import RESULTS_DIR, Results, geomean
+from benchmarks.moe_route_cases import BIG_LOGITS_BYTES, CASES, MIB, route_bytes
 
 GROUPED_GOAL = 1.2
 ROUTE_BW_GOAL = 50.0  # percent of copy bandwidth
@@ -114,8 +114,8 @@ def route_bounds(
 
 
 def suite_bytes() -> dict[str, tuple[int, float]]:
-    """Per routing case: the bytes ``bench_moe_route`` counts (logits + outputs) and the MiB of logits."""
-    return {c.name: (_bytes(c), c.logits_bytes / MIB) for c in CASES}
+    """Per routing case: the bytes the routing suite counts (logits + outputs) and the MiB of logits."""
+    return {c.name: (route_bytes(c), c.logits_bytes / MIB) for c in CASES}
 
 
 def run_copy_gbps(payload: dict[str, Any]) -> float:
@@ -132,7 +132,7 @@ def _load(name: str, results: Path) -> dict[str, Any]:
 
 def main(results: Path = RESULTS_DIR) -> Results:
     roof = _load("gemm_roof", results)
-    grouped = _load("grouped_mm_suite", results)
+    grouped = _load("grouped_mm", results)
     floor = _load("moe_route_floor", results)
     res = Results("goal_bounds")
     g_rows, g_sum = grouped_bounds(grouped["rows"], roof["summary"]["best_tflops"], roof["summary"]["copy_GBps"])
@@ -145,7 +145,7 @@ def main(results: Path = RESULTS_DIR) -> Results:
     res.summary.update({f"route_{k}": v for k, v in r_sum.items()})
     res.summary["sources"] = {
         n: d["environment"].get("git_rev") for n, d in
-        (("gemm_roof", roof), ("grouped_mm_suite", grouped), ("moe_route_floor", floor))
+        (("gemm_roof", roof), ("grouped_mm", grouped), ("moe_route_floor", floor))
     }  # fmt: skip
     res.notes += [
         "grouped: roof_ms = max(2MKN / best_tflops, 2 bytes x (MK + EKN + MN) / copy_GBps); peer_over_roof = the most "

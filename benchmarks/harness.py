@@ -1,12 +1,15 @@
-"""Shared benchmark harness: device-event timing with warm-up and input rotation, CUDA-graph timing for small ops,
-and results as JSON + markdown carrying the device, versions, command and git revision.
+"""Shared benchmark harness: device-event timing with warm-up and input rotation, side-by-side timing in rotated
+rounds, CUDA-graph timing for small ops, cold-start timing, and results as JSON + markdown carrying the device,
+versions, command and git revision.
 
 Steady state only: every timed function is called before timing starts, so compilation and tuning stay out of the
-numbers (suites that report cold start time it separately).
+numbers (suites that report cold start time it separately, with ``first_call_s``).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import json
 import math
 import os
@@ -199,20 +202,56 @@ def copy_bandwidth_gbps(device: torch.device | str = "cuda", nbytes: int = 2 * 2
     return 2 * nbytes / t / 1e6
 
 
+def backend_of(op_name: str, *args: Any) -> str | None:
+    """The backend the dispatcher chose for these arguments' signature under the current policy (None before the
+    signature's first call), from the public dispatch log."""
+    import fly_lightning
+
+    signature = fly_lightning.get_op(op_name).signature(*args)
+    uid = fly_lightning.get_dispatch_config().uid
+    for d in reversed(fly_lightning.DISPATCH_LOG.decisions):
+        if d.op == op_name and d.config_uid == uid and d.signature == signature:
+            return d.backend
+    return None
+
+
+VERSIONED = ("triton", "lightning", "torchao", "liger_kernel", "flydsl", "transformers")
+
+
+def _version(module: str) -> str | None:
+    """The installed version of ``module``'s distribution, "not installed", or None when it cannot be told."""
+    try:
+        return importlib.metadata.version(module.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    try:
+        return getattr(importlib.import_module(module), "__version__", None)
+    except ImportError:
+        return "not installed"
+    except Exception:
+        return None
+
+
+def command_line() -> str:
+    """How this process was started: ``python3 -m benchmarks.<suite> ...`` for a module run (``sys.argv[0]`` is then
+    the file's path, which differs between machines)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    head = ["-m", spec.name] if spec is not None and spec.name else sys.argv[:1]
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *head, *sys.argv[1:]])
+
+
 def environment() -> dict[str, Any]:
     """Device, versions, command and git revision, recorded with every result file."""
     env: dict[str, Any] = {
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv]),
+        "command": command_line(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
     }
-    for mod in ("triton", "lightning", "torchao", "liger_kernel", "flydsl", "transformers"):
-        try:
-            env[mod] = __import__(mod).__version__
-        except Exception:
-            env[mod] = None
+    for mod in VERSIONED:
+        env[mod] = _version(mod)
     try:
         rev = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -237,6 +276,18 @@ def environment() -> dict[str, Any]:
     return env
 
 
+ENV_FIELDS = ("command", "device", "date_utc", "git_rev", "python", "torch", *VERSIONED)
+
+
+def environment_markdown(env: dict[str, Any]) -> list[str]:
+    """The environment as markdown lines; a field the run did not record (None: older result files) says so."""
+    lines = ["## Environment", ""]
+    for key in ENV_FIELDS:
+        value = env.get(key)
+        lines.append(f"- {key}: " + (f"`{value}`" if key == "command" and value else str(value or "not recorded")))
+    return lines
+
+
 @dataclass
 class Results:
     """Rows of one suite plus a summary; ``save`` writes ``<name>.json`` and ``<name>.md``."""
@@ -258,10 +309,10 @@ class Results:
             if values:
                 self.summary[f"{key}_total"], self.summary[f"{key}_max"] = round(sum(values), ndigits), max(values)
 
-    def save(self, name: str | None = None, out_dir: str | Path | None = None) -> Path:
+    def save(self, out_dir: str | Path | None = None) -> Path:
+        """Write ``<suite>.json`` and ``<suite>.md`` (with the environment) to ``out_dir`` or ``results_dir()``."""
         out = Path(out_dir) if out_dir else results_dir()
         out.mkdir(parents=True, exist_ok=True)
-        stem = name or self.suite
         payload = {
             "suite": self.suite,
             "environment": environment(),
@@ -269,20 +320,38 @@ class Results:
             "notes": self.notes,
             "rows": self.rows,
         }
-        path = out / f"{stem}.json"
+        path = out / f"{self.suite}.json"
         path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-        (out / f"{stem}.md").write_text(self.markdown())
+        (out / f"{self.suite}.md").write_text(self.markdown(payload["environment"]))
         return path
 
-    def markdown(self) -> str:
-        if not self.rows:
-            return f"# {self.suite}\n\n(no rows)\n"
-        cols = list(dict.fromkeys(k for r in self.rows for k in r))
-        fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
-        lines = [f"# {self.suite}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |" for r in self.rows]
+    @classmethod
+    def load(cls, path: str | Path) -> tuple[Results, dict[str, Any]]:
+        """A saved result file: the results and the environment it recorded."""
+        payload = json.loads(Path(path).read_text())
+        res = cls(payload["suite"], payload["rows"], payload["summary"], payload["notes"])
+        return res, payload.get("environment", {})
+
+    def markdown(self, env: dict[str, Any] | None = None) -> str:
+        lines = [f"# {self.suite}", ""]
+        if self.rows:
+            cols = list(dict.fromkeys(k for r in self.rows for k in r))
+            lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |" for r in self.rows]
+        else:
+            lines.append("(no rows)")
         if self.summary:
-            lines += ["", "## Summary", ""] + [f"- {k}: {fmt(v)}" for k, v in self.summary.items()]
+            lines += ["", "## Summary", ""] + [f"- {k}: {_fmt(v)}" for k, v in self.summary.items()]
         if self.notes:
             lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
+        if env is not None:
+            lines += ["", *environment_markdown(env)]
         return "\n".join(lines) + "\n"
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, tuple):  # a tuple and the list JSON gives back for it read the same
+        v = list(v)
+    return str(v)

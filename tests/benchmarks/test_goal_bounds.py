@@ -59,7 +59,7 @@ def test_main_reads_the_result_files_and_writes_its_own_beside_them(tmp_path):
     floor_row = dict(case="mixtral", aten_us=50.0, ours_us=2.0, score_tail_us=2.5)
     files = {
         "gemm_roof": dict(env, summary=dict(best_tflops=700.0, copy_GBps=4000.0), rows=[]),
-        "grouped_mm_suite": dict(env, rows=[g]),
+        "grouped_mm": dict(env, rows=[g]),
         "moe_route_floor": dict(env, notes=["copy bandwidth 4000 GB/s"], rows=[floor_row]),
     }
     for name, payload in files.items():
@@ -74,7 +74,7 @@ def test_main_reads_the_result_files_and_writes_its_own_beside_them(tmp_path):
 
 def test_committed_goal_bounds_follow_from_the_committed_results(tmp_path):
     """The README quotes ``goal_bounds.md``: recomputing it from the committed inputs gives the committed summary."""
-    for name in ("gemm_roof", "grouped_mm_suite", "moe_route_floor"):
+    for name in ("gemm_roof", "grouped_mm", "moe_route_floor"):
         shutil.copy(RESULTS_DIR / f"{name}.json", tmp_path)
     committed = json.loads((RESULTS_DIR / "goal_bounds.json").read_text())
     assert main(tmp_path).summary == committed["summary"]

@@ -4,8 +4,9 @@ import time
 
 import torch
 
-from benchmarks.bench_moe_route import Case, _cold_starts, _time
+from benchmarks.bench_moe_route import _cold_starts, _time
 from benchmarks.harness import Results, first_call_s, interleaved_ms
+from benchmarks.moe_route_cases import Case
 
 
 def test_first_call_s_times_the_call_and_returns_its_result():
@@ -84,3 +85,34 @@ def test_results_totals_cover_the_rows_that_have_each_key():
     res.rows = [{"a_s": 1.25, "b_s": 2.0}, {"a_s": 0.5}, {}]
     res.add_totals(("a_s", "b_s", "c_s"), 1)
     assert res.summary == {"a_s_total": 1.8, "a_s_max": 1.25, "b_s_total": 2.0, "b_s_max": 2.0}
+
+
+def test_saved_results_carry_the_environment_in_both_files(tmp_path):
+    res = Results("demo", rows=[{"case": "a", "ms": 1.5, "shape": (2, 3)}], summary={"n": 1}, notes=["a note"])
+    path = res.save(tmp_path)
+    assert path == tmp_path / "demo.json"
+    loaded, env = Results.load(path)
+    assert loaded.rows == [{"case": "a", "ms": 1.5, "shape": [2, 3]}] and loaded.summary == {"n": 1}
+    assert {"command", "device", "torch", "triton", "git_rev", "date_utc"} <= set(env)
+    md = (tmp_path / "demo.md").read_text()
+    assert md == loaded.markdown(env) == res.markdown(env)  # a tuple and its JSON list read the same
+    assert f"- torch: {env['torch']}" in md and "## Environment" in md and "- a note" in md
+
+
+def test_a_field_an_old_result_did_not_record_says_so():
+    md = Results("old", rows=[{"x": 1}]).markdown({"command": "python3 x.py", "device": "NVIDIA H200"})
+    assert "- command: `python3 x.py`" in md and "- device: NVIDIA H200" in md
+    assert "- git_rev: not recorded" in md and "- liger_kernel: not recorded" in md
+
+
+def test_backend_of_reads_the_decision_for_the_signature():
+    import fly_lightning
+    from benchmarks.harness import backend_of
+
+    x, w = torch.randn(3, 16), torch.randn(16)
+    args = (x, w, 1e-6, 0.0, False)
+    assert backend_of("rms_norm", *args) is None  # not called yet
+    with fly_lightning.dispatch_config(backends=("aten",)):
+        fly_lightning.rms_norm(x, w, 1e-6)
+        assert backend_of("rms_norm", *args) == "aten"
+    assert backend_of("rms_norm", *args) is None  # another policy: not decided under it

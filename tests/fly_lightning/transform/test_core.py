@@ -125,6 +125,18 @@ class TensorEpsRMSNorm(LlamaStyleRMSNorm):
         self.variance_epsilon = torch.tensor(1e-6)
 
 
+def test_liger_rmsnorm_is_left_with_reason():
+    # Liger-Kernel's RMSNorm has a fused backward: composing Liger then fly must not take it away. A stand-in class
+    # from Liger's module (the real one needs a GPU to run), with the Llama math the probe would otherwise accept.
+    liger_cls = type("LigerRMSNorm", (LlamaStyleRMSNorm,), {"__module__": "liger_kernel.transformers.rms_norm"})
+    model = nn.Sequential(liger_cls(8))
+    summary = fly_lightning.transform(model)
+    assert summary.swapped == []
+    assert summary.left == [("0", "LigerRMSNorm", "Liger-Kernel's RMSNorm (fused forward and backward) kept: ours has "
+                             "ATen's backward")]  # fmt: skip
+    assert type(model[0]) is liger_cls
+
+
 def test_lookalike_with_the_same_math_is_swapped():
     ref = _randomise(nn.Sequential(nn.Linear(H, H), LlamaStyleRMSNorm(H, eps=1e-3)))
     model = copy.deepcopy(ref)

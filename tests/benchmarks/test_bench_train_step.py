@@ -1,0 +1,36 @@
+"""The whole-step benchmark's arithmetic: rotation with the stock noise floor, per-variant summary, headline ratio."""
+
+from benchmarks.bench_train_step import rotated, summarise
+
+
+def _run(variant: str, ms: float, losses=(2.0, 1.5), **extra):
+    return dict(variant=variant, step_ms=ms, first_step_s=1.0, peak_gib=3.0, losses=list(losses), **extra)
+
+
+def test_rotation_runs_stock_twice_per_round_and_moves_the_first():
+    orders = rotated(["fly", "compile"], 3)
+    assert orders[0] == ["stock", "stock", "fly", "compile"]
+    assert [o[0] for o in orders] == ["stock", "stock", "fly"]
+    assert all(sorted(o) == ["compile", "fly", "stock", "stock"] for o in orders)
+
+
+def test_summary_compares_the_fastest_with_fly_against_the_fastest_baseline():
+    runs = [
+        _run("stock", 50.0),
+        _run("stock", 51.0, losses=(2.0, 1.6)),
+        _run("liger", 40.0),
+        _run("compile", 42.0),
+        _run("fly", 45.0),
+        _run("liger_fly", 32.0, losses=(2.0, 1.45)),
+        _run("fly_compile", 44.0),
+        dict(variant="mixtral_only", error="no Liger-Kernel entry"),
+    ]
+    row = summarise(runs)
+    assert row["headline"]["best_baseline"] == "liger" and row["headline"]["best_with_fly"] == "liger_fly"
+    assert row["headline"]["speedup"] == 40.0 / 32.0
+    assert row["headline"]["liger_fly_over_liger"] == 40.0 / 32.0
+    assert row["headline"]["fly_compile_over_compile"] == 42.0 / 44.0
+    assert row["noise"]["stock_vs_stock"] == 1.0 / 50.0
+    assert abs(row["liger_fly"]["max_loss_diff"] - 0.05) < 1e-12
+    assert row["mixtral_only"] == {"error": "no Liger-Kernel entry"}
+    assert row["stock"]["runs_ms"] == [50.0, 51.0]

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.harness import Results
+from benchmarks.harness import Results, results_dir
 
 VARIANTS = ("stock", "compile", "liger", "fly", "fly_compile", "liger_fly")
 BASELINES = ("stock", "compile", "liger")  # what users already run; every ratio is against the fastest of these
@@ -275,6 +275,8 @@ def main() -> None:
             for order in rotated(arch_variants, args.rounds):
                 for v in order:
                     r = _run_worker(model_name, v, precision, args.timeout, args.profile)
+                    with open(results_dir() / f"{args.name}_runs.jsonl", "a") as f:  # kept if the phase is cut short
+                        f.write(json.dumps(r) + "\n")
                     print(json.dumps({k: r.get(k) for k in ("variant", "step_ms", "first_step_s", "error")}))
                     runs.append(r)
             row = summarise(runs)

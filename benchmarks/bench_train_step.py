@@ -252,6 +252,33 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
+def record(res: Results, model_name: str, precision: str, runs: list[dict[str, Any]]) -> None:
+    """One row per variant (step time, its ratio against the fastest baseline, cold start, memory, losses); the
+    headline and the noise floor in the summary; per-process details (swaps, dispatch, profiles) in the JSON only."""
+    row = summarise(runs)
+    head = row.get("headline") or {}
+    best_base = row.get(head.get("best_baseline"), {}).get("step_ms")
+    for v, e in row.items():
+        if v not in VARIANTS:
+            continue
+        res.add(
+            model=model_name,
+            precision=precision,
+            variant=v,
+            step_ms=e.get("step_ms"),
+            vs_best_baseline=best_base / e["step_ms"] if best_base and "step_ms" in e else None,
+            runs_ms=e.get("runs_ms"),
+            first_step_s=e.get("first_step_s"),
+            peak_gib=e.get("peak_gib"),
+            max_loss_diff=e.get("max_loss_diff"),
+            error=e.get("error", ""),
+        )
+        res.details[f"{model_name}/{precision}/{v}"] = {
+            k: e[k] for k in ("swapped", "left", "dispatch", "profile_top") if k in e
+        }
+    res.summary[f"{model_name}/{precision}"] = {**head, **row.get("noise", {})}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worker", nargs=3, metavar=("MODEL", "VARIANT", "PRECISION"), help="run one variant, print JSON")
@@ -260,34 +287,45 @@ def main() -> None:
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--timeout", type=int, default=900, help="seconds per worker process")
-    p.add_argument("--name", default="train_step", help="result file name")
     p.add_argument("--profile", action="store_true", help="record each process's largest kernels over one step")
+    p.add_argument("--from-runs", nargs="+", metavar="JSONL", help="summarise saved processes instead of running")
+    p.add_argument("--env-from", nargs="+", metavar="JSON", help="with --from-runs: the invocations' result files")
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, profile=args.profile)), flush=True)
         return
-    variants = [v for v in args.variants.split(",") if v != "stock"]
-    res = Results(args.name)
-    for model_name in args.models.split(","):
-        arch_variants = [v for v in variants if not v.startswith("liger") or liger_entry(MODELS[model_name].arch)]
-        for precision in args.precisions.split(","):
-            runs = []
-            for order in rotated(arch_variants, args.rounds):
-                for v in order:
-                    r = _run_worker(model_name, v, precision, args.timeout, args.profile)
-                    with open(results_dir() / f"{args.name}_runs.jsonl", "a") as f:  # kept if the phase is cut short
-                        f.write(json.dumps(r) + "\n")
-                    print(json.dumps({k: r.get(k) for k in ("variant", "step_ms", "first_step_s", "error")}))
-                    runs.append(r)
-            row = summarise(runs)
-            res.add(model=model_name, precision=precision, **row)
-            res.summary[f"{model_name}/{precision}"] = row.get("headline")
+    res = Results("train_step")
+    if args.from_runs:  # processes of several invocations on one machine (each has its own stock runs)
+        runs = [json.loads(ln) for path in args.from_runs for ln in open(path) if ln.strip()]
+        for key in dict.fromkeys((r["model"], r["precision"]) for r in runs):
+            record(res, *key, [r for r in runs if (r["model"], r["precision"]) == key])
+        envs = [json.loads(open(path).read())["environment"] for path in args.env_from or []]
+        env = dict(envs[0], command=" ; ".join(e["command"] for e in envs)) if envs else None
+        res.notes.append(f"summarised from the process records of {len(args.from_runs)} invocations on one machine")
+    else:
+        variants = [v for v in args.variants.split(",") if v != "stock"]
+        for model_name in args.models.split(","):
+            arch = MODELS[model_name].arch
+            arch_variants = [v for v in variants if not v.startswith("liger") or liger_entry(arch)]
+            for precision in args.precisions.split(","):
+                runs = []
+                for order in rotated(arch_variants, args.rounds):
+                    for v in order:
+                        r = _run_worker(model_name, v, precision, args.timeout, args.profile)
+                        with open(results_dir() / "train_step_runs.jsonl", "a") as f:  # kept if cut short
+                            f.write(json.dumps(r) + "\n")
+                        print(json.dumps({k: r.get(k) for k in ("variant", "step_ms", "first_step_s", "error")}))
+                        runs.append(r)
+                record(res, model_name, precision, runs)
     res.notes.append(
         f"{STEPS} steps per process, median over steps {WARMUP}..{STEPS - 1}; step = forward with labels, backward, "
         "fused AdamW, zero_grad, with a device sync at both ends; first_step_s = step 0 (compilation, autotuning)"
     )
-    res.notes.append("speedup = fastest of stock/compile/liger over the fastest variant with fly in it (> 1: faster)")
-    print(res.save())
+    res.notes.append(
+        "vs_best_baseline = the fastest of stock/compile/liger over this variant (> 1: faster); summary speedup = "
+        "the same for the fastest variant with fly in it"
+    )
+    print(res.save(env=env if args.from_runs else None))
     print(res.markdown())
 
 

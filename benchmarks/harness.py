@@ -296,6 +296,7 @@ class Results:
     rows: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)  # in the JSON only (profiles, per-run data): not the md
 
     def add(self, **row: Any) -> dict[str, Any]:
         self.rows.append(row)
@@ -309,16 +310,18 @@ class Results:
             if values:
                 self.summary[f"{key}_total"], self.summary[f"{key}_max"] = round(sum(values), ndigits), max(values)
 
-    def save(self, out_dir: str | Path | None = None) -> Path:
-        """Write ``<suite>.json`` and ``<suite>.md`` (with the environment) to ``out_dir`` or ``results_dir()``."""
+    def save(self, out_dir: str | Path | None = None, env: dict[str, Any] | None = None) -> Path:
+        """Write ``<suite>.json`` and ``<suite>.md`` (with the environment: this process's, or ``env`` for results
+        summarised elsewhere from a run's records) to ``out_dir`` or ``results_dir()``."""
         out = Path(out_dir) if out_dir else results_dir()
         out.mkdir(parents=True, exist_ok=True)
         payload = {
             "suite": self.suite,
-            "environment": environment(),
+            "environment": env or environment(),
             "summary": self.summary,
             "notes": self.notes,
             "rows": self.rows,
+            **({"details": self.details} if self.details else {}),
         }
         path = out / f"{self.suite}.json"
         path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
@@ -329,7 +332,7 @@ class Results:
     def load(cls, path: str | Path) -> tuple[Results, dict[str, Any]]:
         """A saved result file: the results and the environment it recorded."""
         payload = json.loads(Path(path).read_text())
-        res = cls(payload["suite"], payload["rows"], payload["summary"], payload["notes"])
+        res = cls(payload["suite"], payload["rows"], payload["summary"], payload["notes"], payload.get("details", {}))
         return res, payload.get("environment", {})
 
     def markdown(self, env: dict[str, Any] | None = None) -> str:

@@ -25,6 +25,7 @@ SUITES = {
     "gemm_roof": "bench_gemm_roof",
     "moe_route_floor": "bench_moe_route_floor",
     "goal_bounds": "goal_bounds",
+    "train_step": "bench_train_step",
 }
 
 

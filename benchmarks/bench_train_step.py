@@ -132,7 +132,7 @@ def _profile_step(model, opt, autocast, ids: torch.Tensor, top: int = 30) -> lis
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     rows = [
-        {"kernel": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+        {"kernel": e.key[:240], "ms": e.self_device_time_total / 1e3, "calls": e.count}
         for e in prof.key_averages()
         if e.self_device_time_total > 0
     ]

@@ -288,6 +288,15 @@ def test_unknown_modules_are_listed_as_not_recognised():
     assert "not recognised: FancyNorm x2, LayerNorm x2, TopKRouter x2" in text
 
 
+def test_ops_as_a_string_is_a_clear_type_error():
+    # the strategies' check: a bare string would otherwise be iterated into letters ("unknown op families ['_', ...]")
+    model = nn.Sequential(nn.RMSNorm(8))
+    with pytest.raises(TypeError, match=r"ops must be a collection of op family names, e.g. ops=\['rms_norm'\]"):
+        fly_lightning.transform(model, ops="rms_norm")
+    assert isinstance(model[0], nn.RMSNorm)  # nothing swapped
+    assert fly_lightning.transform(model, ops=["rms_norm"]).swapped
+
+
 def test_verbose_prints_the_table(capsys):
     fly_lightning.transform(nn.Sequential(nn.RMSNorm(H), FancyNorm()), verbose=True)
     out = capsys.readouterr().out

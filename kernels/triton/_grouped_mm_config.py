@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from fly_lightning.kernels.triton._support import interpreting
+from fly_lightning.kernels.triton._support import ON_HIP, interpreting
 
 
 @dataclass(frozen=True)
@@ -160,7 +160,9 @@ def table_config(x: torch.Tensor, w: torch.Tensor, m: int) -> GroupedMMConfig:
     """The configuration table's choice (no measurement)."""
     if interpreting() and x.device.type == "cpu":
         return INTERPRETER_CONFIG
-    if x.is_cuda and torch.cuda.get_device_capability(x.device) < (9, 0):
+    # ROCm (gfx950): the pointer-path configuration, the one compile-checked for gfx950 without spills (the Hopper
+    # table's 128x256 tiles spill SGPRs there; tests/kernels/triton/gfx950_compile.py); never run on AMD hardware here
+    if x.is_cuda and (ON_HIP or torch.cuda.get_device_capability(x.device) < (9, 0)):
         return PRE_HOPPER_CONFIG
     return CONFIG_TABLE[shape_class(m, w.shape[2], w.shape[1], w.shape[0])]
 

@@ -51,7 +51,7 @@ from fly_lightning.kernels.triton._grouped_mm_config import (
     tune_candidates,
 )
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._support import interpreting, on_device
+from fly_lightning.kernels.triton._support import ON_HIP, interpreting, on_device
 
 
 @triton.jit
@@ -303,9 +303,12 @@ def _tma_allocator(size: int, alignment: int, stream: int | None) -> torch.Tenso
 
 
 def tma_available(t: torch.Tensor) -> bool:
-    """Device-side tensor descriptors: Hopper or newer, or the interpreter."""
+    """Device-side tensor descriptors: Hopper or newer, or the interpreter; not on ROCm (the table's ROCm choice is the
+    pointer path, see ``table_config``)."""
     if t.device.type == "cpu":
         return interpreting()
+    if ON_HIP:
+        return False
     return hasattr(tl, "make_tensor_descriptor") and torch.cuda.get_device_capability(t.device) >= (9, 0)
 
 

@@ -11,6 +11,9 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
+ON_HIP = torch.version.hip is not None
+"""A ROCm build of torch: its GPUs (gfx950) report CUDA-style capabilities (9.5) that Hopper checks would take."""
+
 
 def device_reason(*tensors: torch.Tensor | None) -> str | None:
     """Why Triton cannot run on these tensors' device, or None."""

@@ -44,7 +44,8 @@ def _supports(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out_dtype: t
     "triton",
     supports=_supports,
     constraints="x [M, K] bf16/fp16 (K contiguous) x w [E, K, N] (N- or K-contiguous), int32 end offsets, E <= "
-    "4096, sm80+; TMA loads when strides are 16-byte aligned, masked pointer loads otherwise",
+    "4096, sm80+; TMA loads when strides are 16-byte aligned (Hopper), masked pointer loads otherwise (and on ROCm: "
+    "gfx950 compile-checked, never run)",
 )
 def grouped_mm_triton(
     x: torch.Tensor,

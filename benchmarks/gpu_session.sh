@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests                     # the GPU tests (tests/gpu), JUnit XML in the archive
 #   bash benchmarks/gpu_session.sh rms route grouped_all     # suites, each writing <suite>.json/.md
 #
-# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, overhead, train_step, recipe_step,
+# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, overhead, train_step, recipe_step,
 # recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (e.g. "-k distributed" on a 2-GPU machine).
 # The suites need .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along;
 # the tests phase runs on the image's packages alone.
@@ -69,6 +69,7 @@ for phase in "$@"; do
     grouped_all) run grouped_all 570 python3 -m benchmarks.bench_grouped_mm --peer all ;;
     roof) run roof 300 python3 -m benchmarks.bench_gemm_roof ;;
     moe) run moe 300 python3 -m benchmarks.bench_moe_layer ;;
+    mx_cast) run mx_cast 300 python3 -m benchmarks.bench_mx_cast ;;
     # FLY_AGAINST=<dir holding another fly_lightning/>: that copy timed too, in alternating processes
     overhead) run overhead 300 python3 -m benchmarks.bench_dispatch_overhead ${FLY_AGAINST:+--against "$FLY_AGAINST"} ;;
     # FLY_TRAIN_STEP_ARGS narrows the whole-step suite (models, variants, precisions, rounds) to fit one call

@@ -31,6 +31,7 @@ CORE = ["backends", "registry", "policy", "dispatch_log", "dispatch", "dtensor"]
 # Above the core, in order; a layer may import its own modules and every layer below, never one above.
 LAYERS = [
     [f"fly_lightning.{m}" for m in CORE],
+    ["fly_lightning.quant.formats"],  # number formats (torch only), under the MX operators
     ["fly_lightning.ops"],
     ["fly_lightning.kernels"],
     ["fly_lightning.modules"],

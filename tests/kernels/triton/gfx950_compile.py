@@ -11,9 +11,10 @@ import torch
 from _gfx950 import compile_gfx950
 from _sm90 import report
 
-from fly_lightning.kernels.triton import moe_combine, rms_norm, swiglu, topk
+from fly_lightning.kernels.triton import moe_combine, mx_cast, rms_norm, swiglu, topk
 from fly_lightning.kernels.triton._grouped_mm_config import PRE_HOPPER_CONFIG, GroupedMMConfig
 from fly_lightning.kernels.triton._grouped_mm_kernel import _effective_config, _grouped_mm_kernel
+from fly_lightning.quant import formats
 
 
 def rms_norm_rows(h: int) -> dict:
@@ -57,6 +58,14 @@ def topk_fwd(n: int, k: int, dtype: torch.dtype) -> dict:
     return compile_gfx950(topk._topk_fwd, sig, const, ("X", "V_OUT", "I_OUT", "stride_x"), num_warps=num_warps)
 
 
+def mx_cast_rows(fmt: str, bf16: bool) -> dict:
+    f = formats.FORMATS[fmt]
+    ebits, mbits, bias = mx_cast._BITS[fmt]
+    sig = dict(X="*i16" if bf16 else "*fp32", stride_x="i32", DATA="*u8", SCALE="*u8", R="i32", K="i32")
+    const = dict(BR=16, G=8, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16)
+    return compile_gfx950(mx_cast._mx_cast_rows, sig, const, ("X", "DATA", "SCALE", "stride_x", "K"), num_warps=4)
+
+
 def grouped(cfg: GroupedMMConfig, gather: bool = False, scatter: bool = False) -> dict:
     """As the launcher runs ``cfg`` on ROCm: the pointer path (``tma_available`` is False there)."""
     cfg = _effective_config(replace(cfg, tma=False, tma_store=False), False, False, False, interp=False)
@@ -83,6 +92,8 @@ VARIANTS = {
     "moe_combine-h2048-k8": lambda: combine(2048, 8),
     "topk-128-k8-fp32": lambda: topk_fwd(128, 8, torch.float32),
     "topk-64-k8-bf16": lambda: topk_fwd(64, 8, torch.bfloat16),
+    "mx_cast-mxfp8_e4m3-bf16": lambda: mx_cast_rows("mxfp8_e4m3", True),
+    "mx_cast-mxfp4_e2m1-fp32": lambda: mx_cast_rows("mxfp4_e2m1", False),
     "grouped_mm-pre-hopper": lambda: grouped(PRE_HOPPER_CONFIG),
     "grouped_mm-pre-hopper-gather": lambda: grouped(PRE_HOPPER_CONFIG, gather=True),
     "grouped_mm-pre-hopper-scatter": lambda: grouped(PRE_HOPPER_CONFIG, scatter=True),

@@ -1,0 +1,93 @@
+"""MX cast (bf16/fp32 -> MX elements + E8M0 scales, floor, row-wise): ours against torchao's ``to_mx`` (eager and
+under ``torch.compile``, the faster one is the baseline), and the share of copy bandwidth (GPU).
+
+Goal (issue 27): at least 75% of the measured copy bandwidth for tensors of 64 MB or more. Bytes moved = input read
++ elements and scales written. Every case is checked bit-exact against torchao before it is timed; timing is side by
+side in rotated rounds (``harness.interleaved_ms``), inputs rotated through more than 3x the L2.
+
+    python -m benchmarks.bench_mx_cast          # writes mx_cast.json/.md
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import fly_lightning
+from benchmarks.harness import Results, backend_of, copy_bandwidth_gbps, geomean, interleaved_ms, rotation_count
+from fly_lightning.quant import formats
+
+GOAL_SHARE = 0.75
+CASES = [  # (rows, K, dtype, format): activations and weights of the MoE models' shapes
+    (16384, 2048, torch.bfloat16, "mxfp8_e4m3"),
+    (16384, 4096, torch.bfloat16, "mxfp8_e4m3"),
+    (65536, 2048, torch.bfloat16, "mxfp8_e4m3"),
+    (32768, 7168, torch.bfloat16, "mxfp8_e4m3"),
+    (16384, 4096, torch.float32, "mxfp8_e4m3"),
+    (16384, 4096, torch.bfloat16, "mxfp8_e5m2"),
+    (16384, 4096, torch.bfloat16, "mxfp4_e2m1"),
+    (65536, 2048, torch.bfloat16, "mxfp4_e2m1"),
+    (4096, 4096, torch.bfloat16, "mxfp8_e4m3"),  # 32 MB: under the goal's size, for scale
+]
+
+
+def _bytes(rows: int, k: int, dtype: torch.dtype, fmt: str) -> int:
+    f = formats.FORMATS[fmt]
+    return rows * k * torch.finfo(dtype).bits // 8 + rows * k // f.per_byte + rows * k // formats.BLOCK
+
+
+def main() -> None:
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    def torchao_cast(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return to_mx(x, formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode.FLOOR)
+
+    compiled = torch.compile(torchao_cast, dynamic=False)
+    res = Results("mx_cast")
+    copy_gbps = copy_bandwidth_gbps()
+    for rows, k, dtype, fmt in CASES:
+        nbytes = _bytes(rows, k, dtype, fmt)
+        sets = rotation_count(nbytes, max_sets=4)
+        inputs = [(torch.randn(rows, k, device="cuda", dtype=dtype),) for _ in range(sets)]
+        x = inputs[0][0]
+        data, scale = fly_lightning.mx_cast(x, fmt, "floor")
+        want_scale, want_data = torchao_cast(x, fmt)
+        exact = torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8)) and torch.equal(
+            data.view(torch.uint8), want_data.view(torch.uint8)
+        )
+        row = dict(case=f"{rows}x{k} {str(dtype).removeprefix('torch.')} {fmt}", mbytes=round(nbytes / 2**20, 1))
+        row.update(backend=backend_of("mx_cast", x, fmt, "floor", -1), bit_exact=exact)
+        if not exact:
+            res.add(**row)
+            continue
+        fns = {
+            "ours": lambda t, fmt=fmt: fly_lightning.mx_cast(t, fmt, "floor"),
+            "torchao": lambda t, fmt=fmt: torchao_cast(t, fmt),
+            "torchao_compiled": lambda t, fmt=fmt: compiled(t, fmt),
+        }
+        ms = interleaved_ms(fns, inputs, reps=40)
+        base = min(ms["torchao"], ms["torchao_compiled"])
+        share = nbytes / ms["ours"] / 1e6 / copy_gbps
+        row.update({f"{n}_ms": round(t, 4) for n, t in ms.items()})
+        row.update(speedup=base / ms["ours"], copy_share=share, meets_goal=share >= GOAL_SHARE or nbytes < 64 * 2**20)
+        res.add(**row)
+        del inputs
+    big = [r for r in res.rows if r.get("bit_exact") and r["mbytes"] >= 64]
+    res.summary = {
+        "copy_bandwidth_gbps": copy_gbps,
+        "geomean_speedup_vs_faster_torchao": geomean([r["speedup"] for r in res.rows if "speedup" in r]),
+        "min_copy_share_64mb_plus": min((r["copy_share"] for r in big), default=None),
+        "goal_share": GOAL_SHARE,
+        "all_bit_exact": all(r["bit_exact"] for r in res.rows),
+    }
+    res.notes.append("speedup = the faster of torchao's eager and compiled to_mx over ours; floor scales, row-wise")
+    res.notes.append("copy_share = (input + elements + scales bytes) / our time, over the measured copy bandwidth")
+    print(res.save())
+    print(res.markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Triton MX cast (``floor`` scales, row-wise), registered as the ``triton`` backend of ``mx_cast``.
+
+One program casts a tile of rows x 32-value blocks: the block's largest magnitude gives its E8M0 scale from the fp32
+exponent field, the elements are scaled, saturated and rounded to nearest even by integer arithmetic on their fp32
+bits (not the hardware's float8 conversion: the interpreter's differs, and fp4 has none), then stored as bytes (fp4:
+two per byte, element ``2j`` in the low nibble). Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with
+torchao. ``rceil`` scales and the column-wise cast run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an
+fp32 ``log2``, whose rounding the kernel would have to reproduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
+from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.ops.mx_cast import MX_CAST, _data_dtype
+from fly_lightning.quant import formats
+
+# per format: exponent bits, mantissa bits, exponent bias (the element format's)
+_BITS = {"mxfp8_e4m3": (4, 3, 7), "mxfp8_e5m2": (5, 2, 15), "mxfp4_e2m1": (2, 1, 1)}
+_ROUND = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds an fp32 below 2^22 to an integer, ties to even
+
+
+@triton.jit
+def _encode(v, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
+    """Saturated fp32 values to element codes (int32), round to nearest even; the sign in the top bit."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag_bits = bits & 0x7FFFFFFF
+    mag = mag_bits.to(tl.float32, bitcast=True)
+    shift: tl.constexpr = 23 - MBITS
+    lsb = (mag_bits >> shift) & 1
+    normal = ((mag_bits + ((1 << (shift - 1)) - 1) + lsb) >> shift) - ((127 - BIAS) << MBITS)
+    # below the smallest normal: a multiple of the subnormal step (code 2^MBITS is the smallest normal, contiguous)
+    sub_step: tl.constexpr = 2.0 ** (BIAS - 1 + MBITS)
+    sub = ((mag * sub_step + 12582912.0) - 12582912.0).to(tl.int32)
+    min_normal: tl.constexpr = 2.0 ** (1 - BIAS)
+    code = tl.where(mag < min_normal, sub, normal)
+    return code | (sign << (EBITS + MBITS))
+
+
+@triton.jit
+def _mx_cast_rows(
+    X,
+    stride_x,
+    DATA,
+    SCALE,
+    R,
+    K,
+    BR: tl.constexpr,
+    G: tl.constexpr,
+    EMAX: tl.constexpr,
+    MAX: tl.constexpr,
+    EBITS: tl.constexpr,
+    MBITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    FP4: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    BK: tl.constexpr = G * 32
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BK + tl.arange(0, BK)
+    mask = (rows[:, None] < R) & (cols[None, :] < K)  # K % 32 == 0: a block is wholly in or out
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0)
+    if BF16:  # bf16 bits (int16) widened by hand: the interpreter's bf16 -> fp32 conversion mangles subnormals
+        x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    x3 = tl.reshape(x, (BR, G, 32))
+    amax = tl.max(tl.abs(x3), axis=2)
+    has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0  # max need not propagate NaN; the scale must
+    field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0 for zero and subnormals
+    biased = tl.minimum(tl.maximum(field - EMAX, 0), 255)
+    biased = tl.where(has_nan, 255, biased)
+    divisor = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)  # >= 2^-126; 255: inf
+    scaled = x3 * (1.0 / divisor)[:, :, None]
+    scaled = tl.minimum(tl.maximum(scaled, -MAX), MAX)
+    codes = tl.reshape(_encode(scaled, EBITS, MBITS, BIAS), (BR, BK))
+    g = tl.program_id(1) * G + tl.arange(0, G)
+    smask = (rows[:, None] < R) & (g[None, :] < K // 32)
+    tl.store(SCALE + rows[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
+    if FP4:
+        lo, hi = tl.split(tl.reshape(codes, (BR, BK // 2, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        half = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
+        pmask = (rows[:, None] < R) & (half[None, :] < K // 2)
+        tl.store(DATA + rows[:, None] * (K // 2) + half[None, :], packed, mask=pmask)
+    else:
+        tl.store(DATA + rows[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
+
+
+def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
+    if (reason := device_reason(x)) is not None:
+        return reason
+    if mode != "floor":
+        return f"{mode} scales (the kernel derives floor scales; rceil takes torchao's fp32 log2)"
+    if axis != -1:
+        return "column-wise cast (the kernel blocks the last dim)"
+    k = x.shape[-1]
+    if k > 1 and x.stride(-1) != 1:
+        return "last dim not contiguous"
+    try:
+        x.view(-1, k)
+    except RuntimeError:
+        return "leading dims not collapsible to rows (would need a copy)"
+    return True
+
+
+@MX_CAST.implement(
+    "triton",
+    supports=_supports,
+    constraints="x fp32/bf16, blocks of 32 along the last dim (contiguous, leading dims collapsible to rows); floor "
+    "scales; e4m3, e5m2, e2m1 (packed); rceil and column-wise on ATen",
+)
+def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    f = formats.as_format(fmt)
+    k = x.shape[-1]
+    data = outputs.empty(*x.shape[:-1], k // f.per_byte, dtype=torch.uint8, device=x.device)
+    scale = outputs.empty(*x.shape[:-1], k // formats.BLOCK, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        x2 = x.view(-1, k)
+        bf16 = x.dtype == torch.bfloat16
+        r = x2.shape[0]
+        g = min(8, next_pow2(k // formats.BLOCK))  # blocks per program along K
+        br = 16
+        ebits, mbits, bias = _BITS[f.name]
+        with on_device(x):
+            _mx_cast_rows[(cdiv(r, br), cdiv(k, g * formats.BLOCK))](
+                x2.view(torch.int16) if bf16 else x2, x2.stride(0), data, scale, r, k, BR=br, G=g, EMAX=f.emax,
+                MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, num_warps=4,
+            )  # fmt: skip
+    return data.view(_data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

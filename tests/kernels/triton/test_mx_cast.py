@@ -1,0 +1,71 @@
+"""The Triton MX cast: bit-exact with the reference (itself bit-exact with torchao) on the blocks where casts go wrong,
+every output element written (outputs are poisoned in tests), and the inputs it leaves to ATen named."""
+
+import pytest
+import torch
+
+import fly_lightning
+from fly_lightning.kernels.triton.mx_cast import _supports, mx_cast_triton
+from fly_lightning.ops.mx_cast import mx_cast_reference
+from fly_lightning.quant import formats
+
+
+def _cases(dtype: torch.dtype) -> torch.Tensor:
+    """32-value blocks of random, zero, subnormal, huge, inf, NaN, saturating and tie values, mixed in rows."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    tiny = torch.finfo(torch.float32).tiny
+    special = torch.tensor([0.0, -0.0, tiny / 8, float("inf"), float("-inf"), 3e38, 448.0 * 1.9, 5.0])
+    x = torch.cat([r(24, 32), r(4, 32) * 1e-3, r(4, 32) * tiny, torch.zeros(2, 32), r(4, 32) * 1e30])
+    x[::5, :8] = special
+    x[7, 3] = float("nan")
+    x[9] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+    return x.to(dtype)
+
+
+def _check(x: torch.Tensor, fmt: str) -> None:
+    data, scale = mx_cast_triton(x, fmt, "floor", -1)
+    want_data, want_scale = mx_cast_reference(x, fmt, "floor", -1)
+    assert data.dtype == want_data.dtype and data.shape == want_data.shape
+    assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
+    per_block = data.shape[-1] // scale.shape[-1]
+    valid = (want_scale.view(torch.uint8) != formats.E8M0_NAN).repeat_interleave(per_block, dim=-1)
+    assert torch.equal(data.view(torch.uint8)[valid], want_data.view(torch.uint8)[valid])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
+@pytest.mark.parametrize("k", [32, 96, 320])
+def test_bit_exact_with_the_reference(fmt, dtype, k):
+    x = _cases(dtype).reshape(-1)
+    x = x[: x.numel() // k * k].reshape(-1, k)  # rows not a multiple of the tile's, K of 1, 3 and 10 blocks
+    _check(x, fmt)
+
+
+def test_leading_dims_and_strided_rows():
+    x = _cases(torch.bfloat16)[:36].reshape(2, 9, 64)
+    _check(x, "mxfp4_e2m1")
+    wide = torch.randn(17, 128)
+    _check(wide[:, :64], "mxfp8_e4m3")  # rows of a wider tensor
+
+
+def test_empty_input():
+    data, scale = mx_cast_triton(torch.empty(0, 64), "mxfp8_e4m3", "floor", -1)
+    assert data.shape == (0, 64) and scale.shape == (0, 2)
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        ((torch.randn(4, 64), "mxfp8_e4m3", "rceil", -1), "rceil"),
+        ((torch.randn(64, 4), "mxfp8_e4m3", "floor", 0), "column-wise"),
+        ((torch.randn(64, 8).t(), "mxfp8_e4m3", "floor", -1), "not contiguous"),
+    ],
+)
+def test_unsupported_inputs_run_on_aten_with_the_reason(args, reason):
+    assert reason in _supports(*args)
+    data, scale = fly_lightning.mx_cast(*args)
+    want = mx_cast_reference(*args)
+    assert torch.equal(scale.view(torch.uint8), want[1].view(torch.uint8))
+    (rec,) = fly_lightning.DISPATCH_LOG.records("mx_cast")
+    assert rec["backend"] == "aten" and reason in rec["reason"]

@@ -7,7 +7,17 @@ from fly_lightning.backends import BACKENDS
 from fly_lightning.dispatch_log import DISPATCH_LOG
 from fly_lightning.kernels import load_kernels
 from fly_lightning.modules import FlyMoE, FlyRMSNorm
-from fly_lightning.ops import grouped_mm, moe_combine, moe_grouped_mm, moe_route, mx_cast, rms_norm, swiglu, topk
+from fly_lightning.ops import (
+    grouped_mm,
+    moe_combine,
+    moe_grouped_mm,
+    moe_route,
+    mx_cast,
+    mx_scaled_mm,
+    rms_norm,
+    swiglu,
+    topk,
+)
 from fly_lightning.policy import DispatchConfig, dispatch_config, get_dispatch_config, set_dispatch_config
 from fly_lightning.registry import OPS, get_op
 from fly_lightning.transform import TransformSummary, transform
@@ -44,6 +54,7 @@ __all__ = [
     "moe_grouped_mm",
     "moe_route",
     "mx_cast",
+    "mx_scaled_mm",
     "rms_norm",
     "set_dispatch_config",
     "swiglu",

@@ -5,8 +5,19 @@ from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import moe_route
 from fly_lightning.ops.mx_cast import mx_cast
+from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
 from fly_lightning.ops.rms_norm import rms_norm
 from fly_lightning.ops.swiglu import swiglu
 from fly_lightning.ops.topk import topk
 
-__all__ = ["grouped_mm", "moe_combine", "moe_grouped_mm", "moe_route", "mx_cast", "rms_norm", "swiglu", "topk"]
+__all__ = [
+    "grouped_mm",
+    "moe_combine",
+    "moe_grouped_mm",
+    "moe_route",
+    "mx_cast",
+    "mx_scaled_mm",
+    "rms_norm",
+    "swiglu",
+    "topk",
+]

@@ -1,0 +1,136 @@
+"""MX scaled GEMM: ``y[M, N] = dequant(a)[M, K] @ dequant(b)[N, K]^T`` with E8M0 scales per 32 values along K.
+
+``a`` is either MX (``a_fmt`` names its format, ``a_scale`` its scales) or high precision (``a_fmt=None``: bf16 or
+fp32 activations times MX weights, "weight-only"); ``b`` is always MX, laid out as a ``Linear`` weight ``[N, K]``
+(its blocks along K, so ``mx_cast(weight)`` row-wise gives it). Formats: ``mxfp8_e4m3``, ``mxfp8_e5m2``,
+``mxfp4_e2m1`` (two elements per byte along K). Forward only, as the other forward operators; no autograd here.
+
+The reference dequantises to fp32 and multiplies in fp32 (the oracle); the ATen path is torchao's emulated one:
+dequantise to bf16, then a bf16 GEMM. Kernels for Hopper and gfx950 register as further backends.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fly_lightning.dispatch import register_op
+from fly_lightning.ops._eager import _opaque
+from fly_lightning.quant import formats
+from fly_lightning.registry import tensor_key
+
+_OUT = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_mx(name: str, data: Tensor, scale: Tensor, fmt: str) -> int:
+    """Validate one MX operand ``[rows, K / per_byte]`` with ``[rows, K / 32]`` scales; returns K."""
+    f = formats.as_format(fmt)
+    want = f.torch_dtype if f.bits == 8 else torch.uint8
+    if not isinstance(data, Tensor) or data.dim() != 2 or data.dtype != want:
+        raise ValueError(
+            f"mx_scaled_mm: {name} must be a 2-D {want} tensor for {fmt}, got {getattr(data, 'dtype', data)}"
+        )
+    if not isinstance(scale, Tensor) or scale.dtype != torch.float8_e8m0fnu or scale.dim() != 2:
+        raise ValueError(f"mx_scaled_mm: {name}_scale must be a 2-D float8_e8m0fnu tensor")
+    k = data.shape[1] * f.per_byte
+    if k % formats.BLOCK or tuple(scale.shape) != (data.shape[0], k // formats.BLOCK):
+        raise ValueError(
+            f"mx_scaled_mm: {name} {list(data.shape)} ({fmt}) needs K % 32 == 0 and scales [{data.shape[0]}, "
+            f"{k // formats.BLOCK}], got K={k} and scales {list(scale.shape)}"
+        )
+    if scale.device != data.device:
+        raise ValueError(f"mx_scaled_mm: {name} and its scales are on {data.device} and {scale.device}")
+    return k
+
+
+def _validate(
+    a: Tensor, a_scale: Tensor | None, a_fmt: str | None, b: Tensor, b_scale: Tensor, b_fmt: str, out_dtype: torch.dtype
+) -> None:
+    kb = _check_mx("b", b, b_scale, b_fmt)
+    if a_fmt is None:
+        if not isinstance(a, Tensor) or a.dim() != 2 or a.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError("mx_scaled_mm: a high-precision a must be a 2-D bf16/fp32 tensor")
+        if a_scale is not None:
+            raise ValueError("mx_scaled_mm: a_scale given without a_fmt")
+        ka = a.shape[1]
+    else:
+        if a_scale is None:
+            raise ValueError("mx_scaled_mm: an MX a needs a_scale")
+        ka = _check_mx("a", a, a_scale, a_fmt)
+    if ka != kb:
+        raise ValueError(f"mx_scaled_mm: a has K={ka}, b has K={kb}")
+    if a.device != b.device:
+        raise ValueError(f"mx_scaled_mm: a on {a.device}, b on {b.device}")
+    if out_dtype not in _OUT:
+        raise ValueError(f"mx_scaled_mm: out_dtype must be one of {_OUT}, got {out_dtype}")
+
+
+def _operands(a, a_scale, a_fmt, b, b_scale, b_fmt, dtype) -> tuple[Tensor, Tensor]:
+    da = a.to(dtype) if a_fmt is None else formats.from_mx(a, a_scale, a_fmt, dtype)
+    return da, formats.from_mx(b, b_scale, b_fmt, dtype)
+
+
+def mx_scaled_mm_reference(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> Tensor:
+    """The oracle: both operands dequantised to fp32, an fp32 GEMM, one rounding to ``out_dtype``."""
+    da, db = _operands(a, a_scale, a_fmt, b, b_scale, b_fmt, torch.float32)
+    return (da @ db.t()).to(out_dtype)
+
+
+def _mx_scaled_mm_aten(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> Tensor:
+    """torchao's emulated path: dequantise to bf16, a bf16 GEMM (fp32 GEMM on CPU, where bf16 matmul is slow)."""
+    dtype = torch.bfloat16 if a.is_cuda else torch.float32
+    da, db = _operands(a, a_scale, a_fmt, b, b_scale, b_fmt, dtype)
+    return torch.mm(da, db.t()).to(out_dtype)
+
+
+def _signature(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> tuple:
+    keys = tuple(tensor_key(t) for t in (a, a_scale, b, b_scale))
+    return (*keys, a_fmt, b_fmt, out_dtype)
+
+
+MX_SCALED_MM = register_op(
+    "mx_scaled_mm",
+    reference=mx_scaled_mm_reference,
+    aten=_mx_scaled_mm_aten,
+    signature=_signature,
+    validate=_validate,
+    doc="MX GEMM a @ b^T: (a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> y [M, N]",
+)
+
+
+@torch.library.custom_op("fly::mx_scaled_mm", mutates_args=())
+def mx_scaled_mm_op(
+    a: Tensor,
+    a_scale: Tensor | None,
+    a_fmt: str | None,
+    b: Tensor,
+    b_scale: Tensor,
+    b_fmt: str,
+    out_dtype: torch.dtype,
+) -> Tensor:
+    """Dispatched MX GEMM."""
+    return MX_SCALED_MM(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
+
+
+@mx_scaled_mm_op.register_fake
+def _(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> Tensor:
+    _validate(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+def mx_scaled_mm(
+    a: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    b_fmt: str,
+    *,
+    a_scale: Tensor | None = None,
+    a_fmt: str | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
+    """``a @ dequant(b).T`` for MX ``b`` ``[N, K]`` (``mx_cast(weight)``); ``a`` is MX when ``a_fmt`` is given
+    (``a_scale`` its scales), else bf16/fp32 ``[M, K]``. Returns ``[M, N]`` in ``out_dtype``."""
+    args = (a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and _opaque([a, b]):
+        return mx_scaled_mm_op(*args)
+    return MX_SCALED_MM(*args)

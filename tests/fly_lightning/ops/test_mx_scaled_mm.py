@@ -1,0 +1,84 @@
+"""``mx_scaled_mm``: MXFP8 x MXFP8, MXFP4 x MXFP4 and bf16 x MX against the fp32 product of the dequantised operands
+(dequantisation bit-exact with torchao's), close to the unquantised product, validation before any kernel, the fake."""
+
+import logging
+
+import pytest
+import torch
+
+import fly_lightning
+from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_op, mx_scaled_mm_reference
+from fly_lightning.quant import formats
+
+logging.getLogger("torchao").setLevel(logging.ERROR)
+
+
+@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
+def test_dequantisation_is_torchaos(fmt):
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+    w = torch.randn(48, 128)
+    theirs = MXTensor.to_mx(w, formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode.FLOOR)
+    ours = formats.from_mx(*formats.to_mx(w, fmt, "floor"), fmt)
+    assert torch.equal(ours, theirs.dequantize(torch.float32))
+
+
+PAIRS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", "mxfp4_e2m1"), (None, "mxfp8_e4m3"), (None, "mxfp4_e2m1"),
+         ("mxfp8_e5m2", "mxfp8_e4m3")]  # fmt: skip
+
+
+@pytest.mark.parametrize("a_fmt, b_fmt", PAIRS)
+def test_product_of_the_dequantised_operands(a_fmt, b_fmt):
+    x, w = torch.randn(40, 256), torch.randn(24, 256)
+    b, b_scale = fly_lightning.mx_cast(w, b_fmt)
+    a, a_scale = (x, None) if a_fmt is None else fly_lightning.mx_cast(x, a_fmt)
+    y = fly_lightning.mx_scaled_mm(a, b, b_scale, b_fmt, a_scale=a_scale, a_fmt=a_fmt, out_dtype=torch.float32)
+    ref = mx_scaled_mm_reference(a, a_scale, a_fmt, b, b_scale, b_fmt, torch.float32)
+    assert y.shape == (40, 24) and torch.equal(y, ref)  # CPU: the ATen path multiplies in fp32, as the reference
+    exact = x @ w.t()
+    rel = ((y - exact).norm() / exact.norm()).item()
+    # the element formats' rounding: 3 (e4m3), 2 (e5m2) or 1 (e2m1) mantissa bits
+    assert 0 < rel < (0.25 if "fp4" in f"{a_fmt}{b_fmt}" else 0.08 if "e5m2" in f"{a_fmt}" else 0.06), rel
+
+
+def test_out_dtype_and_weight_only_bf16_activations():
+    w = torch.randn(16, 64)
+    b, s = fly_lightning.mx_cast(w, "mxfp8_e4m3")
+    y = fly_lightning.mx_scaled_mm(torch.randn(8, 64, dtype=torch.bfloat16), b, s, "mxfp8_e4m3")
+    assert y.dtype == torch.bfloat16 and y.shape == (8, 16)
+
+
+def _operands(k: int = 64):
+    b, s = fly_lightning.mx_cast(torch.randn(16, k), "mxfp8_e4m3")
+    return torch.randn(8, k), b, s
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (lambda a, b, s: (torch.randn(8, 96), b, s, "mxfp8_e4m3", {}), "K=96"),
+        (lambda a, b, s: (a, b, s, "mxfp4_e2m1", {}), "must be a 2-D torch.uint8"),
+        (lambda a, b, s: (a, b, s.view(torch.uint8), "mxfp8_e4m3", {}), "float8_e8m0fnu"),
+        (lambda a, b, s: (a, b, s[:, :1], "mxfp8_e4m3", {}), "scales"),
+        (lambda a, b, s: (a.half(), b, s, "mxfp8_e4m3", {}), "bf16/fp32"),
+        (lambda a, b, s: (a, b, s, "mxfp8_e4m3", {"a_fmt": "mxfp8_e4m3"}), "needs a_scale"),
+        (lambda a, b, s: (a, b, s, "mxfp8_e4m3", {"out_dtype": torch.int8}), "out_dtype"),
+    ],
+)
+def test_invalid_arguments_raise_before_any_kernel(change, match):
+    a, b, s, fmt, kw = change(*_operands())
+    with pytest.raises(ValueError, match=match):
+        fly_lightning.mx_scaled_mm(a, b, s, fmt, **kw)
+    assert fly_lightning.DISPATCH_LOG.records("mx_scaled_mm") == []
+
+
+def test_fake_gives_the_real_shape():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a, b, s = _operands()
+    real = fly_lightning.mx_scaled_mm(a, b, s, "mxfp8_e4m3")
+    with FakeTensorMode() as mode:
+        fake = mx_scaled_mm_op(mode.from_tensor(a), None, None, mode.from_tensor(b), mode.from_tensor(s), "mxfp8_e4m3",
+                               torch.bfloat16)  # fmt: skip
+    assert (fake.shape, fake.dtype) == (real.shape, real.dtype)

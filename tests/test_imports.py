@@ -36,7 +36,8 @@ LAYERS = [
     ["fly_lightning.kernels"],
     ["fly_lightning.modules"],
     ["fly_lightning.transform"],
-    ["fly_lightning.strategies", "fly_lightning.support", "fly_lightning.quant"],
+    ["fly_lightning.quant"],  # the MX config and module, on the MX operators
+    ["fly_lightning.strategies", "fly_lightning.support"],
     ["fly_lightning.callbacks", "fly_lightning.recipes", "fly_lightning"],
 ]
 

@@ -166,28 +166,40 @@ class StepBreakdown:
             "notes": list(self.notes),
         }
 
-    def table(self, title: str = "step time by operator") -> Table:
+    def table(self, title: str = "step time by operator", fold_below_pct: float = 0.5) -> Table:
+        """Parts by time share; parts that are not specialised and under ``fold_below_pct`` % of the step are folded
+        into one row (the JSON and the logged scalars keep every part). The Amdahl bound is shown for GPU runs only:
+        CPU (and Triton interpreter) times say nothing about what a GPU kernel would save."""
         from rich.table import Table
 
         unit = "device" if self.device == "cuda" else "CPU"
-        table = Table(title=f"{title} ({unit} time, {self.ranks} rank{'s' if self.ranks != 1 else ''})")
-        for col, justify in (("part", "left"), ("ms / step", "right"), ("% of step", "right"), ("", "left")):
-            table.add_column(col, justify=justify)
+        title = f"{title} ({unit} time, {self.ranks} rank{'s' if self.ranks != 1 else ''})"
+        table = Table(title=title, min_width=min(len(title), 80))  # the title on one line where it fits
+        for col, justify in (("part", "left"), ("ms / step", "right"), ("% of step", "right")):
+            table.add_column(col, justify=justify, no_wrap=True)
+        small = [label for label in self.labels() if label not in self.specialised and self.pct(label) < fold_below_pct]
         for label in self.labels():
+            if label in small and len(small) > 1:
+                continue
             special = label in self.specialised
             style = "green" if special else ("yellow" if label.endswith("/aten") and "/" in label else None)
-            kind = "specialised" if special else ""
-            table.add_row(label, f"{self.parts_ms[label]:.3f}", f"{self.pct(label):.1f}", kind, style=style)
+            table.add_row(label, f"{self.parts_ms[label]:.3f}", f"{self.pct(label):.1f}", style=style)
+        if len(small) > 1:
+            small_ms = sum(self.parts_ms[label] for label in small)
+            pct = 100.0 * small_ms / self.step_ms if self.step_ms else 0.0
+            label = f"{len(small)} parts < {fold_below_pct:g}% each"
+            table.add_row(label, f"{small_ms:.3f}", f"{pct:.1f}", style="dim")
         table.add_section()
-        table.add_row("sum of parts", f"{self.attributed_ms:.3f}", f"{100 - self.residual_pct:.1f}", "")
-        table.add_row("measured step", f"{self.step_ms:.3f}", "100.0", "")
+        table.add_row("measured step", f"{self.step_ms:.3f}", "100.0")
         why = "kernel overlap on concurrent streams" if self.kernel_overlap_ms > 0 else "clock skew"
-        table.add_row("residual", f"{self.residual_ms:+.3f}", f"{self.residual_pct:+.2f}", why)
-        bound = f"{self.amdahl_bound:.2f}x" if math.isfinite(self.amdahl_bound) else "unbounded"
-        table.caption = (
-            f"coverage {100 * self.coverage:.1f}% of the step ran a specialised backend; "
-            f"Amdahl bound 1/(1-coverage) = {bound}"
+        caption = (
+            f"green: specialised backends, {100 * self.coverage:.1f}% of the step; "
+            f"parts sum to {self.attributed_ms:.3f} ms (residual {self.residual_ms:+.3f} ms, {why})"
         )
+        if self.device == "cuda":
+            bound = f"{self.amdahl_bound:.2f}x" if math.isfinite(self.amdahl_bound) else "unbounded"
+            caption += f"; Amdahl bound 1/(1-coverage) = {bound}"
+        table.caption = caption
         return table
 
 

@@ -49,7 +49,9 @@ class DispatchCoverage(pl.Callback):
         dirpath: where the manifest goes; default the trainer's ``log_dir``.
         filename: the manifest's file name.
         log_metrics: send ``DispatchCoverage/<op>/<metric>`` scalars to the loggers every ``log_every_n_steps``.
-        print_table: print the table at the end of fit (rank 0).
+        print_table: print the table at the end of fit (rank 0). Under a fly strategy with ``report=True`` this table
+            replaces the strategy's per-shape dispatch table for the fit (the two would repeat each other): the
+            transform summary, then one coverage table, with the fallback reasons below it.
     """
 
     def __init__(
@@ -72,10 +74,15 @@ class DispatchCoverage(pl.Callback):
         self._trainer: pl.Trainer | None = None
         self._dir: Path | None = None
         self._policy = None
+        self._strategy_report: tuple[Any, bool] | None = None  # (fly strategy, its report flag) while we stand in
 
     # --- tracking ---------------------------------------------------------------------------------------------------
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
+        strategy = trainer.strategy
+        if self.print_table and getattr(strategy, "fly_report", False):
+            self._strategy_report = (strategy, strategy.fly_report)
+            strategy.fly_report = False  # its teardown (before on_fit_end) would print the per-shape table too
         self._dir = _common.resolve_dir(trainer, self.dirpath)
         # the policy in force for the fit: a fly strategy restores the previous one in teardown, before on_fit_end
         self._policy = get_dispatch_config()
@@ -136,6 +143,7 @@ class DispatchCoverage(pl.Callback):
     # --- end of fit -------------------------------------------------------------------------------------------------
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._stop_listening()
+        stood_in = self._restore_strategy_report()
         per_rank = _common.gather(rank_sections(self.usages(), OPS.values()))
         if not trainer.is_global_zero:
             return
@@ -146,11 +154,27 @@ class DispatchCoverage(pl.Callback):
         if self.print_table:
             from rich.console import Console
 
-            Console().print(coverage_table(self.manifest))
-            Console().print(f"dispatch manifest: {self.manifest_path}")
+            console = Console()
+            summary = getattr(stood_in, "transform_summary", None)
+            if summary is not None and (summary.swapped or summary.left):
+                summary.print()
+            console.print(coverage_table(self.manifest))
+            for line in coverage_notes(self.manifest):
+                console.print(line, highlight=False, markup=False)
+            console.print(f"dispatch manifest: {self.manifest_path}", highlight=False, markup=False)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_listening()
+        self._restore_strategy_report()
+
+    def _restore_strategy_report(self) -> Any:
+        """Give the strategy its report flag back; returns the strategy when this callback stood in for its report."""
+        if self._strategy_report is None:
+            return None
+        strategy, flag = self._strategy_report
+        self._strategy_report = None
+        strategy.fly_report = flag
+        return strategy
 
     def _stop_listening(self) -> None:
         if self._unsubscribe is not None:
@@ -159,29 +183,27 @@ class DispatchCoverage(pl.Callback):
 
 
 def coverage_table(manifest: dict[str, Any], title: str = "fly-lightning dispatch coverage") -> Table:
-    """One row per registered operator: calls, share per backend, signatures (new), cold start, fallbacks."""
+    """One row per operator called during the fit: calls, share per backend, shape signatures (new), cold start.
+
+    Fallback reasons, with their shapes, are lines below the table (``coverage_notes``), so that no column has to
+    hold long text and no word is split; ops not called are named in one line there.
+    """
     from rich.table import Table
 
     world = manifest["run"].get("world_size", 1)
     table = Table(title=f"{title} ({world} rank{'s' if world != 1 else ''})")
-    for col in ("op", "calls", "served by", "signatures (new)", "cold start", "fallbacks: reason [shapes]"):
-        table.add_column(col, overflow="fold")
+    for col, justify in (("op", "left"), ("calls", "right"), ("served by", "left"), ("shapes (new)", "right")):
+        table.add_column(col, justify=justify, no_wrap=col != "served by")
+    table.add_column("cold start", justify="right", no_wrap=True)
     for name in sorted(manifest["ops"]):
         op = manifest["ops"][name]
-        cold = manifest["cold_start"].get(name, {})
         if not op["calls"]:
-            table.add_row(name, "0", "not called", str(len(op["signatures"])), "-", "", style="dim")
             continue
+        cold = manifest["cold_start"].get(name, {})
         served = " · ".join(
             f"{b} {100 * n / op['calls']:.0f}%" for b, n in sorted(op["by_backend"].items(), key=lambda kv: -kv[1])
         )
         cold_s = sum((c["first_call_s"] or 0.0) + (c["tuning_s"] or 0.0) for c in cold.values())
-        reasons: dict[str, list[str]] = {}
-        for sig in op["signatures"].values():
-            if sig["backend"] == "aten" and any(b != "aten" for b in sig["rejected"]):
-                why = "; ".join(f"{b}: {r}" for b, r in sorted(sig["rejected"].items()))
-                reasons.setdefault(why, []).append(sig["shape"])
-        fallbacks = "\n".join(f"{why} [{' | '.join(shapes)}]" for why, shapes in sorted(reasons.items()))
         style = "yellow" if op["fallback_calls"] else ("green" if op["specialised_share"] > 0 else None)
         table.add_row(
             name,
@@ -189,10 +211,36 @@ def coverage_table(manifest: dict[str, Any], title: str = "fly-lightning dispatc
             served,
             f"{len(op['signatures'])} ({len(cold)})",
             f"{cold_s * 1e3:.1f} ms" if cold else "-",
-            fallbacks,
             style=style,
         )
     return table
+
+
+def coverage_notes(manifest: dict[str, Any]) -> list[str]:
+    """The text under the coverage table: backends passed over on every shape (said once), then per op the reasons
+    its shapes fell back to ATen with those shapes, and the ops not called."""
+    ops = manifest["ops"]
+    called = {name: op for name, op in ops.items() if op["calls"]}
+    sigs = [sig for op in called.values() for sig in op["signatures"].values()]
+    # a backend rejected on every signature of every op (not installed, not this GPU...) is a fact about the machine
+    everywhere = set.intersection(*(set(sig["rejected"]) for sig in sigs)) if sigs else set()
+    lines = []
+    if everywhere:
+        for backend in sorted(everywhere):
+            why = sorted({sig["rejected"][backend] for sig in sigs})
+            lines.append(f"{backend} passed over on every shape: {'; '.join(why)}")
+    for name, op in sorted(called.items()):
+        reasons: dict[str, list[str]] = {}
+        for sig in op["signatures"].values():
+            if sig["backend"] == "aten" and any(b != "aten" for b in sig["rejected"]):
+                why = "; ".join(f"{b}: {r}" for b, r in sorted(sig["rejected"].items()) if b not in everywhere)
+                reasons.setdefault(why or "; ".join(sorted(sig["rejected"].values())), []).append(sig["shape"])
+        for why, shapes in sorted(reasons.items()):
+            lines.append(f"{name} on aten: {why} [{' | '.join(shapes)}]")
+    idle = sorted(name for name, op in ops.items() if not op["calls"])
+    if idle:
+        lines.append(f"not called: {', '.join(idle)}")
+    return lines
 
 
 def _run_info(trainer: pl.Trainer, world_size: int, policy: DispatchConfig | None = None) -> dict[str, Any]:

@@ -15,14 +15,19 @@ The profiled step runs from ``on_train_batch_start`` to ``on_train_batch_end`` (
 not the data loading), with a device synchronisation at both ends on GPU, so its wall time is the step's time on the
 device. Each profiled step's breakdown is logged as ``OperatorTime/<part>/ms`` and ``/pct``,
 ``OperatorTime/step_ms``, ``/coverage``, ``/amdahl_bound``, ``/residual_ms`` (averaged over ranks); at the end of fit
-rank 0 prints the mean over profiled steps as a rich table and writes ``op_time.json`` and, when matplotlib is
-installed, ``op_time.png`` (stacked bars) to ``dirpath`` or the trainer's ``log_dir``, beside the dispatch manifest.
+rank 0 prints the mean over profiled steps as a rich table (outlier steps, over 3x the median, left out and named),
+the median and spread of the step times, and writes ``op_time.json`` (every step, their mean, the mean without
+outliers, the spread) and, when matplotlib is installed, ``op_time.png`` (stacked bars; without matplotlib the
+output says so once) to ``dirpath`` or the trainer's ``log_dir``, beside the dispatch manifest. The Amdahl bound is
+shown for GPU runs only.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -89,7 +94,7 @@ class OperatorTime(pl.Callback):
         every_n_steps: profile one optimizer step in this many.
         first_step: the first profiled step (counted from 0 in this fit); skip the warm-up and compile steps.
         dirpath: where ``op_time.json``/``op_time.png`` go; default the trainer's ``log_dir``.
-        plot: write the PNG (needs matplotlib; skipped with a warning without it).
+        plot: write the PNG (needs matplotlib; without it the end-of-fit output says that no PNG was written).
         print_each: print the table of every profiled step (rank 0), not only the summary at the end of fit.
         log_metrics: send the scalars of each profiled step to the loggers.
 
@@ -213,29 +218,77 @@ class OperatorTime(pl.Callback):
             return
         directory = self._dir or _common.resolve_dir(trainer, self.dirpath)
         directory.mkdir(parents=True, exist_ok=True)
-        summary = mean(self.results)
+        spread = step_spread(self.results)
+        outliers = set(spread["outlier_steps"])
+        kept = [r for r in self.results if r.step not in outliers]
+        typical = mean(kept)
         self.json_path = directory / "op_time.json"
         self.json_path.write_text(
             json.dumps(
-                {"mean": summary.to_dict(), "steps": [r.to_dict() for r in self.results]}, indent=2, sort_keys=True
+                {
+                    "mean": mean(self.results).to_dict(),  # every profiled step
+                    "typical": typical.to_dict(),  # the mean without the outlier steps
+                    "step_ms": spread,
+                    "steps": [r.to_dict() for r in self.results],
+                },
+                indent=2,
+                sort_keys=True,
             )
             + "\n"
         )
         from rich.console import Console
 
-        title = f"time by operator, mean of {len(self.results)} profiled step{'s' * (len(self.results) != 1)}"
-        Console().print(summary.table(title))
+        console = Console()
+        n = len(self.results)
+        of = f"{len(kept)} of {n}" if outliers else f"{n}"
+        console.print(typical.table(f"time by operator, mean of {of} profiled step{'s' * (n != 1)}"))
+        for line in spread_lines(spread):
+            console.print(line, highlight=False)
         if self.plot:
+            if importlib.util.find_spec("matplotlib") is None:
+                console.print(
+                    "op_time.png not written: matplotlib is not installed (pip install matplotlib)", highlight=False
+                )
+                return
             from fly_lightning.callbacks.plot import save_step_bars
 
             self.png_path = save_step_bars(self.results, directory / "op_time.png")
             if self.png_path is not None:
-                Console().print(f"step breakdown: {self.png_path}")
+                console.print(f"step breakdown: {self.png_path}", highlight=False)
 
     def _abort(self) -> None:
         session, self._session = self._session, None
         if session is not None:
             session.abort()
+
+
+OUTLIER_FACTOR = 3.0
+
+
+def step_spread(results: list[StepBreakdown]) -> dict[str, Any]:
+    """Median, minimum and maximum of the profiled steps' times, and the outliers: with three steps or more, a step
+    more than ``OUTLIER_FACTOR`` times the median (a stall, a collection, a recompile), which a mean would hide in."""
+    times = [r.step_ms for r in results]
+    median = statistics.median(times)
+    outliers = [r.step for r in results if len(results) >= 3 and r.step_ms > OUTLIER_FACTOR * median]
+    return {"median": median, "min": min(times), "max": max(times), "n": len(times), "outlier_steps": outliers}
+
+
+def spread_lines(spread: dict[str, Any]) -> list[str]:
+    """The lines under the table: step time spread, and the outliers left out of it."""
+    if spread["n"] < 2:
+        return []
+    lines = [
+        f"step time over {spread['n']} profiled steps: median {spread['median']:.1f} ms, "
+        f"min {spread['min']:.1f}, max {spread['max']:.1f}"
+    ]
+    if spread["outlier_steps"]:
+        steps = ", ".join(str(s) for s in spread["outlier_steps"])
+        lines.append(
+            f"[yellow]outlier step{'s' * (len(spread['outlier_steps']) > 1)} {steps} (over {OUTLIER_FACTOR:g}x the "
+            f"median): left out of the table, kept in op_time.json[/yellow]"
+        )
+    return lines
 
 
 def _from_dict(d: dict[str, Any]) -> StepBreakdown:

@@ -59,8 +59,11 @@ def save_step_bars(breakdowns: Sequence[StepBreakdown], path: str | Path, max_ba
     unit = "device" if bars[0].device == "cuda" else "CPU"
     ax.set_ylabel(f"ms per step ({unit} time)")
     last = bars[-1]
-    bound = f"{last.amdahl_bound:.2f}x" if math.isfinite(last.amdahl_bound) else "unbounded"
-    ax.set_title(f"step time by operator: coverage {100 * last.coverage:.1f}%, Amdahl bound {bound}", fontsize=10)
+    title = f"step time by operator: coverage {100 * last.coverage:.1f}%"
+    if last.device == "cuda":  # CPU times say nothing about what a GPU kernel would save
+        bound = f"{last.amdahl_bound:.2f}x" if math.isfinite(last.amdahl_bound) else "unbounded"
+        title += f", Amdahl bound {bound}"
+    ax.set_title(title, fontsize=10)
     handles, legend_labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], legend_labels[::-1], loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     fig.tight_layout()

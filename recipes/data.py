@@ -24,7 +24,7 @@ def markov_corpus(n_seqs: int, seq_len: int, vocab: int, seed: int = 0, branchin
 
 
 class MarkovLMData(L.LightningDataModule):
-    """Train/validation splits of the embedded corpus.
+    """Train/validation splits of the embedded corpus (``test`` and ``predict`` use the validation split).
 
     Args:
         vocab_size: token ids in ``[0, vocab_size)``; must match the model.
@@ -64,3 +64,11 @@ class MarkovLMData(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        """The held-out sequences (the validation split: the corpus has no separate test split)."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The held-out sequences, whose greedy continuations ``predict`` returns."""
+        return self.val_dataloader()

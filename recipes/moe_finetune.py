@@ -6,7 +6,11 @@ shapes and how step time splits by operator. Everything is a LightningCLI argume
 
     fly-finetune fit --model.arch mixtral --trainer.max_steps 100 --trainer.strategy flydsl_ddp --trainer.devices 2
     fly-finetune fit --model.pretrained /path/to/Qwen3-30B-A3B --data.vocab_size 151936   # real checkpoints
-    fly-finetune fit --print_config                                                      # every option
+    fly-finetune fit --print_config > cfg.yaml && fly-finetune fit -c cfg.yaml           # every option
+    fly-finetune test --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt         # also validate, predict
+
+Checkpoints (last, and the best by validation loss) go to ``<log_dir>/checkpoints``; the callbacks are options too:
+``--checkpoint.*`` (Lightning's ``ModelCheckpoint``), ``--dispatch_coverage.*`` and ``--op_time.*``.
 
 On a machine without a GPU the Triton kernels run through the Triton interpreter (numerics as on a GPU, speed
 meaningless); the recipe re-executes itself with ``TRITON_INTERPRET=1`` for that, since the variable must be set
@@ -19,16 +23,21 @@ import logging
 import math
 import os
 import sys
+import warnings
+from pathlib import Path
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from fly_lightning.callbacks import DispatchCoverage, OperatorTime
 from fly_lightning.recipes.data import MarkovLMData
 
-logging.getLogger("torchao").setLevel(logging.ERROR)  # CUDA extension probes are noise on CPU machines
-
-ARCHS = ("qwen3_moe", "mixtral", "olmoe")
+PROG = "fly-finetune"
+Arch = Literal["qwen3_moe", "mixtral", "olmoe"]
+ARCHS: tuple[str, ...] = get_args(Arch)
 
 
 def build_hf_model(
@@ -101,7 +110,7 @@ class MoECausalLM(L.LightningModule):
 
     def __init__(
         self,
-        arch: str = "qwen3_moe",
+        arch: Arch = "qwen3_moe",
         pretrained: str | None = None,
         vocab_size: int = 256,
         hidden_size: int = 128,
@@ -160,6 +169,13 @@ class MoECausalLM(L.LightningModule):
     def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
         self.log("val_loss", self(batch[0]), prog_bar=True, sync_dist=True)
 
+    def test_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self(batch[0]), sync_dist=True)
+
+    def predict_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The greedy next token after every position: ``[batch, seq_len]`` token ids."""
+        return self.model(input_ids=batch[0]).logits.argmax(-1)
+
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0 else 1000)
@@ -176,10 +192,79 @@ class MoECausalLM(L.LightningModule):
         }
 
 
-def trainer_defaults() -> dict:
-    """The embedded default run: short, observed, on whatever device is there."""
-    from fly_lightning.callbacks import default_callbacks
+def check_pretrained(pretrained: str | None) -> str | None:
+    """Why ``pretrained`` cannot be loaded, when that is visible without the network, else None.
 
+    A hub id is ``name`` or ``org/name``; anything else that looks like a path (absolute, ``./``, ``~``, more than one
+    ``/``, or an existing entry) must be a directory holding a ``config.json``.
+    """
+    if not pretrained:
+        return None
+    path = Path(pretrained).expanduser()
+    looks_local = (
+        path.is_absolute() or pretrained.startswith((".", "~")) or pretrained.count("/") > 1 or os.sep in pretrained
+    )
+    if path.exists() or looks_local:
+        if not path.exists():
+            return f"model.pretrained: {pretrained} does not exist"
+        if not path.is_dir():
+            return f"model.pretrained: {pretrained} is not a directory (expected a saved model directory)"
+        if not (path / "config.json").is_file():
+            return f"model.pretrained: {pretrained} is not a model directory (no config.json in it)"
+    return None
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, with a sensible description when the run is bounded by ``max_steps`` alone
+    (Lightning's own shows ``Epoch 0/-2`` for ``max_epochs=-1``)."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        trainer = self.trainer
+        if trainer.max_epochs is not None and trainer.max_epochs >= 0:
+            return super()._get_train_description(current_epoch)
+        if trainer.max_steps is not None and trainer.max_steps > 0:
+            return f"Epoch {current_epoch}, step limit {trainer.max_steps}"
+        return f"Epoch {current_epoch}"
+
+
+class FinetuneCLI(LightningCLI):
+    """LightningCLI with the recipe's callbacks as first-class options (``--checkpoint.*``, ``--dispatch_coverage.*``,
+    ``--op_time.*``, shown by ``--print_config``), a clear error for a missing checkpoint directory, and a progress
+    bar that counts steps."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.monitor": "val_loss",
+                "checkpoint.mode": "min",
+                "checkpoint.save_top_k": 1,
+                "checkpoint.save_last": True,
+                "checkpoint.filename": "best-{step}",
+            }
+        )
+        parser.add_lightning_class_args(DispatchCoverage, "dispatch_coverage")
+        parser.add_lightning_class_args(OperatorTime, "op_time")
+        parser.set_defaults({"op_time.every_n_steps": 10, "op_time.first_step": 5})
+
+    def before_instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        problem = check_pretrained(config.model.pretrained)
+        if problem:
+            self._parser(self.subcommand).error(problem)
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> L.Trainer:
+        if config.get("enable_checkpointing") is False:  # --trainer.enable_checkpointing=false turns checkpoints off
+            callbacks = [c for c in callbacks if not isinstance(c, ModelCheckpoint)]
+        given = [*(config.get("callbacks") or []), *callbacks]
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
+            callbacks = [*callbacks, StepProgressBar()]
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def trainer_defaults() -> dict:
+    """The embedded default run: short, observed, on whatever device is there. The callbacks (checkpoints: last and
+    best by validation loss; dispatch coverage; operator time) are options of ``FinetuneCLI``."""
     cuda = torch.cuda.is_available()
     return {
         "strategy": "flydsl",
@@ -190,28 +275,48 @@ def trainer_defaults() -> dict:
         "val_check_interval": 15,
         "limit_val_batches": 4,
         "log_every_n_steps": 5,
-        "callbacks": default_callbacks(),
-        "enable_checkpointing": False,
+        "enable_checkpointing": True,
         "enable_model_summary": False,
     }
+
+
+def _drop_tips(record: logging.LogRecord) -> bool:
+    return "litlogger" not in record.getMessage()
+
+
+def quiet_libraries() -> None:
+    """Silence what libraries print that a user of the CLI cannot act on (the CLI only: importing this module changes
+    nothing): torchao's CUDA extension probes ("Failed to load ..."), torch's pytree deprecation notices, Lightning's
+    own deprecations and advertising tips."""
+    logging.getLogger("torchao").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    for name in ("lightning.pytorch.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if _drop_tips not in logger.filters:
+            logger.addFilter(_drop_tips)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)")
+    warnings.filterwarnings("ignore", message=r".*`tensorboardX` has been removed")
 
 
 def main(args: list[str] | None = None) -> None:
     """Console entry point ``fly-finetune``: LightningCLI with ``fit`` and the embedded default."""
     args = sys.argv[1:] if args is None else args
-    if not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
+    runs = not any(a in ("-h", "--help") or a.startswith("--print_config") for a in args)  # help runs no kernel
+    if runs and not torch.cuda.is_available() and "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"  # must precede any Triton kernel definition: start afresh
         os.execv(sys.executable, [sys.executable, "-m", "fly_lightning.recipes.moe_finetune", *args])
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if runs and os.environ.get("TRITON_INTERPRET") == "1":
         from rich.console import Console
 
-        Console().print(
+        Console(stderr=True).print(  # stderr: stdout carries --print_config's YAML
             "fly-finetune: no GPU, Triton kernels run through the interpreter (numerics as on GPU, speed meaningless)"
         )
     import fly_lightning  # noqa: F401  (registers the strategies)
 
+    quiet_libraries()
+
     cli_args = args or ["fit"]
-    LightningCLI(
+    FinetuneCLI(
         MoECausalLM,
         MarkovLMData,
         trainer_defaults=trainer_defaults(),
@@ -219,6 +324,7 @@ def main(args: list[str] | None = None) -> None:
         # None: LightningCLI reads sys.argv itself (given both, it warns on every command-line run)
         args=None if cli_args == sys.argv[1:] else cli_args,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": PROG},
     )
 
 

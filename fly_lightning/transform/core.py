@@ -62,13 +62,25 @@ class TransformSummary:
     unrecognised: Counter = field(default_factory=Counter)  # class name -> count (norm/MoE-looking modules only)
 
     def __str__(self) -> str:
-        lines = [f"swapped {len(self.swapped)} module(s)"]
-        for kind, n in Counter(f"{c} -> {m}" for _, c, m in self.swapped).items():
-            lines.append(f"  {n} x {kind}")
-        if self.left:
-            lines.append(f"left {len(self.left)} recognised module(s):")
-            for reason_key, n in Counter(f"{c}: {r}" for _, c, r in self.left).items():
-                lines.append(f"  {n} x {reason_key}")
+        """One line per module class (e.g. per MoE block family): what was swapped, and what was left and why."""
+        left_by_class: dict[str, Counter] = {}
+        for _, c, r in self.left:
+            left_by_class.setdefault(c, Counter())[r] += 1
+        swapped_classes = {c for _, c, _ in self.swapped}
+
+        def left_part(cls: str) -> str:
+            return "; ".join(f"{n} left: {r}" for r, n in left_by_class[cls].items())
+
+        lines, shown = [f"swapped {len(self.swapped)} module(s)"], set()
+        for (c, m), n in Counter((c, m) for _, c, m in self.swapped).items():
+            mixed = f"; {left_part(c)}" if c in left_by_class and c not in shown else ""  # partly left: same line
+            shown.add(c)
+            lines.append(f"  {n} x {c} -> {m}{mixed}")
+        only_left = [c for c in left_by_class if c not in swapped_classes]
+        if only_left:
+            lines.append(f"left {sum(sum(left_by_class[c].values()) for c in only_left)} recognised module(s):")
+            for c in only_left:
+                lines.append("  " + "; ".join(f"{n} x {c}: {r}" for r, n in left_by_class[c].items()))
         if self.unrecognised:
             lines.append("not recognised: " + ", ".join(f"{c} x{n}" for c, n in sorted(self.unrecognised.items())))
         return "\n".join(lines)
@@ -97,6 +109,8 @@ def transform(model: nn.Module, *, ops: Iterable[str] | None = None, verbose: bo
         ops: module families to swap (see ``fly_lightning.transform.core.families()``); ``None`` means all.
         verbose: print the summary as a rich table.
     """
+    if isinstance(ops, str):  # set("rms_norm") would be its letters
+        raise TypeError(f"ops must be a collection of op family names, e.g. ops=[{ops!r}], not a string")
     wanted = set(families() if ops is None else ops)
     unknown = wanted - set(families())
     if unknown:

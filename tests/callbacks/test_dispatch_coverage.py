@@ -219,3 +219,18 @@ def test_manifest_records_the_policy_a_strategy_set(tiny, tmp_path):
     tiny.fit(tmp_path, [cb], steps=2, strategy=strategy)
     assert "disabled_ops=frozenset({'rms_norm'})" in cb.manifest["run"]["policy"]
     assert cb.manifest["ops"]["rms_norm"]["by_backend"] == {"aten": cb.manifest["ops"]["rms_norm"]["calls"]}
+
+
+def test_one_table_under_a_fly_strategy_with_reasons_below_it(tiny, tmp_path, capsys, monkeypatch):
+    # the strategy's per-shape dispatch table repeated the coverage table: the callback stands in for it during the
+    # fit, and fallback reasons are lines under the table (no column folds a word)
+    monkeypatch.setenv("COLUMNS", "80")
+    cb = DispatchCoverage()
+    with fly_lightning.dispatch_config(disabled_ops={"rms_norm"}):
+        trainer, _ = tiny.fit(tmp_path, [cb], steps=2, strategy="flydsl")
+    out = capsys.readouterr().out
+    assert out.count("dispatch coverage") == 1
+    assert "why not a faster backend" not in out  # the strategy's table
+    assert trainer.strategy.fly_report is True  # given back after the fit
+    assert "rms_norm on aten:" in out and "not called:" in out
+    assert max(len(line) for line in out.splitlines()) <= 80

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from unittest import mock
 
 import pytest
@@ -144,7 +145,9 @@ def test_fit_profiles_only_the_chosen_steps(tiny, tmp_path, capsys):
         assert parts + float(row["OperatorTime/residual_ms"]) == pytest.approx(float(row["OperatorTime/step_ms"]))
     # summary table, JSON and PNG beside the logs
     out = capsys.readouterr().out
-    assert "mean of 2 profiled steps" in out and "rms_norm/triton" in out and "Amdahl" in out
+    assert "mean of 2 profiled steps" in out and "rms_norm/triton" in out
+    assert "Amdahl" not in out  # CPU times say nothing about what a GPU kernel would save
+    assert "step time over 2 profiled steps: median" in out and "outlier" not in out
     saved = json.loads(cb.json_path.read_text())
     assert [s["step"] for s in saved["steps"]] == [2, 4]
     assert saved["mean"]["step_ms"] == pytest.approx(sum(r.step_ms for r in cb.results) / 2)
@@ -309,3 +312,74 @@ def test_ranks_are_averaged(tiny, tmp_path):
     assert result.ranks == 2 and result.step_ms == pytest.approx(local.step_ms + 1.0)
     assert result.parts_ms["overhead"] == pytest.approx(local.parts_ms["overhead"] + 1.0)
     assert result.residual_ms == pytest.approx(local.residual_ms)
+
+
+def _end_of_fit(cb: OperatorTime, results: list[StepBreakdown], tmp_path) -> None:
+    from types import SimpleNamespace
+
+    cb.results, cb._dir = results, tmp_path
+    cb.on_fit_end(SimpleNamespace(is_global_zero=True), None)
+
+
+def _step(step: int, ms: float, device: str = "cpu") -> StepBreakdown:
+    return StepBreakdown(step, device, ms, {"rms_norm/triton": ms / 2, "gemm": ms / 2}, ["rms_norm/triton"])
+
+
+def test_one_slow_step_is_flagged_not_averaged_in(tmp_path, capsys, monkeypatch):
+    # the case: one 3.7 s step among 58 ms ones made the table say 1280 ms/step
+    monkeypatch.setenv("COLUMNS", "80")
+    cb = OperatorTime(plot=False)
+    results = [_step(5, 58.0), _step(15, 3700.0), _step(25, 57.0), _step(35, 59.0)]
+    _end_of_fit(cb, results, tmp_path)
+    out = capsys.readouterr().out
+    assert "mean of 3 of 4 profiled steps" in out
+    assert "58.000" in out and "1280" not in out and "968" not in out  # the table is the typical step's
+    assert "step time over 4 profiled steps: median 58.5 ms, min 57.0, max 3700.0" in out
+    assert "outlier step 15" in out and "left out of the table" in out
+    saved = json.loads(cb.json_path.read_text())
+    assert saved["step_ms"] == {"median": 58.5, "min": 57.0, "max": 3700.0, "n": 4, "outlier_steps": [15]}
+    assert saved["typical"]["step_ms"] == pytest.approx(58.0)
+    assert saved["mean"]["step_ms"] == pytest.approx((58 + 3700 + 57 + 59) / 4)
+    assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_no_outlier_with_two_steps_or_an_even_spread(tmp_path, capsys):
+    from fly_lightning.callbacks.op_time import step_spread
+
+    assert step_spread([_step(1, 10.0), _step(2, 100.0)])["outlier_steps"] == []  # no majority to judge by
+    assert step_spread([_step(1, 10.0), _step(2, 12.0), _step(3, 29.0)])["outlier_steps"] == []
+    assert step_spread([_step(1, 10.0), _step(2, 12.0), _step(3, 37.0)])["outlier_steps"] == [3]
+
+
+def test_missing_matplotlib_is_said_once(tmp_path, capsys, monkeypatch, recwarn):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    cb = OperatorTime()  # plot on by default: a missing matplotlib is not a silent skip
+    assert cb.plot is True
+    _end_of_fit(cb, [_step(5, 10.0)], tmp_path)
+    out = capsys.readouterr().out
+    assert out.count("op_time.png not written: matplotlib is not installed (pip install matplotlib)") == 1
+    assert cb.png_path is None and not (tmp_path / "op_time.png").exists()
+    assert not [w for w in recwarn if "matplotlib" in str(w.message)]  # said once, not also as a warning
+
+
+def test_amdahl_bound_only_for_gpu_steps():
+    from rich.console import Console
+
+    def render(b: StepBreakdown) -> str:
+        console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+        console.print(b.table())
+        return console.export_text()
+
+    assert "Amdahl" in render(_step(1, 10.0, "cuda")) and "Amdahl" not in render(_step(1, 10.0, "cpu"))
+
+
+def test_small_parts_fold_into_one_row():
+    parts = {"rms_norm/triton": 50.0, "gemm": 49.0, "optimizer": 0.3, "other": 0.4, "overhead": 0.3}
+    b = StepBreakdown(1, "cpu", 100.0, parts, ["rms_norm/triton"])
+    table = b.table()
+    labels = list(table.columns[0].cells)
+    assert "3 parts < 0.5% each" in labels and "optimizer" not in labels and "rms_norm/triton" in labels
+    assert b.to_dict()["parts_ms"]["optimizer"] == 0.3  # the JSON keeps every part

@@ -20,14 +20,22 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.pytorch.cli import LightningCLI
+import yaml
 
 import fly_lightning
 from fly_lightning import DISPATCH_LOG, FlyMoE, FlyRMSNorm
 from fly_lightning.callbacks import DispatchCoverage, OperatorTime, load_manifest
 from fly_lightning.recipes import moe_finetune
 from fly_lightning.recipes.data import MarkovLMData
-from fly_lightning.recipes.moe_finetune import ARCHS, MoECausalLM, build_hf_model, main, trainer_defaults
+from fly_lightning.recipes.moe_finetune import (
+    ARCHS,
+    FinetuneCLI,
+    MoECausalLM,
+    StepProgressBar,
+    build_hf_model,
+    main,
+    trainer_defaults,
+)
 
 VOCAB = 32
 TINY = dict(
@@ -65,16 +73,16 @@ def no_reexec(monkeypatch):
 
 
 @pytest.fixture
-def record_cli(monkeypatch) -> list[LightningCLI]:
+def record_cli(monkeypatch) -> list[FinetuneCLI]:
     """The LightningCLI objects ``main()`` creates (``main`` returns nothing: it is a console entry point)."""
-    made: list[LightningCLI] = []
+    made: list[FinetuneCLI] = []
 
-    class Recording(LightningCLI):
+    class Recording(FinetuneCLI):
         def __init__(self, *args, **kwargs):
             made.append(self)
             super().__init__(*args, **kwargs)
 
-    monkeypatch.setattr(moe_finetune, "LightningCLI", Recording)
+    monkeypatch.setattr(moe_finetune, "FinetuneCLI", Recording)
     return made
 
 
@@ -166,8 +174,9 @@ def test_unknown_arch_is_a_clear_error():
         build_hf_model("deepseek_v3", 32, 32, 1, 2, 1, 4, 2, 16, 32)
 
 
-def test_defaults_agree_and_run_observed():
-    """The embedded default run: model and data vocabularies match, strategy flydsl, both callbacks on."""
+def test_defaults_agree_and_run_observed(tmp_path, no_reexec, capsys):
+    """The embedded default run: model and data vocabularies match, strategy flydsl, checkpoints and both callbacks
+    on (CLI options, not hidden trainer defaults)."""
     model_defaults = inspect.signature(MoECausalLM).parameters
     data_defaults = inspect.signature(MarkovLMData).parameters
     assert model_defaults["vocab_size"].default == data_defaults["vocab_size"].default
@@ -176,9 +185,15 @@ def test_defaults_agree_and_run_observed():
     d = trainer_defaults()
     assert d["strategy"] == "flydsl" and d["devices"] == 1
     assert d["accelerator"] == ("gpu" if torch.cuda.is_available() else "cpu")
-    assert sorted(type(c).__name__ for c in d["callbacks"]) == ["DispatchCoverage", "OperatorTime"]
-    op_time = next(c for c in d["callbacks"] if isinstance(c, OperatorTime))
-    assert op_time.first_step < d["max_steps"]  # the default run does profile a step
+    assert d["enable_checkpointing"] is True and "callbacks" not in d
+    with pytest.raises(SystemExit) as exc:
+        main(["fit", "--print_config"])
+    assert exc.value.code in (0, None)
+    config = yaml.safe_load(capsys.readouterr().out)
+    assert config["checkpoint"]["monitor"] == "val_loss" and config["checkpoint"]["save_last"] is True
+    assert config["op_time"]["first_step"] < d["max_steps"]  # the default run does profile a step
+    assert config["op_time"]["plot"] is True  # no silent skip: a missing matplotlib is said at the end of fit
+    assert "print_table" in config["dispatch_coverage"]
 
 
 # --- fitting through the CLI entry ---------------------------------------------------------------------------------
@@ -263,10 +278,16 @@ def test_cli_fit_swaps_learns_and_writes_outputs(arch, tmp_path, no_reexec, reco
     if importlib.util.find_spec("matplotlib") is not None:
         assert op_time.png_path == log_dir / "op_time.png" and op_time.png_path.stat().st_size > 0
     assert f"arch: {arch}" in (log_dir / "config.yaml").read_text()
+    # checkpointing is on by default: the last step and the best by validation loss
+    assert (log_dir / "checkpoints" / "last.ckpt").is_file()
+    assert [p.name for p in (log_dir / "checkpoints").glob("best-*.ckpt")] == [
+        Path(trainer.checkpoint_callback.best_model_path).name
+    ]
 
     # and said so on the console
-    out = capsys.readouterr().out
-    assert "fly-finetune: no GPU" in out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "fly-finetune: no GPU" in captured.err and "no GPU" not in out  # stdout stays for --print_config
     for title in ("fly-lightning transform", "fly-lightning dispatch", "time by operator"):
         assert title in out, title
 
@@ -307,11 +328,6 @@ def test_cli_fine_tunes_a_pretrained_checkpoint(tmp_path, no_reexec, record_cli)
 # --- invalid configurations ----------------------------------------------------------------------------------------
 
 
-def test_cli_unknown_arch_is_a_clear_error(tmp_path, no_reexec):
-    with pytest.raises(ValueError, match=r"arch must be one of .*got 'llama'"):
-        main(_fit_args(tmp_path, "--model.arch=llama"))
-
-
 @pytest.mark.parametrize("source", ["config", "pretrained"])
 def test_cli_vocab_mismatch_is_a_clear_error(source, tmp_path, no_reexec, record_cli):
     # data and model vocabularies differ: named as such, before any step (not an index or hparams-merge error)
@@ -332,6 +348,131 @@ def test_cli_unknown_option_exits_nonzero_naming_it(tmp_path, no_reexec, capsys)
         main(_fit_args(tmp_path, "--model.num_expertz=4"))
     assert exc.value.code not in (0, None)
     assert "num_expertz" in capsys.readouterr().err
+
+
+def test_cli_unknown_arch_is_rejected_by_the_parser_with_the_choices(tmp_path, no_reexec, record_cli, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(_fit_args(tmp_path, "--model.arch=gpt2"))
+    assert exc.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "gpt2" in err and all(arch in err for arch in ARCHS)
+
+
+@pytest.mark.parametrize("case", ["missing", "file", "no_config"])
+def test_cli_bad_pretrained_path_is_a_parser_error(case, tmp_path, no_reexec, capsys, monkeypatch):
+    import transformers
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("from_pretrained must not be reached")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    path = {"missing": tmp_path / "does" / "not" / "exist", "file": tmp_path / "f", "no_config": tmp_path / "d"}[case]
+    if case == "file":
+        path.write_text("x")
+    if case == "no_config":
+        path.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        main(_fit_args(tmp_path, f"--model.pretrained={path}"))
+    assert exc.value.code not in (0, None)
+    expected = {"missing": "does not exist", "file": "is not a directory", "no_config": "no config.json"}[case]
+    err = capsys.readouterr().err
+    assert f"model.pretrained: {path}" in err and expected in err
+    assert "Traceback" not in err and "Repo id" not in err
+
+
+def test_print_config_round_trips_and_shows_the_callbacks(tmp_path, no_reexec, record_cli, capsys):
+    """``fly-finetune fit --print_config > cfg.yaml && fly-finetune fit -c cfg.yaml``: stdout is the YAML alone."""
+    with pytest.raises(SystemExit) as exc:
+        main([*_fit_args(tmp_path, "--op_time.every_n_steps=3", "--checkpoint.save_top_k=2"), "--print_config"])
+    assert exc.value.code in (0, None)
+    text = capsys.readouterr().out
+    config = yaml.safe_load(text)  # the interpreter banner went to stderr
+    assert isinstance(config, dict) and config["op_time"]["every_n_steps"] == 3
+    assert config["checkpoint"]["save_top_k"] == 2
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(text)
+    main(["fit", "-c", str(cfg)])
+    (_, cli) = record_cli
+    trainer = cli.trainer
+    assert trainer.global_step == FIT_STEPS
+    op_time = next(c for c in trainer.callbacks if isinstance(c, OperatorTime))
+    assert op_time.every_n_steps == 3
+    assert sum(isinstance(c, DispatchCoverage) for c in trainer.callbacks) == 1
+    ckpt = trainer.checkpoint_callback
+    assert ckpt.monitor == "val_loss" and ckpt.save_top_k == 2
+    assert Path(ckpt.last_model_path).name == "last.ckpt" and Path(ckpt.best_model_path).name.startswith("best-")
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
+def test_cli_evaluation_subcommands_run(subcommand, tmp_path, no_reexec, record_cli):
+    args = _fit_args(tmp_path)
+    args[0] = subcommand
+    main(args)
+    (cli,) = record_cli
+    if subcommand == "predict":  # greedy next tokens, one [batch, seq_len] tensor per validation batch
+        preds = cli.trainer.predict_loop.predictions
+        assert [p.shape for p in preds] == [(8, 17), (8, 17)]
+        assert all(int(p.min()) >= 0 and int(p.max()) < VOCAB for p in preds)
+        return
+    metric = {"validate": "val_loss", "test": "test_loss"}[subcommand]
+    assert math.isfinite(float(cli.trainer.callback_metrics[metric]))
+
+
+def test_cli_checkpointing_can_be_turned_off(tmp_path, no_reexec, record_cli):
+    main(_fit_args(tmp_path, "--trainer.enable_checkpointing=false", steps=2))
+    (cli,) = record_cli
+    assert cli.trainer.checkpoint_callback is None
+    assert not list(tmp_path.rglob("*.ckpt"))
+
+
+def test_progress_bar_counts_steps_when_only_max_steps_bounds_the_run(tmp_path):
+    import lightning.pytorch as L
+
+    seen: list[str] = []
+
+    class Look(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.append(trainer.progress_bar_callback._get_train_description(trainer.current_epoch))
+
+    model = MoECausalLM(**TINY)
+    data = MarkovLMData(vocab_size=VOCAB, seq_len=9, batch_size=4, n_train=40, n_val=4)  # 10 batches an epoch
+    trainer = L.Trainer(
+        max_steps=13,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+        callbacks=[StepProgressBar(), Look()],
+    )
+    trainer.fit(model, data)
+    assert trainer.max_epochs == -1  # Lightning's own bar shows "Epoch 0/-2" here
+    assert seen[0] == "Epoch 0, step limit 13" and seen[-1] == "Epoch 1, step limit 13"
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", logger=False, callbacks=[StepProgressBar()])
+    bar = trainer.progress_bar_callback
+    bar.setup(trainer, model, "fit")
+    assert bar._get_train_description(1).strip() == "Epoch 1/2"  # bounded by epochs: Lightning's own
+
+
+def test_quiet_libraries_silences_only_library_noise():
+    import logging
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moe_finetune.quiet_libraries()
+        warnings.warn("`isinstance(treespec, LeafSpec)` is deprecated, use ...", stacklevel=1)
+        warnings.warn("Starting from v1.9.0, `tensorboardX` has been removed as a dependency of ...", stacklevel=1)
+        warnings.warn("data.vocab_size does not match", stacklevel=1)  # anything else still shows
+    assert [str(w.message) for w in caught] == ["data.vocab_size does not match"]
+    assert not logging.getLogger("torchao").isEnabledFor(logging.WARNING)  # "Failed to load ..." probes
+    assert not logging.getLogger("torch.utils._pytree").isEnabledFor(logging.WARNING)
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    tip = logging.LogRecord(rank_zero.name, logging.INFO, "", 0, "Tip: try installing [litlogger](...)", None, None)
+    info = logging.LogRecord(rank_zero.name, logging.INFO, "", 0, "GPU available: False, used: False", None, None)
+    assert not rank_zero.filter(tip) and rank_zero.filter(info)
+    moe_finetune.quiet_libraries()  # idempotent: main() may run more than once in a process
+    assert rank_zero.filters.count(moe_finetune._drop_tips) == 1
 
 
 # --- the console entry ----------------------------------------------------------------------------------------------
@@ -366,10 +507,16 @@ def test_module_fit_help_lists_the_options(tmp_path):
     ]:
         assert option in proc.stdout, option
     assert "LightningCLI's args parameter" not in proc.stderr  # main() must not pass sys.argv twice
+    assert proc.stdout.startswith("usage: fly-finetune ") and "moe_finetune" not in proc.stdout
+    arch_help = proc.stdout[proc.stdout.index("--model.arch") :][:400]
+    assert all(arch in arch_help for arch in ARCHS)  # the choices are listed
+    for option in ("--checkpoint.monitor", "--dispatch_coverage.print_table", "--op_time.every_n_steps"):
+        assert option in proc.stdout, option
 
 
-def test_console_script_help_reexecs_once_without_gpu(tmp_path):
-    """``fly-finetune --help`` with TRITON_INTERPRET unset: exit 0 after at most one re-exec (no fork loop)."""
+def test_console_script_help_does_not_reexec(tmp_path):
+    """``fly-finetune --help`` with TRITON_INTERPRET unset: exit 0 without the re-exec (which doubles the start-up
+    time and is needed only to run kernels), named ``fly-finetune``."""
     script = shutil.which("fly-finetune", path=str(Path(sys.executable).parent))
     assert script is not None, "console script fly-finetune not installed next to this python"
     proc = subprocess.run(
@@ -382,5 +529,21 @@ def test_console_script_help_reexecs_once_without_gpu(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "fit" in proc.stdout and "--config" in proc.stdout
-    banners = proc.stdout.count("fly-finetune: no GPU, Triton kernels run through the interpreter")
-    assert banners == (0 if torch.cuda.is_available() else 1)
+    assert proc.stdout.startswith("usage: fly-finetune ")
+    assert "no GPU" not in proc.stdout + proc.stderr  # no re-exec, no banner
+
+
+def test_console_script_reexecs_once_without_gpu_and_keeps_stdout_clean(tmp_path):
+    """A run (here one that fails at parse time, after the re-exec) re-executes once; the banner goes to stderr."""
+    script = shutil.which("fly-finetune", path=str(Path(sys.executable).parent))
+    proc = subprocess.run(
+        [script, "fit", "--model.arch=gpt2"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env=_env(TRITON_INTERPRET=None),
+    )
+    assert proc.returncode not in (0, None)
+    assert proc.stderr.count("fly-finetune: no GPU") == (0 if torch.cuda.is_available() else 1)
+    assert "no GPU" not in proc.stdout and "gpt2" in proc.stderr

@@ -27,7 +27,7 @@ from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts
 from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import inverse_permutation, moe_grouped_mm
-from fly_lightning.ops.moe_route import moe_route, moe_route_reference
+from fly_lightning.ops.moe_route import group_reason, moe_route, moe_route_reference
 from fly_lightning.ops.swiglu import split_gate_up, swiglu, swiglu_reference
 
 Path = Literal["plain", "fused", "auto"]
@@ -178,6 +178,10 @@ class FlyMoE(nn.Module):
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        if (n_groups is None) != (topk_groups is None):
+            raise ValueError("n_groups and topk_groups must be given together")
+        if n_groups is not None and (reason := group_reason(num_experts, top_k, n_groups, topk_groups)) is not None:
+            raise ValueError(reason)
         if path not in ("plain", "fused", "auto"):
             raise ValueError(f"path must be 'plain', 'fused' or 'auto', got {path!r}")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size

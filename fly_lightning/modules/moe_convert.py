@@ -131,17 +131,33 @@ def _deepseek_router_options(module: nn.Module, router: nn.Module) -> dict:
     if getattr(router, "e_score_correction_bias", None) is None:
         _check_router(module, router)
         return {}
-    n_group, topk_group = getattr(router, "num_group", None), getattr(router, "topk_group", None)
-    if n_group is None or topk_group is None or not hasattr(router, "routed_scaling_factor"):
+    if not all(hasattr(router, a) for a in ("num_group", "topk_group", "routed_scaling_factor")):
         _reject(module, "router has a score-correction bias but not DeepSeek-V3's group fields")
     if getattr(router, "bias", None) is not None:
         _reject(module, "router has a bias")
-    grouped = int(n_group) > 1
+    n_group, topk_group = router.num_group, router.topk_group
+    if n_group is None and topk_group is None:  # DeepSeek-V3's router with groups off (AXK2's light checkpoints)
+        return dict(score_func="sigmoid", route_scale=float(router.routed_scaling_factor))
+    if n_group is None or topk_group is None:
+        _reject(module, "router sets only one of num_group / topk_group")
+    n_group, topk_group = int(n_group), int(topk_group)
+    e, k = router.weight.shape[0], int(getattr(router, "top_k", getattr(module, "top_k", 0)))
+    grouped = n_group > 1
+    if grouped and (e % n_group or e // n_group < 2 or not 1 <= topk_group <= n_group):
+        _reject(module, f"router groups do not fit: {e} experts, n_group={n_group}, topk_group={topk_group}")
+    if grouped and k > topk_group * (e // n_group):
+        if k != e:
+            # transformers masks the other groups' experts with -inf and still takes the top k: the extra slots go
+            # to masked experts in torch.topk's unspecified tie order, weighted by their (unmasked) scores
+            reachable = topk_group * (e // n_group)
+            why = f"top_k={k} exceeds the {reachable} experts of topk_group={topk_group} of n_group={n_group} groups"
+            _reject(module, f"{why}: the extra experts are picked by tie order, not by score")
+        grouped = False  # top_k == num_experts: every expert is chosen whatever the groups (transformers' test config)
     return dict(
         score_func="sigmoid",
         route_scale=float(router.routed_scaling_factor),
-        n_groups=int(n_group) if grouped else None,
-        topk_groups=int(topk_group) if grouped else None,
+        n_groups=n_group if grouped else None,
+        topk_groups=topk_group if grouped else None,
     )
 
 

@@ -71,6 +71,25 @@ class MoERouting(NamedTuple):
     slot_pos_TK: Tensor | None = None
 
 
+def group_reason(n_experts: int, k: int, n_groups: int, topk_groups: int) -> str | None:
+    """Why group-limited routing cannot pick ``k`` of ``n_experts`` (None when it can): the groups must split the
+    experts evenly into groups of at least 2 (a group scores its top 2), keep 1 to ``n_groups`` of them, and hold at
+    least ``k`` experts in the kept ones. Also ``FlyMoE``'s constructor check."""
+    if n_groups < 1 or n_experts % n_groups:
+        return f"n_groups={n_groups} must be >= 1 and divide the {n_experts} experts"
+    size = n_experts // n_groups
+    if size < 2:
+        return f"groups need >= 2 experts (groups of >= 2: a group scores its top 2), got {size}"
+    if not 1 <= topk_groups <= n_groups:
+        return f"topk_groups must be in [1, n_groups={n_groups}], got {topk_groups}"
+    if k > topk_groups * size:
+        return (
+            f"k={k} is larger than the {topk_groups * size} experts of {topk_groups} groups of {size} (the experts "
+            "reachable through the kept groups)"
+        )
+    return None
+
+
 def _validate(
     logits_TE: Tensor,
     k: int,
@@ -112,19 +131,8 @@ def _validate(
     for name, v in (("n_groups", n_groups), ("topk_groups", topk_groups)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise ValueError(f"moe_route: {name} must be an int, got {type(v).__name__}")
-    if n_groups is not None:
-        if n_groups < 1 or n_experts % n_groups:
-            raise ValueError(f"moe_route: n_groups={n_groups} must be >= 1 and divide the {n_experts} experts")
-        if n_experts // n_groups < 2:
-            size = n_experts // n_groups
-            raise ValueError(f"moe_route: groups need >= 2 experts (a group scores its top 2), got {size}")
-        if not 1 <= topk_groups <= n_groups:
-            raise ValueError(f"moe_route: topk_groups must be in [1, n_groups={n_groups}], got {topk_groups}")
-        if k > topk_groups * (n_experts // n_groups):
-            raise ValueError(
-                f"moe_route: k={k} is larger than the {topk_groups * (n_experts // n_groups)} experts of "
-                f"{topk_groups} groups of {n_experts // n_groups}"
-            )
+    if n_groups is not None and (reason := group_reason(n_experts, k, n_groups, topk_groups)) is not None:
+        raise ValueError(f"moe_route: {reason}")
     if logits_TE.shape[0] * k >= 2**31:
         raise ValueError(f"moe_route: tokens * k = {logits_TE.shape[0] * k} does not fit int32 positions")
 

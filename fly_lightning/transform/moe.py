@@ -13,6 +13,10 @@ before the activation, an extra norm), so two checks follow:
   device or sharded, or a block that outputs zeros, the probe cannot tell and such a class is left. Known classes
   skip it (it runs the block and a per-expert loop: for a Mixtral-sized block on a CPU, an estimated ~90 GFLOP, not
   measured).
+- experts probe (transformers v5 blocks of classes not in ``_KNOWN``): the wrapped ``experts`` module alone, on
+  tokens scaled so that the expert pre-activations reach ~1e3 whatever the weights' scale, must match the
+  replacement's SwiGLU experts: a clamp (HY-V4's at 10) that a freshly initialised model's activations never reach in
+  the block probe would otherwise be swapped and give other numbers once training grows the weights.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from torch import nn
 from fly_lightning.dtensor import is_dtensor
 from fly_lightning.modules.moe import FlyMoE, moe_reference
 from fly_lightning.ops.moe_route import ranked_values
+from fly_lightning.ops.swiglu import split_gate_up, swiglu_reference
 from fly_lightning.transform.core import Matcher, Unsupported, register_matcher
 
 # (module prefix, class): blocks whose math the conversion is known to reproduce (tests/fly_lightning/transform)
@@ -148,6 +153,72 @@ def _probe(module: nn.Module, new: FlyMoE) -> bool:
     return True
 
 
+def _experts_reference(new: FlyMoE, x_TH: torch.Tensor, ids_TK: torch.Tensor, w_TK: torch.Tensor) -> torch.Tensor:
+    """What the replacement's experts compute for given routing: ``sum_j w[t, j] * expert_{ids[t, j]}(x_t)``."""
+    gate_up, up, down = new.experts.projections()
+    y = torch.zeros(x_TH.shape, dtype=torch.float32, device=x_TH.device)
+    for e in ids_TK.unique().tolist():
+        tok, slot = torch.where(ids_TK == e)
+        xe = x_TH[tok].to(down.dtype)
+        gate, u = split_gate_up(xe @ gate_up[e], None if up is None else xe @ up[e])
+        y.index_add_(0, tok, (swiglu_reference(gate, u) @ down[e]).float() * w_TK[tok, slot].unsqueeze(1).float())
+    return y
+
+
+def _probe_with_random_bias(module: nn.Module, new: FlyMoE) -> bool:
+    """``_probe`` with the selection bias (shared by both blocks) set to random values meanwhile, then restored: a
+    freshly initialised bias is zero, and with a zero bias the probe cannot see how a block uses it (ranking
+    ``sigmoid + bias`` or ``logits + bias``, adding it to the weights too), which the bias decides once it moves."""
+    bias = new.selection_bias()
+    if bias is None:
+        return _probe(module, new)
+    saved = bias.detach().clone()
+    try:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(2)
+            bias.copy_(torch.randn(bias.shape, generator=g) * 0.5)
+        return _probe(module, new)
+    finally:
+        with torch.no_grad():
+            bias.copy_(saved)
+
+
+def _probe_experts(module: nn.Module, new: FlyMoE) -> None:
+    """Raise ``Unsupported`` unless the wrapped experts module (transformers v5: ``experts(x, top_k_index,
+    top_k_weights)``) reproduces the replacement's SwiGLU experts with expert pre-activations up to ~1e3, whatever the
+    weights' scale. The block probe's random tokens reach the clamps of a trained checkpoint but not those of a freshly
+    initialised model (HY-V4 clamps the SwiGLU at 10: with 0.02-std weights no pre-activation gets there), and a swap
+    must not depend on how large the weights happen to be."""
+    gate_up, up, _ = new.experts.projections()
+    cols = gate_up.detach().float().norm(dim=1)  # [E, N]: pre-activation std per column for unit-normal tokens
+    if up is not None:
+        cols = torch.cat([cols, up.detach().float().norm(dim=1)], dim=1)
+    big = 1e3 / cols.max().clamp_min(1e-30).item()
+    t, e, k = 32, new.num_experts, min(new.top_k, new.num_experts)
+    g = torch.Generator().manual_seed(1)
+    scale = torch.ones(t, 1).index_fill_(0, torch.arange(1, t, 2), big)
+    x = (torch.randn(t, new.hidden_size, generator=g) * scale).to(device=new.router_weight.device, dtype=gate_up.dtype)
+    ids = torch.stack([(torch.arange(k) + i) % e for i in range(t)]).to(x.device)  # every expert, k distinct per token
+    w = torch.rand(t, k, generator=g).to(device=x.device, dtype=torch.float32)
+    try:
+        with torch.no_grad(), _unobserved(module):
+            want = module.experts(x.clone(), ids, w.to(x.dtype))
+    except Exception as exc:  # noqa: BLE001 - experts that cannot be called alone cannot be checked
+        raise Unsupported(f"probe: the experts could not be run alone ({type(exc).__name__})") from None
+    with torch.no_grad():
+        got = _experts_reference(new, x, ids, w)
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+        raise Unsupported("probe: the experts' output is not a tensor of their input's shape")
+    want = want.float()
+    if not torch.isfinite(want).all():
+        raise Unsupported("probe: the experts give non-finite outputs")
+    err = ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+    tol = 5e-3 if gate_up.dtype in (torch.float32, torch.float64) else 5e-2
+    if not err <= tol:
+        raise Unsupported(f"probe: the experts compute something else at large activations (a clamp?): relative "
+                          f"error {err:.1e} > {tol:.0e}")  # fmt: skip
+
+
 def _probeable(module: nn.Module) -> bool:
     tensors = [*module.parameters(), *module.buffers()]
     return not any(t.is_meta or is_dtensor(t) for t in tensors)
@@ -163,16 +234,21 @@ def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
     try:
         new = FlyMoE.from_module(module)
     except ValueError as exc:
-        raise Unsupported(str(exc).removeprefix("FlyMoE.from_module: ")) from None
+        # the summary names the class already: the reason alone
+        raise Unsupported(
+            str(exc).removeprefix("FlyMoE.from_module: ").removeprefix(f"{type(module).__name__}: ")
+        ) from None
     _check_state(module, new)
     cls = type(module)
     if not any(cls.__module__.startswith(prefix) and cls.__name__ == name for prefix, name in _KNOWN):
         if not _probeable(module):
             raise Unsupported("weights on meta / sharded: a block class not known to convert needs a probe on real "
                               "weights")  # fmt: skip
-        if not _probe(module, new):
+        if not _probe_with_random_bias(module, new):
             raise Unsupported("probe: the block outputs zeros on random tokens, so it cannot tell; a class not known "
                               "to convert needs a probe on nonzero weights")  # fmt: skip
+        if variant == "hf_v5":
+            _probe_experts(module, new)
     new.train(module.training)
     return new
 

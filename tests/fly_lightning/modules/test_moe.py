@@ -482,5 +482,13 @@ def test_constructor_checks():
         FlyMoE(H, INTER, E, 7)
     with pytest.raises(ValueError, match="path"):
         FlyMoE(H, INTER, E, 2, path="fast")
+    with pytest.raises(ValueError, match="given together"):
+        FlyMoE(H, INTER, E, 2, n_groups=2)
+    with pytest.raises(ValueError, match="groups of >= 2"):
+        FlyMoE(H, INTER, E, 2, n_groups=E, topk_groups=1)
+    with pytest.raises(ValueError, match="topk_groups must be in"):
+        FlyMoE(H, INTER, E, 2, n_groups=2, topk_groups=3)
+    with pytest.raises(ValueError, match="reachable"):  # k larger than the experts of the kept groups
+        FlyMoE(H, INTER, E, E // 2 + 1, n_groups=2, topk_groups=1)
     with pytest.raises(ValueError, match="last dim"):
         FlyMoE(H, INTER, E, 2)(torch.randn(3, H + 1))

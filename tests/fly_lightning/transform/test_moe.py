@@ -187,3 +187,168 @@ def test_block_that_outputs_zeros_cannot_be_probed():
             ex.w2.weight.zero_()  # zero-initialised down projections (as some adapter inits do)
     (reason,) = _left(_model(block))
     assert "outputs zeros on random tokens, so it cannot tell" in reason
+
+
+def _deepseek_v3_test_config(transformers, **kw):
+    """transformers' own DeepSeek-V3 test configuration (tests/models/deepseek_v3): top-k 8 of 8 experts in 2 groups,
+    1 group kept, so only 4 experts are reachable through the groups."""
+    return transformers.DeepseekV3Config(**{
+        **dict(vocab_size=99, hidden_size=32, intermediate_size=32, moe_intermediate_size=16, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+               routed_scaling_factor=2.5, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=16, v_head_dim=32,
+               qk_nope_head_dim=32, n_group=2, topk_group=1, num_experts_per_tok=8, first_k_dense_replace=1,
+               norm_topk_prob=True, hidden_act="silu", max_position_embeddings=512, pad_token_id=0),
+        **kw,
+    })  # fmt: skip
+
+
+def _deepseek_v3(transformers, **kw):
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(_deepseek_v3_test_config(transformers, **kw))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.5)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5, generator=g)
+    return model
+
+
+def test_deepseek_v3_top_k_of_all_experts_beyond_the_kept_groups_is_swapped_exactly():
+    # top_k == num_experts: transformers masks the dropped group with -inf and still takes all 8, so every expert is
+    # chosen with its unmasked score whatever the groups; the swapped block routes to all 8 as well
+    transformers = pytest.importorskip("transformers")
+    ref = _deepseek_v3(transformers)
+    model = copy.deepcopy(ref)
+    summary = fly_lightning.transform(model)
+    assert [c for _, c, m in summary.swapped if m.startswith("moe:")] == ["DeepseekV3MoE"] and summary.left == []
+    ids = torch.randint(0, 99, (2, 7), generator=torch.Generator().manual_seed(3))
+    out, out_ref = model(ids, labels=ids), ref(ids, labels=ids)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_deepseek_v3_top_k_beyond_the_kept_groups_but_not_all_experts_is_left():
+    # 4 < top_k < 8: the extra slots go to masked experts in torch.topk's tie order; nothing defined to reproduce
+    transformers = pytest.importorskip("transformers")
+    model = _deepseek_v3(transformers, num_experts_per_tok=6)
+    ids = torch.randint(0, 99, (2, 7), generator=torch.Generator().manual_seed(3))
+    summary = fly_lightning.transform(model)
+    (reason,) = [r for _, c, r in summary.left if c == "DeepseekV3MoE"]
+    assert "top_k=6 exceeds the 4 experts of topk_group=1 of n_group=2 groups" in reason
+    assert not any(isinstance(m, FlyMoE) for m in model.modules())
+    model(ids, labels=ids).loss.backward()  # still the working model it was
+
+
+def test_clamped_experts_are_left_at_fresh_init_too():
+    # HY-V4 clamps the SwiGLU at 10; with small freshly initialised weights the block probe's tokens never get there
+    # (the transformers-built tiny model of test_moe_families is such a case), so only the experts probe, which
+    # scales its tokens to the weights, shows it
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "HYV4Config"):
+        pytest.skip("this transformers has no HY-V4")
+    from transformers.models.hy_v4.modeling_hy_v4 import HYV4MoE
+
+    cfg = transformers.HYV4Config(
+        hidden_size=32, intermediate_size=48, num_experts_per_tok=2, moe_intermediate_size=24, num_local_experts=4,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    block = HYV4MoE(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.005)
+        block.gate.weight.normal_(0, 0.5)
+    (reason,) = [r for _, _, r in fly_lightning.transform(nn.ModuleDict({"mlp": block})).left]
+    assert reason.startswith("probe: the experts compute something else at large activations"), reason
+
+
+def test_summary_says_per_class_in_one_line_what_was_swapped_and_left():
+    summary = fly_lightning.TransformSummary(
+        swapped=[("l0.mlp", "DeepseekV3MoE", "moe:hf_v5"), ("l1.mlp", "DeepseekV3MoE", "moe:hf_v5")],
+        left=[("l2.mlp", "DeepseekV3MoE", "top_k=6 exceeds ..."), ("m.mlp", "HYV4MoE", "probe: clamp")],
+    )
+    lines = str(summary).splitlines()
+    assert lines == [
+        "swapped 2 module(s)",
+        "  2 x DeepseekV3MoE -> moe:hf_v5; 1 left: top_k=6 exceeds ...",
+        "left 1 recognised module(s):",
+        "  1 x HYV4MoE: probe: clamp",
+    ]
+
+
+class _BiasedRouter(nn.Module):
+    """DeepSeek-V3's router fields with groups off; ``rank_logits`` ranks ``logits + bias`` instead of
+    ``sigmoid(logits) + bias`` (as Kolibri-1 does): with a zero bias the two choose the same experts."""
+
+    def __init__(self, rank_logits: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 16) * 0.5)
+        self.register_buffer("e_score_correction_bias", torch.zeros(4))
+        self.top_k, self.num_group, self.topk_group, self.routed_scaling_factor = 2, None, None, 1.5
+        self.norm_topk_prob, self.rank_logits = True, rank_logits
+
+    def forward(self, x):
+        logits = F.linear(x.reshape(-1, x.shape[-1]).float(), self.weight.float())
+        scores = logits.sigmoid()
+        ids = torch.topk((logits if self.rank_logits else scores) + self.e_score_correction_bias, 2, dim=-1)[1]
+        w = scores.gather(1, ids)
+        return logits, w / (w.sum(-1, keepdim=True) + 1e-20) * self.routed_scaling_factor, ids
+
+
+class _BiasedBlock(nn.Module):
+    def __init__(self, rank_logits: bool) -> None:
+        super().__init__()
+        self.gate = _BiasedRouter(rank_logits)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.randn(4, 2 * 8, 16) * 0.3)
+        self.experts.down_proj = nn.Parameter(torch.randn(4, 16, 8) * 0.3)
+        self.experts.act_fn = nn.SiLU()
+        self.experts.forward = self._experts
+
+    def _experts(self, x, ids, w):
+        y = torch.zeros_like(x)
+        for e in range(4):
+            tok, slot = torch.where(ids == e)
+            gate, up = F.linear(x[tok], self.experts.gate_up_proj[e]).chunk(2, dim=-1)
+            rows = F.linear(F.silu(gate) * up, self.experts.down_proj[e])
+            y = y.index_add(0, tok, rows * w[tok, slot, None].to(rows.dtype))
+        return y
+
+    def forward(self, x):
+        _, w, ids = self.gate(x)
+        return self.experts(x.reshape(-1, x.shape[-1]), ids, w).reshape(x.shape)
+
+
+@pytest.mark.parametrize("rank_logits", [False, True], ids=["sigmoid_plus_bias", "logits_plus_bias"])
+def test_router_bias_is_probed_at_random_values_not_at_its_zero_init(rank_logits):
+    # a fresh selection bias is zero, where ranking logits + bias and sigmoid + bias agree; the probe sets it to
+    # random values (restored afterwards) so that only the block whose math is the swapped one's is swapped
+    torch.manual_seed(0)
+    block = _BiasedBlock(rank_logits)
+    ref = copy.deepcopy(block)
+    model = nn.ModuleDict({"mlp": block})
+    summary = fly_lightning.transform(model)
+    assert torch.equal(model.mlp.gate.e_score_correction_bias, torch.zeros(4))  # restored
+    if rank_logits:
+        (reason,) = [r for _, _, r in summary.left]
+        assert reason.startswith("probe: the swapped block computes something else"), reason
+        return
+    assert [m for _, _, m in summary.swapped] == ["moe:hf_v5"]
+    for b in (model.mlp.gate.e_score_correction_bias, ref.gate.e_score_correction_bias):
+        b.copy_(torch.tensor([0.4, -0.3, 0.1, -0.5]))  # the bias moves in training: still the same function
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y, y_ref = model.mlp(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), p_ref in zip(model.mlp.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from fly_lightning.dispatch import register_op
-from fly_lightning.ops._eager import _opaque
+from fly_lightning.ops._eager import TracedOrDirect
 from fly_lightning.quant import formats
 from fly_lightning.registry import tensor_key
 
@@ -78,6 +78,10 @@ def _(x: Tensor, fmt: str, mode: str, axis: int) -> tuple[Tensor, Tensor]:
     return x.new_empty(data, dtype=_data_dtype(fmt)), x.new_empty(scale, dtype=torch.float8_e8m0fnu)
 
 
+# the custom op where something traces or a tensor subclass is given; eager calls skip its wrapper's host cost
+_mx_cast_call = TracedOrDirect(mx_cast_op, MX_CAST)
+
+
 def mx_cast(x: Tensor, fmt: str = "mxfp8_e4m3", mode: str = "floor", axis: int = -1) -> tuple[Tensor, Tensor]:
     """Quantise ``x`` to MX along ``axis`` (``-1`` row-wise, ``0`` column-wise for 2-D): ``(data, scale)``.
 
@@ -87,9 +91,6 @@ def mx_cast(x: Tensor, fmt: str = "mxfp8_e4m3", mode: str = "floor", axis: int =
         mode: ``"floor"`` or ``"rceil"`` (torchao's ``ScaleCalculationMode`` values).
     """
     mode = formats.as_mode(mode).value  # torchao's enum or ours: the op takes the string
-    if not isinstance(x, Tensor):
-        return MX_CAST(x, fmt, mode, axis)  # validation names the argument
-    x = x.detach()  # a cast has no gradient
-    if _opaque([x]):  # traced, or a tensor subclass: the custom op; eager calls skip its wrapper's host cost
-        return mx_cast_op(x, fmt, mode, axis)
-    return MX_CAST(x, fmt, mode, axis)
+    if isinstance(x, Tensor):
+        x = x.detach()  # a cast has no gradient
+    return _mx_cast_call(x, fmt, mode, axis)

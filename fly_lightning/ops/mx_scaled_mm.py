@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from fly_lightning.dispatch import register_op
-from fly_lightning.ops._eager import _opaque
+from fly_lightning.ops._eager import TracedOrDirect
 from fly_lightning.quant import formats
 from fly_lightning.registry import tensor_key
 
@@ -118,6 +118,10 @@ def _(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> Tensor:
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
+# the custom op where something traces or a tensor subclass is given; eager calls skip its wrapper's host cost
+_mx_scaled_mm_call = TracedOrDirect(mx_scaled_mm_op, MX_SCALED_MM)
+
+
 def mx_scaled_mm(
     a: Tensor,
     b: Tensor,
@@ -130,7 +134,4 @@ def mx_scaled_mm(
 ) -> Tensor:
     """``a @ dequant(b).T`` for MX ``b`` ``[N, K]`` (``mx_cast(weight)``); ``a`` is MX when ``a_fmt`` is given
     (``a_scale`` its scales), else bf16/fp32 ``[M, K]``. Returns ``[M, N]`` in ``out_dtype``."""
-    args = (a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
-    if isinstance(a, Tensor) and isinstance(b, Tensor) and _opaque([a, b]):
-        return mx_scaled_mm_op(*args)
-    return MX_SCALED_MM(*args)
+    return _mx_scaled_mm_call(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)

@@ -22,7 +22,6 @@ from fly_lightning.quant import formats
 
 # per format: exponent bits, mantissa bits, exponent bias (the element format's)
 _BITS = {"mxfp8_e4m3": (4, 3, 7), "mxfp8_e5m2": (5, 2, 15), "mxfp4_e2m1": (2, 1, 1)}
-_ROUND = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds an fp32 below 2^22 to an integer, ties to even
 
 
 @triton.jit
@@ -37,6 +36,7 @@ def _encode(v, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
     normal = ((mag_bits + ((1 << (shift - 1)) - 1) + lsb) >> shift) - ((127 - BIAS) << MBITS)
     # below the smallest normal: a multiple of the subnormal step (code 2^MBITS is the smallest normal, contiguous)
     sub_step: tl.constexpr = 2.0 ** (BIAS - 1 + MBITS)
+    # adding and subtracting 1.5 * 2^23 rounds an fp32 below 2^22 to an integer, ties to even
     sub = ((mag * sub_step + 12582912.0) - 12582912.0).to(tl.int32)
     min_normal: tl.constexpr = 2.0 ** (1 - BIAS)
     code = tl.where(mag < min_normal, sub, normal)

@@ -6,7 +6,12 @@ combine) on real model shapes, bf16, forward and forward+backward, all variants 
   baseline of the issue's "permute + grouped_mm + unpermute" (absent where transformers is not installed);
 - ``plain_aten``: ``FlyMoE``'s plain path with every op on ATen (the same dataflow, our ATen composition);
 - ``plain``: ``FlyMoE``'s plain path on the kernels (token rows copied into expert order);
-- ``fused``: ``FlyMoE``'s fused path (token rows gathered inside the gate/up GEMM, no copy).
+- ``fused``: ``FlyMoE``'s fused path (token rows gathered inside the gate/up GEMM, no copy);
+- ``hf_compile`` / ``fused_compile``: those two under ``torch.compile`` (default policy: Inductor keeps the ops in
+  ``DispatchConfig.inductor_ops``);
+- ``liger``: transformers' block with Liger-Kernel's ``LigerExperts`` (its fused MoE kernels, forward and backward)
+  in place of the experts, as ``apply_liger_kernel_to_qwen3_moe`` installs them (``--liger`` models only: its
+  autotuning takes minutes per shape).
 
 The ``FlyMoE`` variants wrap the transformers block (``FlyMoE.from_module``: shared parameters). Outputs are first
 compared with ``hf_grouped_mm`` (else ``plain_aten``), then timed side by side: the variants take turns in rounds
@@ -18,12 +23,13 @@ compared with ``hf_grouped_mm`` (else ``plain_aten``), then timed side by side: 
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from contextlib import nullcontext
 
 import torch
 
-from benchmarks.harness import Results, interleaved_ms
+from benchmarks.harness import Results, first_call_s, interleaved_ms
 from fly_lightning import FlyMoE, dispatch_config
 
 # transformers model type, hidden H, expert intermediate I, experts E, top-k, tokens T, renormalised top-k weights
@@ -33,6 +39,7 @@ MOE_MODELS = {
     "mixtral-8x7b": ("mixtral", 4096, 14336, 8, 2, 4096, True),
 }
 FLY_VARIANTS = ("fused", "plain", "plain_aten")
+BASELINES = ("hf_grouped_mm", "hf_compile", "liger")  # what users run without us
 ROUNDS = 4  # side-by-side timing: a drift of the GPU's clocks falls on every variant alike
 
 
@@ -65,15 +72,50 @@ def hf_block(family: str, h: int, i: int, e: int, k: int, norm: bool, device, dt
     return block
 
 
-def _layers(family, h, i, e, k, norm, device, dtype) -> dict[str, torch.nn.Module]:
+def liger_block(block: torch.nn.Module) -> torch.nn.Module | None:
+    """``block`` with Liger-Kernel's ``LigerExperts`` sharing its expert weights, or None (Liger not installed)."""
+    try:
+        from liger_kernel.transformers.swiglu import LigerExperts
+    except ImportError:
+        return None
+    experts = LigerExperts(block.config if hasattr(block, "config") else block.experts.config)
+    experts.gate_up_proj, experts.down_proj = block.experts.gate_up_proj, block.experts.down_proj
+    new = copy.copy(block)
+    new._modules = dict(block._modules)
+    new.experts = experts
+    return new
+
+
+def _layers(family, h, i, e, k, norm, device, dtype, liger: bool, compiled: bool) -> dict[str, torch.nn.Module]:
     block = hf_block(family, h, i, e, k, norm, device, dtype)
     if block is None:
         torch.manual_seed(0)
         make = lambda path: FlyMoE(h, i, e, k, norm_topk_prob=norm, path=path, device=device, dtype=dtype)  # noqa: E731
         return {v: make("fused" if v == "fused" else "plain") for v in FLY_VARIANTS}
     layers = {"hf_grouped_mm": block}
+    if liger and (lb := liger_block(block)) is not None:
+        layers["liger"] = lb
     layers.update({v: FlyMoE.from_module(block, path="fused" if v == "fused" else "plain") for v in FLY_VARIANTS})
+    if compiled:
+        layers["hf_compile"] = torch.compile(block)
+        layers["fused_compile"] = torch.compile(FlyMoE.from_module(block, path="fused"))
     return layers
+
+
+def profile_fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, top: int = 25) -> list[dict]:
+    """Device time per kernel over one forward+backward (torch.profiler), the ``top`` largest."""
+    from torch.profiler import ProfilerActivity, profile
+
+    xg = x.clone().requires_grad_()
+    _call(layer, xg).backward(grad)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _call(layer, xg).backward(grad)
+        torch.cuda.synchronize()
+    rows = [{"kernel": e.key[:160], "ms": round(e.self_device_time_total / 1e3, 4), "calls": e.count}
+            for e in prof.key_averages() if e.self_device_time_total > 0]  # fmt: skip
+    rows.sort(key=lambda r: -r["ms"])
+    return [{"total_ms": round(sum(r["ms"] for r in rows), 4)}, *rows[:top]]
 
 
 def _call(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -82,18 +124,22 @@ def _call(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype = torch.bfloat16,
-            reps: tuple[int, int] = (24, 12)) -> Results:  # fmt: skip
+            reps: tuple[int, int] = (24, 12), liger: tuple[str, ...] = (), compiled: bool = True,
+            profile: tuple[str, ...] = ()) -> Results:  # fmt: skip
     res = Results("moe_layer")
     models = models or MOE_MODELS
     for model, (family, h, i, e, k, t, norm) in models.items():
         x = torch.randn(1, t, h, device=device, dtype=dtype)  # transformers blocks take [B, S, H]
         grad = torch.randn_like(x)
-        layers = _layers(family, h, i, e, k, norm, device, dtype)
+        layers = _layers(family, h, i, e, k, norm, device, dtype, model in liger, compiled and device == "cuda")
         flops = 6.0 * t * k * h * i  # gate/up (2 x 2I x H) + down (2 x H x I) per routed row
-        outs = {}
+        outs, cold = {}, {}
         for v, layer in layers.items():
             with torch.no_grad(), dispatch_config(backends=("aten",)) if v == "plain_aten" else nullcontext():
-                outs[v] = _call(layer, x)
+                cold[v], outs[v] = first_call_s(_call, layer, x)
+            with dispatch_config(backends=("aten",)) if v == "plain_aten" else nullcontext():
+                step = lambda a, layer=layer, g=grad: _call(layer, a).backward(g)  # noqa: E731
+                cold[v] += first_call_s(step, x.clone().requires_grad_())[0]
         base_name = "hf_grouped_mm" if "hf_grouped_mm" in outs else "plain_aten"
         base = outs[base_name].float()
         xg = x.clone().requires_grad_()
@@ -121,8 +167,12 @@ def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype
                        max_abs_diff_vs_baseline=diff.abs().max().item(),
                        rel_err_vs_baseline=(diff.norm() / base.norm()).item())  # fmt: skip
             row.update(fwd_ms=round(fwd_ms[v], 4), fwd_tflops=round(flops / fwd_ms[v] / 1e9, 1),
-                       fwd_bwd_ms=round(fb_ms[v], 4), fwd_bwd_tflops=round(3 * flops / fb_ms[v] / 1e9, 1))  # fmt: skip
+                       fwd_bwd_ms=round(fb_ms[v], 4), fwd_bwd_tflops=round(3 * flops / fb_ms[v] / 1e9, 1),
+                       first_fwd_bwd_s=round(cold[v], 2))  # fmt: skip
             res.add(**row)
+        for v in profile:
+            if v in layers and device == "cuda":
+                res.details[f"{model}/{v}/profile_fwd_bwd"] = profile_fwd_bwd(layers[v], x, grad)
         del layers, outs, x, grad
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -134,23 +184,40 @@ def run_moe(device: str = "cuda", models: dict | None = None, dtype: torch.dtype
                     res.summary[f"{model}_fused_over_{other}_{mode}"] = round(
                         r[other][f"{mode}_ms"] / r["fused"][f"{mode}_ms"], 3
                     )
+        # the headline: our fastest block against the fastest block users run without us, forward+backward
+        ours = [v for v in ("fused", "plain", "fused_compile") if v in r]
+        theirs = [v for v in BASELINES if v in r]
+        if ours and theirs:
+            best = min(ours, key=lambda v: r[v]["fwd_bwd_ms"])
+            base = min(theirs, key=lambda v: r[v]["fwd_bwd_ms"])
+            res.summary[f"{model}_best_over_best_baseline_fwd_bwd"] = {
+                "ours": best, "baseline": base, "speedup": round(r[base]["fwd_bwd_ms"] / r[best]["fwd_bwd_ms"], 3)
+            }  # fmt: skip
     res.notes += [
         "x_over_y = y time / x time (> 1: x faster). fwd_bwd TFLOP/s counts 3x the forward GEMM FLOPs.",
         f"timing: the variants take turns in rounds (at least {ROUNDS}, a multiple of their number; order rotated each "
         "round), each reporting the median of its round medians (harness.interleaved_ms); forward first, then "
         "forward+backward.",
         "hf_grouped_mm: transformers' block with config._experts_implementation='grouped_mm' (the stock layer).",
+        "first_fwd_bwd_s: host time of the first forward and the first forward+backward (compilation, autotuning).",
         "Set fly_lightning.modules.moe.AUTO_PATH to the faster of fused/plain (FlyMoE(path='auto') uses it).",
     ]
     return res
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(MOE_MODELS), help="comma-separated, from: " + ", ".join(MOE_MODELS))
+    p.add_argument("--liger", default="qwen3-30b-a3b", help="models that also time Liger's experts ('' for none)")
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile variants")
+    p.add_argument("--profile", default="", help="variants whose forward+backward kernels are profiled (JSON only)")
+    args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
+    split = lambda s: tuple(v for v in s.split(",") if v)  # noqa: E731
+    models = {m: MOE_MODELS[m] for m in split(args.models)}
     start = time.perf_counter()
-    res = run_moe()
+    res = run_moe(models=models, liger=split(args.liger), compiled=not args.no_compile, profile=split(args.profile))
     res.summary["wall_s"] = round(time.perf_counter() - start, 1)
     print(f"{res.summary}\nwrote {res.save()}", flush=True)
 

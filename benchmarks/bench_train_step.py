@@ -6,7 +6,8 @@ its config at real layer dimensions (few layers, vocab 32000, random tokens), pe
 - ``stock``: eager transformers; ``compile``: ``torch.compile(model)``; ``liger``: ``apply_liger_kernel_to_<arch>``
   (where Liger has an entry for the architecture);
 - ``fly``: ``fly_lightning.transform(model)``; ``fly_compile``: transform, then ``torch.compile``; ``liger_fly``: Liger,
-  then the transform (composition).
+  then the transform (composition); ``fly_compile_opaque``: ``fly_compile`` with every op opaque to Inductor (policy
+  ``inductor_ops`` empty): the alternative that ``fly_compile``'s default policy is measured against.
 
 Precisions: ``bf16-true`` (bf16 weights, no autocast) and ``bf16-mixed`` (fp32 weights, bf16 autocast; there stock
 transformers runs its expert GEMMs in fp32, see the README). Each variant runs in its own process (Liger patches
@@ -34,7 +35,7 @@ import torch
 
 from benchmarks.harness import Results, results_dir
 
-VARIANTS = ("stock", "compile", "liger", "fly", "fly_compile", "liger_fly")
+VARIANTS = ("stock", "compile", "liger", "fly", "fly_compile", "liger_fly", "fly_compile_opaque")
 BASELINES = ("stock", "compile", "liger")  # what users already run; every ratio is against the fastest of these
 PRECISIONS = ("bf16-true", "bf16-mixed")
 STEPS, WARMUP = 16, 4
@@ -110,7 +111,9 @@ def _build(case: ModelCase, variant: str, precision: str, device: torch.device) 
         summary = fly_lightning.transform(model)
         info["swapped"] = sorted({f"{cls} -> {how}" for _, cls, how in summary.swapped})
         info["left"] = sorted({f"{cls}: {why}" for _, cls, why in summary.left})
-    if variant.endswith("compile"):
+    if variant == "fly_compile_opaque":
+        fly_lightning.set_dispatch_config(inductor_ops=())
+    if "compile" in variant:
         model = torch.compile(model)
     return model, info
 

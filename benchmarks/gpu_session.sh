@@ -68,7 +68,8 @@ for phase in "$@"; do
     grouped) run grouped 540 python3 -m benchmarks.bench_grouped_mm ;;
     grouped_all) run grouped_all 570 python3 -m benchmarks.bench_grouped_mm --peer all ;;
     roof) run roof 300 python3 -m benchmarks.bench_gemm_roof ;;
-    moe) run moe 300 python3 -m benchmarks.bench_moe_layer ;;
+    # FLY_MOE_ARGS narrows or extends the MoE block suite (models, Liger, compile, profiled variants)
+    moe) run moe 420 python3 -m benchmarks.bench_moe_layer ${FLY_MOE_ARGS:-} ;;
     mx_cast) run mx_cast 300 python3 -m benchmarks.bench_mx_cast ;;
     # FLY_AGAINST=<dir holding another fly_lightning/>: that copy timed too, in alternating processes
     overhead) run overhead 300 python3 -m benchmarks.bench_dispatch_overhead ${FLY_AGAINST:+--against "$FLY_AGAINST"} ;;

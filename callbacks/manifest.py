@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fly_lightning.dispatch_log import NOT_SPECIALISED
+
 if TYPE_CHECKING:
     from fly_lightning.dispatch_log import Decision
 
@@ -131,7 +133,7 @@ def merge_sections(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         op["fallback_calls"] = sum(
             s["by_backend"].get("aten", 0) for s in op["signatures"].values() if _has_specialised(s)
         )
-        special = op["calls"] - by_backend.get("aten", 0)
+        special = op["calls"] - sum(by_backend.get(b, 0) for b in NOT_SPECIALISED)
         op["specialised_share"] = round(special / op["calls"], 6) if op["calls"] else 0.0
     return {"ops": ops, "cold_start": cold}
 

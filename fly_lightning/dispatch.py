@@ -18,10 +18,10 @@ import torch
 
 from fly_lightning import policy, registry
 from fly_lightning.backends import BACKENDS
-from fly_lightning.dispatch_log import DISPATCH_LOG, Decision
+from fly_lightning.dispatch_log import DISPATCH_LOG, INDUCTOR, Decision
 from fly_lightning.registry import BackendImpl, OpDef
 
-__all__ = ["Decision", "Op", "record_fallback", "register_op"]
+__all__ = ["Decision", "Op", "record_fallback", "record_inductor", "register_op"]
 
 
 class Op(OpDef):
@@ -54,15 +54,20 @@ def register_op(
     validate: Callable[..., None] | None = None,
     check: Callable[..., None] | None = None,
     aten: Callable[..., Any] | None = None,
+    traced: Callable[..., Any] | None = None,
     doc: str = "",
 ) -> Op:
     """Create an operator and put it in the registry.
 
     ``aten`` is the always-available fallback (defaults to the reference); it must accept every valid input.
+    ``traced``: plain torch, free of host reads, that ``torch.compile`` may trace instead of the opaque op when the
+    policy leaves the op to Inductor (``DispatchConfig.inductor_ops``); None: the op is always opaque under compile.
     """
     if name in registry.OPS:  # before creating anything
         raise ValueError(f"operator {name!r} is already registered")
-    op = Op(name=name, reference=reference, signature=signature, validate=validate, check=check, doc=doc)
+    op = Op(
+        name=name, reference=reference, signature=signature, validate=validate, check=check, doc=doc, traced=traced
+    )
     op.implement("aten", constraints="every valid input (fallback and oracle)")(aten or reference)
     registry.add(op)
     return op
@@ -219,6 +224,25 @@ def _describe(args: tuple) -> tuple[str, str]:
         shape += " (" + ", ".join(notes) + ")"
     dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
     return shape, dtype
+
+
+@torch.compiler.assume_constant_result
+def record_inductor(op_name: str, shape: str, dtype: str) -> None:
+    """Record that ``torch.compile`` traced ``op_name``'s plain-torch form (see ``DispatchConfig.inductor_ops``).
+
+    Runs while Dynamo traces (a constant-result function: no graph break), so ``calls`` counts the compiled graphs
+    holding the op, not their runs: a compiled graph cannot report its runs without a graph break.
+    """
+    op = registry.OPS[op_name]
+    cfg = policy._active
+    key = (cfg.uid, (INDUCTOR, shape, dtype))
+    dec = op.cache.get(key)
+    if dec is None:
+        reason = "torch.compile: left to Inductor (policy inductor_ops), which fuses it with its neighbours"
+        dec = Decision(op.name, key[1], shape, dtype, INDUCTOR, op.traced, (("*", reason),), cfg.uid)
+        op.cache[key] = dec
+        DISPATCH_LOG.add(dec)
+    dec.calls += 1
 
 
 def record_fallback(op: OpDef, signature: Hashable, args: tuple, reason: str) -> None:

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 
+INDUCTOR = "inductor"
+"""Not a backend: the name decisions carry when ``torch.compile`` traced an op's plain-torch form (Inductor generated
+its code) because the policy leaves that op to Inductor (``DispatchConfig.inductor_ops``)."""
+NOT_SPECIALISED = ("aten", INDUCTOR)  # calls served by neither of our kernel backends
+
+
 @dataclass(eq=False)
 class Decision:
     """Which backend serves one shape signature of one op under one policy, and why the others did not."""
@@ -98,7 +104,8 @@ class DispatchLog:
                 s["fallback_reasons"].setdefault(d.reason, []).append(d.shape)
         for s in out.values():
             s["by_backend"] = dict(s["by_backend"])
-            s["specialised_share"] = (s["calls"] - s["by_backend"].get("aten", 0)) / s["calls"] if s["calls"] else 0.0
+            ours = s["calls"] - sum(s["by_backend"].get(b, 0) for b in NOT_SPECIALISED)
+            s["specialised_share"] = ours / s["calls"] if s["calls"] else 0.0
         return dict(out)
 
     def table(self, title: str = "fly-lightning dispatch") -> Table:

@@ -7,6 +7,7 @@ Three ways to set it, innermost wins: ``with dispatch_config(...)`` (context man
 - ``FLY_LIGHTNING_BACKENDS=triton,flydsl``: candidate backends in preference order.
 - ``FLY_LIGHTNING_DISABLE=rms_norm,moe_route``: ops kept on ATen.
 - ``FLY_LIGHTNING_SELECT=measure``: time the supported candidates per shape and keep the fastest.
+- ``FLY_LIGHTNING_INDUCTOR=rms_norm,swiglu`` (or ``none``): ops left to Inductor under ``torch.compile``.
 
 Enabling a backend adds a candidate; it never forces one: support predicates are always checked and ATen is always
 the last candidate. Op names in a policy are checked against the registry when the policy is set and when it is first
@@ -29,6 +30,9 @@ from fly_lightning.backends import BACKENDS
 from fly_lightning.registry import OPS
 
 Select = Literal["first", "measure"]
+INDUCTOR_OPS: frozenset[str] = frozenset({"rms_norm", "swiglu", "moe_combine"})
+"""Ops whose plain-torch form ``torch.compile`` traces instead of the opaque op, so that Inductor fuses them with
+their neighbours. Chosen by measurement: ``benchmarks/results/train_step.md`` (``fly_compile`` with each set)."""
 _UIDS: dict[tuple, int] = {}  # equal configs share a uid, so decisions cached under one are reused by the other
 _UIDS_LOCK = threading.Lock()
 
@@ -69,6 +73,9 @@ class DispatchConfig:
         op_backends: per-op preference order, overriding ``backends`` for that op.
         select: ``"first"`` takes the first supported candidate; ``"measure"`` times each supported candidate once per
             shape signature and caches the fastest (reported as a tuning event, apart from steady state).
+        inductor_ops: under ``torch.compile``, these ops (those with a traceable form) are left to Inductor, which
+            fuses them with their neighbours where an opaque custom op cannot be; recorded in the dispatch log with
+            backend ``inductor``. Eager calls are not affected.
     """
 
     enabled: bool = True
@@ -76,14 +83,16 @@ class DispatchConfig:
     disabled_ops: frozenset[str] = frozenset()
     op_backends: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     select: Select = "first"
+    inductor_ops: frozenset[str] = INDUCTOR_OPS
     uid: int = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in ("backends", "disabled_ops"):  # tuple("triton") would be its letters
+        for name in ("backends", "disabled_ops", "inductor_ops"):  # tuple("triton") would be its letters
             if isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a collection of names, e.g. {name}=[{getattr(self, name)!r}]")
         object.__setattr__(self, "backends", _order(self.backends))
         object.__setattr__(self, "disabled_ops", frozenset(self.disabled_ops))
+        object.__setattr__(self, "inductor_ops", frozenset(self.inductor_ops))
         object.__setattr__(
             self, "op_backends", _FrozenMapping({k: _order(v) for k, v in dict(self.op_backends).items()})
         )
@@ -95,6 +104,7 @@ class DispatchConfig:
             tuple(sorted(self.disabled_ops)),
             tuple(sorted(self.op_backends.items())),
             self.select,
+            tuple(sorted(self.inductor_ops)),
         )
         with _UIDS_LOCK:
             object.__setattr__(self, "uid", _UIDS.setdefault(key, len(_UIDS) + 1))
@@ -111,13 +121,16 @@ class DispatchConfig:
     def unknown_ops(self, known: Iterable[str]) -> list[str]:
         """Op names this policy mentions that are not in ``known``."""
         known = set(known)
-        return sorted(n for n in (*self.disabled_ops, *self.op_backends) if n not in known)
+        return sorted(n for n in (*self.disabled_ops, *self.op_backends, *self.inductor_ops) if n not in known)
 
 
 def check_op_names(config: DispatchConfig) -> None:
     """Raise if ``config`` names an operator the registry does not have."""
     if unknown := config.unknown_ops(OPS):
         raise ValueError(f"dispatch config names unknown operator(s) {unknown}; registered: {sorted(OPS)}")
+    if opaque := sorted(n for n in config.inductor_ops if OPS[n].traced is None):
+        traceable = sorted(n for n, op in OPS.items() if op.traced is not None)
+        raise ValueError(f"inductor_ops names op(s) {opaque} with no traced form; those with one: {traceable}")
 
 
 def _order(backends: Iterable[str]) -> tuple[str, ...]:
@@ -144,6 +157,8 @@ def config_from_env(env: Mapping[str, str] = os.environ) -> DispatchConfig:
         kwargs["disabled_ops"] = frozenset(disabled)
     if select := env.get("FLY_LIGHTNING_SELECT"):
         kwargs["select"] = select.strip()
+    if (inductor := env.get("FLY_LIGHTNING_INDUCTOR")) is not None:
+        kwargs["inductor_ops"] = frozenset() if inductor.strip().lower() == "none" else frozenset(_split(inductor))
     return DispatchConfig(**kwargs)
 
 

@@ -65,6 +65,8 @@ class OpDef:
     validate: Callable[..., None] | None = None
     check: Callable[..., None] | None = None  # per-call value checks (after ``validate`` on a signature's first call)
     doc: str = ""
+    # plain torch that torch.compile may trace in place of the opaque op (policy ``inductor_ops``); None: never
+    traced: Callable[..., Any] | None = None
     impls: dict[str, BackendImpl] = field(default_factory=dict)
     # decisions keyed by (config uid, signature); filled and read by fly_lightning.dispatch
     cache: dict[tuple[int, Hashable], Any] = field(default_factory=dict, repr=False)

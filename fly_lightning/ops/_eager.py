@@ -24,7 +24,8 @@ from torch import Tensor
 from torch._C._functorch import TransformType, get_interpreter_stack, peek_interpreter_stack
 from torch.autograd import forward_ad
 
-from fly_lightning.dispatch import Op, record_fallback
+from fly_lightning import policy
+from fly_lightning.dispatch import Op, record_fallback, record_inductor
 from fly_lightning.dtensor import is_dtensor, replicate_plain
 
 _PLAIN = (Tensor, torch.nn.Parameter)  # a module's weights are Parameters: plain data, no __torch_function__
@@ -138,12 +139,25 @@ class EagerCall:
         if (reason := _differentiated(tensors)) is not None:
             return _run_reference(self.op, args, reason)
         if _opaque(tensors):
-            if not torch.compiler.is_compiling() and any(is_dtensor(t) for t in tensors):
+            compiling = torch.compiler.is_compiling()
+            if compiling and self.op.traced is not None and self.op.name in policy.get_dispatch_config().inductor_ops:
+                return _left_to_inductor(self.op, args, tensors)
+            if not compiling and any(is_dtensor(t) for t in tensors):
                 return _run_reference(self.op, replicate_plain(args), _NO_SHARD_RULE)
             return self.custom_op(*args)
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             return self.function.apply(*args)
         return self.op(*args)
+
+
+def _left_to_inductor(op: Op, args: tuple, tensors: list[Tensor]) -> Any:
+    """Under ``torch.compile``: validate, count the call (``record_inductor`` runs after each run of the graph) and
+    return the op's traced form, which Inductor compiles with its neighbours."""
+    if op.validate is not None:
+        op.validate(*args)
+    shape = ", ".join("x".join(str(n) for n in t.shape) for t in tensors)
+    record_inductor(op.name, shape, str(tensors[0].dtype).removeprefix("torch.") if tensors else "-")
+    return op.traced(*args)
 
 
 def _autograd_function(

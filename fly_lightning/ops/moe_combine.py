@@ -94,6 +94,7 @@ def _signature(rows: Tensor, weights: Tensor, index: Tensor | None, out_dtype: t
 MOE_COMBINE = register_op(
     "moe_combine",
     reference=moe_combine_reference,
+    traced=moe_combine_reference,
     aten=_moe_combine_aten,
     signature=_signature,
     validate=_validate,

@@ -87,6 +87,7 @@ def _signature(x: Tensor, weight: Tensor | None, eps: float, offset: float, cast
 RMS_NORM = register_op(
     "rms_norm",
     reference=rms_norm_reference,
+    traced=rms_norm_reference,
     aten=_rms_norm_aten,
     signature=_signature,
     validate=_validate,
@@ -138,13 +139,18 @@ def rms_norm_backward(
     need_x: bool = True,
     need_w: bool = True,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """The existing ATen backward: ``aten._fused_rms_norm_backward`` on CUDA, its composite formula elsewhere."""
+    """The existing ATen backward: ``aten._fused_rms_norm_backward`` on CUDA, its composite formula elsewhere.
+
+    The Llama-style cast (``w * x̂.to(dtype)``) takes the fused kernel too when x and the weight share a dtype: it
+    differentiates ``w * x̂`` with the cast as identity, as autograd does, but keeps the products ``grad * w`` and
+    ``grad * x̂`` in fp32 where the composite formula rounds them (and x̂) to bf16 first: closer to the exact gradient,
+    not bit-equal to stock. On the H200 the composite formula's dozen fp32 passes over ``[T, H]`` were the largest
+    non-GEMM cost of a Qwen3-MoE step (``benchmarks/results/train_step.md``)."""
     acc = _acc_dtype(x)
     w_eff = None if weight is None else (weight.to(acc) + offset if offset else weight)
-    # Llama's cast of the normalised value is a no-op when x is already in the accumulation dtype (fp32 residual
-    # streams under bf16-mixed): the fused kernel then computes the same gradients as the composite formula
-    cast_is_noop = not cast_before_scale or x.dtype == acc
-    if x.is_cuda and cast_is_noop and x.dtype == grad_y.dtype and (w_eff is None or w_eff.dtype == x.dtype):
+    # With an offset the effective weight is fp32 (Gemma): the fused kernel wants it in x's dtype, so the composite runs
+    fused_ok = not cast_before_scale or weight is None or x.dtype == acc or weight.dtype == x.dtype
+    if x.is_cuda and fused_ok and x.dtype == grad_y.dtype and (w_eff is None or w_eff.dtype == x.dtype):
         gx, gw = torch.ops.aten._fused_rms_norm_backward(grad_y, x, [x.shape[-1]], rstd, w_eff, [need_x, need_w])
     else:
         xhat = x.to(acc) * rstd

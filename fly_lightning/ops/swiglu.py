@@ -67,6 +67,7 @@ def _signature(gate: Tensor, up: Tensor | None) -> tuple:
 SWIGLU = register_op(
     "swiglu",
     reference=swiglu_reference,
+    traced=swiglu_reference,
     aten=_swiglu_aten,
     signature=_signature,
     validate=_validate,

@@ -55,7 +55,7 @@ def test_config_is_immutable_and_hashable():
 
 def test_unknown_op_names_reported():
     cfg = DispatchConfig(disabled_ops={"rmsnorm"}, op_backends={"moe_route": ("triton",), "topK": ("triton",)})
-    assert cfg.unknown_ops({"rms_norm", "moe_route", "topk"}) == ["rmsnorm", "topK"]
+    assert cfg.unknown_ops({"rms_norm", "moe_route", "topk", *cfg.inductor_ops}) == ["rmsnorm", "topK"]
     with pytest.raises(ValueError, match=r"unknown operator\(s\) \['rmsnorm', 'topK'\]"):
         set_dispatch_config(cfg)
     assert get_dispatch_config() != cfg  # not set
@@ -74,8 +74,11 @@ def test_env_vars():
             "FLY_LIGHTNING_BACKENDS": "triton",
             "FLY_LIGHTNING_DISABLE": "rms_norm, moe_route",
             "FLY_LIGHTNING_SELECT": "measure",
+            "FLY_LIGHTNING_INDUCTOR": "rms_norm, swiglu",
         }
     )
+    assert cfg.inductor_ops == {"rms_norm", "swiglu"}
+    assert config_from_env({"FLY_LIGHTNING_INDUCTOR": "none"}).inductor_ops == frozenset()
     assert cfg.backends == ("triton", "aten")
     assert cfg.disabled_ops == {"rms_norm", "moe_route"}
     assert cfg.select == "measure"

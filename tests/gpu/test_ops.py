@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import fly_lightning
 from fly_lightning import DISPATCH_LOG
 from fly_lightning.ops.moe_combine import moe_combine_reference
+from fly_lightning.policy import dispatch_config
 from fly_lightning.ops.rms_norm import rms_norm_reference
 from fly_lightning.ops.swiglu import swiglu_reference
 
@@ -78,14 +79,21 @@ def test_rms_norm_gradients_equal_aten(dtype, tol):
     assert _rel(x.grad, xr.grad) < tol and _rel(w.grad, wr.grad) < tol
 
 
-# fp32 x with the Llama cast takes the fused ATen backward (the cast is a no-op there); bf16 keeps the composite
+# The Llama cast takes the fused ATen backward when x and w share a dtype (bf16 weights, or fp32 x where the cast is a
+# no-op); bf16 x with an fp32 weight keeps the composite formula
 @pytest.mark.parametrize(
-    "dtype, offset, cast", [(torch.float32, 0.0, True), (torch.float32, 1.0, False), (torch.bfloat16, 0.0, True)]
+    "dtype, wdtype, offset, cast",
+    [
+        (torch.float32, torch.float32, 0.0, True),
+        (torch.float32, torch.float32, 1.0, False),
+        (torch.bfloat16, torch.float32, 0.0, True),
+        (torch.bfloat16, torch.bfloat16, 0.0, True),
+    ],
 )
-def test_rms_norm_variant_gradients_equal_the_composite_formula(dtype, offset, cast):
+def test_rms_norm_variant_gradients_equal_the_composite_formula(dtype, wdtype, offset, cast):
     x0 = torch.randn(8, 33, 1024, device="cuda", dtype=dtype)
-    w0 = torch.randn(1024, device="cuda", dtype=torch.float32)
-    g = torch.randn(8, 33, 1024, device="cuda", dtype=torch.promote_types(dtype, torch.float32) if cast else dtype)
+    w0 = torch.randn(1024, device="cuda", dtype=wdtype)
+    g = torch.randn(8, 33, 1024, device="cuda", dtype=torch.promote_types(dtype, wdtype) if cast else dtype)
     x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
     fly_lightning.rms_norm(x, w, 1e-6, offset=offset, cast_before_scale=cast).backward(g)
     xd, wd = x0.double().requires_grad_(), w0.double().requires_grad_()
@@ -107,16 +115,18 @@ def test_rms_norm_cuda_graph_replay_with_new_input():
     assert _rel(y, rms_norm_reference(x.double(), w.double(), 1e-6)[0]) < 1e-2
 
 
-def test_rms_norm_compiled_fullgraph_forward_backward():
+@pytest.mark.parametrize("left_to_inductor", [False, True])
+def test_rms_norm_compiled_fullgraph_forward_backward(left_to_inductor):
     torch._dynamo.reset()
     fn = torch.compile(lambda x, w: (fly_lightning.rms_norm(x, w, 1e-6) * 2).sum(), fullgraph=True)
     x = torch.randn(256, 2048, device="cuda", requires_grad=True)
     w = torch.randn(2048, device="cuda", requires_grad=True)
-    fn(x, w).backward()
+    with dispatch_config(inductor_ops={"rms_norm"} if left_to_inductor else ()):
+        fn(x, w).backward()
     xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     (F.rms_norm(xr, (2048,), wr, 1e-6) * 2).sum().backward()
     assert _rel(x.grad, xr.grad) < 1e-4 and _rel(w.grad, wr.grad) < 1e-4
-    assert _backend("rms_norm") == "triton"
+    assert _backend("rms_norm") == ("inductor" if left_to_inductor else "triton")
 
 
 COMBINE_CASES = [(8192, 8, 2048, True), (4096, 2, 4096, True), (300, 1, 4097, False), (1000, 6, 1408, True),
@@ -187,18 +197,24 @@ def test_swiglu_and_moe_combine_graph_compile_and_gradients():
     assert _rel(y, ref) <= 1e-5, "graph replay with new inputs"
     torch._dynamo.reset()
     grads = {}
-    for name, backends, compiled in (("compiled", ("triton",), True), ("eager", ("triton",), False),
-                                     ("aten", ("aten",), False)):  # fmt: skip
+    for name, backends, compiled, inductor in (
+        ("compiled", ("triton",), True, ()),
+        ("inductor", ("triton",), True, ("swiglu", "moe_combine")),
+        ("eager", ("triton",), False, ()),
+        ("aten", ("aten",), False, ()),
+    ):
+        torch._dynamo.reset()
         a, c = hid.clone().requires_grad_(), w.clone().requires_grad_()
-        with fly_lightning.dispatch_config(backends=backends):
+        with fly_lightning.dispatch_config(backends=backends, inductor_ops=inductor):
             fn = torch.compile(f, fullgraph=True) if compiled else f
             fn(a, down, c, idx).square().sum().backward()
         grads[name] = (a.grad, c.grad)
     same = [_rel(x, y) for x, y in zip(grads["compiled"], grads["eager"], strict=True)]
-    near = [_rel(x, y) for x, y in zip(grads["compiled"], grads["aten"], strict=True)]
-    # the kernels round swiglu once, ATen twice: bf16-level differences against ATen, none against eager kernels
+    near = [_rel(x, y) for name in ("aten", "inductor") for x, y in zip(grads["compiled"], grads[name], strict=True)]
+    # the kernels round swiglu once, ATen twice: bf16-level differences against ATen, none against eager kernels;
+    # Inductor's code for the plain forms rounds once too, in its own order
     assert max(same) <= 1e-5, f"compiled vs eager gradients {same}"
-    assert max(near) <= 2e-2, f"compiled vs ATen gradients {near}"
+    assert max(near) <= 2e-2, f"compiled vs ATen / Inductor gradients {near}"
 
 
 def _aten_gates(z: torch.Tensor) -> torch.Tensor:

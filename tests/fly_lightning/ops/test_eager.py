@@ -14,6 +14,7 @@ from torch.profiler import profile
 
 import fly_lightning
 from fly_lightning.dispatch import Op
+from fly_lightning.policy import DispatchConfig, dispatch_config, set_dispatch_config
 from fly_lightning.ops.grouped_mm import grouped_mm_op
 from fly_lightning.ops.moe_combine import moe_combine_op
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm_op
@@ -188,13 +189,61 @@ def test_compiled_calls_take_the_custom_op(op):
     args = _args(op, (True,))
     compiled = torch.compile(case.public, backend="aot_eager", fullgraph=True)
     torch._dynamo.reset()
-    with warnings.catch_warnings(record=True) as caught:
+    with dispatch_config(inductor_ops=()), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compiled(*args)  # compile outside the profiler
     assert not [str(w.message) for w in caught if "fly_lightning" in str(w.message)]  # e.g. Dynamo on a cached helper
-    paths = _paths(lambda: compiled(*args))
-    assert f"fly::{op}" in paths and f"fly_{op}_eager" not in paths
-    torch.testing.assert_close(compiled(*args), case.public(*args))
+    with dispatch_config(inductor_ops=()):
+        paths = _paths(lambda: compiled(*args))
+        assert f"fly::{op}" in paths and f"fly_{op}_eager" not in paths
+        torch.testing.assert_close(compiled(*args), case.public(*args))
+
+
+TRACEABLE = sorted(name for name, op in fly_lightning.registry.OPS.items() if op.traced is not None)
+
+
+def test_default_inductor_ops_are_traceable():
+    assert TRACEABLE and DispatchConfig().inductor_ops <= set(TRACEABLE)
+    with pytest.raises(ValueError, match="no traced form"):
+        set_dispatch_config(inductor_ops={"grouped_mm"})  # its reference reads offsets on the host
+
+
+@pytest.mark.parametrize("op", TRACEABLE)
+def test_compiled_calls_left_to_inductor_trace_the_plain_form(op):
+    """An op the policy leaves to Inductor: no custom op in the compiled graph, forward and gradients equal to the
+    opaque op's, and the decision in the dispatch log with backend ``inductor`` and its reason."""
+    case = CASES[op]
+    every = (True,) * case.differentiable
+    results = {}
+    for left in (True, False):
+        torch._dynamo.reset()
+        fly_lightning.DISPATCH_LOG.reset()
+        args = _args(op, every)
+        with dispatch_config(inductor_ops={op} if left else ()):
+            compiled = torch.compile(case.public, backend="aot_eager", fullgraph=True)
+            compiled(*args)  # compile outside the profiler
+            paths = _paths(lambda: compiled(*args).sum().backward())  # noqa: B023
+        assert (f"fly::{op}" in paths) is not left
+        backends = {r["backend"] for r in fly_lightning.DISPATCH_LOG.records(op)}
+        assert (backends == {"inductor"}) if left else ("inductor" not in backends and backends)
+        y = compiled(*args)
+        results[left] = (y, [a.grad for a in args if isinstance(a, torch.Tensor) and a.requires_grad])
+    if left := [r for r in fly_lightning.DISPATCH_LOG.records(op) if r["backend"] == "inductor"]:
+        assert "left to Inductor" in left[0]["reason"]
+    torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(results[True][1], results[False][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_inductor_decisions_are_recorded():
+    torch._dynamo.reset()
+    fly_lightning.DISPATCH_LOG.reset()
+    x, w = _args("rms_norm", (True,))
+    with dispatch_config(inductor_ops={"rms_norm"}):
+        torch.compile(CASES["rms_norm"].public, backend="aot_eager", fullgraph=True)(x, w)
+    (rec,) = fly_lightning.DISPATCH_LOG.records("rms_norm")
+    assert rec["backend"] == "inductor" and "left to Inductor" in rec["reason"]
+    assert fly_lightning.DISPATCH_LOG.summary()["rms_norm"]["specialised_share"] == 0.0
 
 
 # --- differentiation the custom op cannot serve: forward-mode AD and torch.func --------------------------------------
@@ -307,7 +356,8 @@ def test_backward_op_is_opaque_only_when_traced(op):
     eager_grads = [a.grad for a in args if a.requires_grad]
     args = _args(op, every)
     compiled = torch.compile(case.public, backend="aot_eager", fullgraph=True)
-    assert backward_events(compiled(*args)) == {f"fly::{op}_backward"}
+    with dispatch_config(inductor_ops=()):
+        assert backward_events(compiled(*args)) == {f"fly::{op}_backward"}
     for a, b in zip([a.grad for a in args if a.requires_grad], eager_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -306,15 +306,20 @@ def test_verbose_prints_the_table(capsys):
 # --- torch.compile, activation checkpointing --------------------------------------------------------------------------
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("left_to_inductor", [False, True])
+def test_torch_compile_fullgraph(left_to_inductor):
     ref = _randomise(nn.Sequential(nn.RMSNorm(H, eps=1e-5), nn.Linear(H, H), nn.RMSNorm(H), nn.Linear(H, 8)))
     model = copy.deepcopy(ref)
     assert len(fly_lightning.transform(model).swapped) == 2
+    torch._dynamo.reset()
     compiled = torch.compile(model, fullgraph=True)  # a graph break would raise
-    _assert_same_step(compiled, ref, torch.randn(2, 6, H))
-    # the compiled graph calls the custom op, which dispatched at run time
+    with fly_lightning.dispatch_config(inductor_ops={"rms_norm"} if left_to_inductor else ()):
+        _assert_same_step(compiled, ref, torch.randn(2, 6, H))
     rec = DISPATCH_LOG.records("rms_norm")
-    assert rec and sum(r["calls"] for r in rec) == 2 and all(r["backend"] == "triton" for r in rec)
+    if left_to_inductor:  # traced as plain torch, recorded once per trace with its reason
+        assert rec and all(r["backend"] == "inductor" and "left to Inductor" in r["reason"] for r in rec)
+    else:  # the compiled graph calls the custom op, which dispatched at run time
+        assert rec and sum(r["calls"] for r in rec) == 2 and all(r["backend"] == "triton" for r in rec)
 
 
 class Residual(nn.Module):

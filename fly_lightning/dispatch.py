@@ -65,9 +65,7 @@ def register_op(
     """
     if name in registry.OPS:  # before creating anything
         raise ValueError(f"operator {name!r} is already registered")
-    op = Op(
-        name=name, reference=reference, signature=signature, validate=validate, check=check, doc=doc, traced=traced
-    )
+    op = Op(name=name, reference=reference, signature=signature, validate=validate, check=check, doc=doc, traced=traced)
     op.implement("aten", constraints="every valid input (fallback and oracle)")(aten or reference)
     registry.add(op)
     return op

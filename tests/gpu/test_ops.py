@@ -12,9 +12,9 @@ import torch.nn.functional as F
 import fly_lightning
 from fly_lightning import DISPATCH_LOG
 from fly_lightning.ops.moe_combine import moe_combine_reference
-from fly_lightning.policy import dispatch_config
 from fly_lightning.ops.rms_norm import rms_norm_reference
 from fly_lightning.ops.swiglu import swiglu_reference
+from fly_lightning.policy import dispatch_config
 
 pytestmark = pytest.mark.gpu
 

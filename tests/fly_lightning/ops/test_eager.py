@@ -14,7 +14,6 @@ from torch.profiler import profile
 
 import fly_lightning
 from fly_lightning.dispatch import Op
-from fly_lightning.policy import DispatchConfig, dispatch_config, set_dispatch_config
 from fly_lightning.ops.grouped_mm import grouped_mm_op
 from fly_lightning.ops.moe_combine import moe_combine_op
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm_op
@@ -22,6 +21,7 @@ from fly_lightning.ops.moe_route import moe_route_op
 from fly_lightning.ops.rms_norm import rms_norm_op
 from fly_lightning.ops.swiglu import swiglu_op
 from fly_lightning.ops.topk import topk_op
+from fly_lightning.policy import DispatchConfig, dispatch_config, set_dispatch_config
 
 
 @dataclass

@@ -26,8 +26,9 @@ from fly_lightning.modules import moe_convert
 from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts, make_experts
 from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_combine import moe_combine
-from fly_lightning.ops.moe_grouped_mm import inverse_permutation, moe_grouped_mm
+from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import group_reason, moe_route, moe_route_reference
+from fly_lightning.ops.permutation import inverse_permutation
 from fly_lightning.ops.swiglu import split_gate_up, swiglu, swiglu_reference
 
 Path = Literal["plain", "fused", "auto"]
@@ -54,7 +55,8 @@ def _route(moe: FlyMoE, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor,
 
 
 class _GatherTokens(torch.autograd.Function):
-    """``x[perm // k]`` whose backward sums each token's k slot gradients in slot order (no atomic index_add)."""
+    """``x[perm // k]`` whose backward sums each token's k slot gradients in slot order, in fp32 (no atomic
+    index_add): ``moe_combine`` with unit weights."""
 
     @staticmethod
     def forward(ctx, x: Tensor, perm: Tensor, inv: Tensor, top_k: int) -> Tensor:
@@ -64,9 +66,9 @@ class _GatherTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (inv,) = ctx.saved_tensors
-        slots = grad.index_select(0, inv.long())  # slot s = t * k + j takes expert-ordered row inv[s]
-        return slots.view(ctx.tokens, ctx.top_k, grad.shape[-1]).sum(1), None, None, None
+        (inv,) = ctx.saved_tensors  # slot s = t * k + j takes expert-ordered row inv[s]
+        ones = torch.ones(ctx.tokens, ctx.top_k, dtype=torch.float32, device=grad.device)
+        return moe_combine(grad, ones, inv, out_dtype=grad.dtype), None, None, None  # the unweighted slot sum
 
 
 def experts_forward(

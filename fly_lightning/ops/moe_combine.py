@@ -17,7 +17,7 @@ from torch import Tensor
 from fly_lightning.dispatch import register_op
 from fly_lightning.ops._eager import EagerCall, TracedOrDirect, create_graph_grads
 from fly_lightning.ops.grouped_mm import _fake
-from fly_lightning.ops.moe_grouped_mm import check_permutation, inverse_permutation
+from fly_lightning.ops.permutation import check_permutation, inverse_permutation
 from fly_lightning.registry import tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -33,6 +33,8 @@ from fly_lightning.ops.grouped_mm import (
     weight_grad,
     weight_grad_like,
 )
+from fly_lightning.ops.moe_combine import MOE_COMBINE
+from fly_lightning.ops.permutation import check_permutation, inverse_permutation
 from fly_lightning.registry import tensor_key
 
 
@@ -102,21 +104,6 @@ def _check_perm(
     if offs.numel() and int(offs[-1]) != m:
         raise ValueError(f"moe_grouped_mm: offs[-1]={int(offs[-1])} must equal the number of rows M={m}")
     check_permutation(perm, "moe_grouped_mm: perm")
-
-
-def check_permutation(t: Tensor, what: str) -> None:
-    """Raise unless the (CPU) values of ``t`` are a permutation of ``range(len(t))``."""
-    n = t.shape[0]
-    if n and (int(t.min()) < 0 or int(t.max()) >= n):
-        raise ValueError(f"{what} values must lie in [0, {n}) (a permutation of range({n}))")
-    if n and not bool(torch.bincount(t.long(), minlength=n).eq(1).all()):
-        raise ValueError(f"{what} must be a permutation of range({n}) (a value repeats)")
-
-
-def inverse_permutation(perm: Tensor) -> Tensor:
-    """``inv`` with ``inv[perm[r]] = r`` (a scatter with unique indices: deterministic)."""
-    p = perm.long()
-    return torch.empty_like(p).scatter_(0, p, torch.arange(p.shape[0], device=p.device)).to(perm.dtype)
 
 
 def moe_grouped_mm_reference(
@@ -226,9 +213,9 @@ def moe_grouped_mm_backward(
     dx = None
     if need_x:
         dxs = _aten_mm(g, w.transpose(-2, -1), offs)
-        if gather:  # each token's topk slot gradients, gathered to slot order and summed in that order
-            slots = dxs.index_select(0, inverse_permutation(perm).long())
-            dx = slots.view(x.shape[0], topk, x.shape[1]).sum(1)
+        if gather:  # each token's topk slot gradients summed in slot order, in fp32: the combine's forward, unweighted
+            ones = torch.ones(x.shape[0], topk, dtype=torch.float32, device=x.device)
+            dx = MOE_COMBINE(dxs, ones, inverse_permutation(perm), x.dtype)
         else:
             dx = dxs
     return dx, dw

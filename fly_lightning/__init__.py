@@ -10,6 +10,7 @@ from fly_lightning.modules import FlyMoE, FlyRMSNorm
 from fly_lightning.ops import (
     grouped_mm,
     moe_combine,
+    moe_dispatch,
     moe_grouped_mm,
     moe_route,
     mx_cast,
@@ -53,6 +54,7 @@ __all__ = [
     "get_op",
     "grouped_mm",
     "moe_combine",
+    "moe_dispatch",
     "moe_grouped_mm",
     "moe_route",
     "mx_cast",

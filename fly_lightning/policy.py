@@ -30,9 +30,12 @@ from fly_lightning.backends import BACKENDS
 from fly_lightning.registry import OPS
 
 Select = Literal["first", "measure"]
-INDUCTOR_OPS: frozenset[str] = frozenset({"rms_norm", "swiglu", "moe_combine"})
+INDUCTOR_OPS: frozenset[str] = frozenset({"rms_norm", "swiglu"})
 """Ops whose plain-torch form ``torch.compile`` traces instead of the opaque op, so that Inductor fuses them with
-their neighbours. Chosen by measurement: ``benchmarks/results/train_step.md`` (``fly_compile`` with each set)."""
+their neighbours. Chosen by measurement on the H200 (``benchmarks/results/train_step.md``: ``fly_compile`` against
+``fly_compile_opaque``; ``moe_layer.md``'s profiles): RMSNorm and SwiGLU fused by Inductor with the residual adds and
+their backward beat the opaque kernels; ``moe_combine`` stays opaque, as Inductor's gradient of its gather was an
+atomic ``index_add`` (1.15 ms of a 6.6 ms Qwen3-MoE block) where ours is ``moe_dispatch``'s one pass."""
 _UIDS: dict[tuple, int] = {}  # equal configs share a uid, so decisions cached under one are reused by the other
 _UIDS_LOCK = threading.Lock()
 

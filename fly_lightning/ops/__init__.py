@@ -1,7 +1,7 @@
 """Public operators: ``torch.library`` custom ops dispatched per shape signature (see ``fly_lightning.registry``)."""
 
 from fly_lightning.ops.grouped_mm import grouped_mm
-from fly_lightning.ops.moe_combine import moe_combine
+from fly_lightning.ops.moe_combine import moe_combine, moe_dispatch
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import moe_route
 from fly_lightning.ops.mx_cast import mx_cast
@@ -13,6 +13,7 @@ from fly_lightning.ops.topk import topk
 __all__ = [
     "grouped_mm",
     "moe_combine",
+    "moe_dispatch",
     "moe_grouped_mm",
     "moe_route",
     "mx_cast",

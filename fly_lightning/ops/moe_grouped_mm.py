@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fly_lightning.dispatch import register_op
-from fly_lightning.ops._eager import EagerCall, TracedOrDirect
+from fly_lightning.ops._eager import EagerCall, TracedOrDirect, create_graph_grads
 from fly_lightning.ops.grouped_mm import (
     _FLOATS,
     _aten_mm,
@@ -270,6 +270,18 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: Tensor):
     x, w, offs, perm = ctx.saved_tensors
     need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if torch.is_grad_enabled():  # create_graph=True: the fast formula's token sum is a kernel, not differentiable
+        args = (x, w, offs, perm, ctx.topk, ctx.gather, ctx.scatter)
+        needs = (need_x, need_w, False, False, False, False, False)
+        return (
+            *create_graph_grads(moe_grouped_mm_reference, args, needs, (grad,))[:2],
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
     dx, dw = _moe_grouped_mm_backward_call(grad, x, w, offs, perm, ctx.topk, ctx.gather, ctx.scatter, need_x, need_w)
     return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None
 

@@ -1,9 +1,12 @@
-"""Triton MoE combine, registered as the ``triton`` backend of ``moe_combine``.
+"""Triton MoE combine and dispatch, registered as the ``triton`` backends of ``moe_combine`` and ``moe_dispatch``.
 
 One pass: each program owns a ``[BT tokens, BH columns]`` block of the output, reads its tokens' k rows (through the
 index when the rows are in expert order: whole-row gathers, so the reads stay coalesced), accumulates ``w * row`` in
 fp32 registers in slot order and stores the block once in the output dtype. Memory-bound: the rows are read once and
 nothing but the output is written (the ATen path widens and copies them first).
+
+Dispatch is the same gather the other way round: each program owns ``[BS expert-ordered rows, BH columns]``, reads
+each row's slot from the permutation, loads its token's row (and the slot's weight), scales in fp32 and stores once.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._support import device_reason, on_device
-from fly_lightning.ops.moe_combine import MOE_COMBINE
+from fly_lightning.ops.moe_combine import MOE_COMBINE, MOE_DISPATCH
 
 MAX_K = 32  # slots per token, unrolled
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -118,6 +121,81 @@ def moe_combine_triton(
             BT=bt,
             BH=bh,
             HAS_INDEX=index is not None,
+            num_warps=NUM_WARPS,
+        )
+    return y
+
+
+@triton.jit
+def _moe_dispatch_fwd(
+    X,
+    stride_x,
+    W,
+    PERM,
+    Y,
+    stride_y,
+    S,
+    H,
+    TOPK: tl.constexpr,
+    BS: tl.constexpr,
+    BH: tl.constexpr,
+    HAS_W: tl.constexpr,
+):
+    r = tl.program_id(0) * BS + tl.arange(0, BS)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    r_ok = r < S
+    ok = r_ok[:, None] & (h < H)[None, :]
+    slot = tl.load(PERM + r, mask=r_ok, other=0).to(tl.int64)
+    x = tl.load(X + (slot // TOPK)[:, None] * stride_x + h[None, :], mask=ok, other=0.0).to(tl.float32)
+    if HAS_W:
+        x = x * tl.load(W + slot, mask=r_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(Y + r.to(tl.int64)[:, None] * stride_y + h[None, :], x.to(Y.dtype.element_ty), mask=ok)
+
+
+def _supports_dispatch(
+    x: torch.Tensor, perm: torch.Tensor, topk: int, weights: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> bool | str:
+    if (reason := device_reason(x, perm, weights)) is not None:
+        return reason
+    if x.dtype not in _DTYPES or (out_dtype or x.dtype) not in _DTYPES:
+        return f"dtypes x {x.dtype}, out {out_dtype or x.dtype}"
+    if weights is not None and (weights.dtype not in _DTYPES or not weights.is_contiguous()):
+        return f"weights {weights.dtype}, contiguous={weights.is_contiguous()}"
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        return "x's last dim not contiguous"
+    if perm.numel() > 1 and perm.stride(0) != 1:
+        return "perm not contiguous"
+    return True
+
+
+@MOE_DISPATCH.implement(
+    "triton",
+    supports=_supports_dispatch,
+    constraints="x [T, H] fp32/bf16/fp16 (last dim contiguous), contiguous int32 perm, contiguous weights or none; "
+    "one pass, fp32 scaling, one rounding",
+)
+def moe_dispatch_triton(
+    x: torch.Tensor, perm: torch.Tensor, topk: int, weights: torch.Tensor | None, out_dtype: torch.dtype | None
+) -> torch.Tensor:
+    s, h = perm.shape[0], x.shape[1]
+    y = outputs.empty((s, h), dtype=out_dtype or x.dtype, device=x.device)  # the grid covers [S, H]
+    if y.numel() == 0:
+        return y
+    bs, bh = _plan(h, x.element_size())
+    with on_device(x):
+        _moe_dispatch_fwd[(cdiv(s, bs), cdiv(h, bh))](
+            x,
+            x.stride(0),
+            x if weights is None else weights,  # unused without weights
+            perm,
+            y,
+            y.stride(0),
+            s,
+            h,
+            TOPK=topk,
+            BS=bs,
+            BH=bh,
+            HAS_W=weights is not None,
             num_warps=NUM_WARPS,
         )
     return y

@@ -15,7 +15,7 @@ from torch.profiler import profile
 import fly_lightning
 from fly_lightning.dispatch import Op
 from fly_lightning.ops.grouped_mm import grouped_mm_op
-from fly_lightning.ops.moe_combine import moe_combine_op
+from fly_lightning.ops.moe_combine import moe_combine_op, moe_dispatch_op
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm_op
 from fly_lightning.ops.moe_route import moe_route_op
 from fly_lightning.ops.rms_norm import rms_norm_op
@@ -69,6 +69,12 @@ CASES = {
         lambda g: (torch.randn(10, 16, generator=g), torch.rand(5, 2, generator=g)),
         lambda rows, w: fly_lightning.moe_combine(rows, w),
         lambda rows, w: moe_combine_op(rows, w, None, None),
+        2,
+    ),
+    "moe_dispatch": Case(
+        lambda g: (torch.randn(5, 16, generator=g), torch.rand(5, 2, generator=g), _perm()),
+        lambda x, w, perm: fly_lightning.moe_dispatch(x, perm, 2, w),
+        lambda x, w, perm: moe_dispatch_op(x, perm, 2, w, None),
         2,
     ),
     "grouped_mm": Case(

@@ -55,7 +55,8 @@ def test_bf16_rows_fp32_weights_keep_fp32_sums_and_weight_gradients():
     torch.testing.assert_close(y.double(), _loop(rb.detach(), w, idx), rtol=1e-6, atol=1e-6)
     assert (y != y.bfloat16().float()).float().mean() > 0.5  # summed in fp32, not in bf16
     g = torch.randn_like(y)
-    y.backward(g)
+    with fl.dispatch_config(backends=("aten",)):  # the row gradient's dispatch: the interpreter truncates to bf16
+        y.backward(g)
     assert rb.grad.dtype == torch.bfloat16 and wf.grad.dtype == torch.float32
     rg = rb.detach().double().index_select(0, idx.long()).view(16, 4, 32)
     torch.testing.assert_close(wf.grad.double(), torch.einsum("tkh,th->tk", rg, g.double()), rtol=1e-5, atol=1e-5)
@@ -124,3 +125,78 @@ def test_compiles_fullgraph():
     rows, w, idx = _case(dtype=torch.float32)
     fn = torch.compile(lambda r, ww, i: fl.moe_combine(r, ww, i), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(fn(rows, w, idx), mc.moe_combine_reference(rows, w, idx))
+
+
+# --- moe_dispatch: the adjoint ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backends", [("aten",), ("triton",)])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_dispatch_forward_and_gradients_against_fp64_autograd(backends, weighted):
+    t, k, h = 9, 3, 24
+    g = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(t, h, generator=g), torch.rand(t, k, generator=g)
+    perm = torch.randperm(t * k, generator=g).int()
+    x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+    with fl.dispatch_config(backends=backends):
+        y = fl.moe_dispatch(x, perm, k, w if weighted else None)
+        up = torch.randn(y.shape, generator=g)
+        y.backward(up)
+    xd, wd = x0.double().requires_grad_(), w0.double().requires_grad_()
+    yd = mc.moe_dispatch_reference(xd, perm, k, wd if weighted else None)
+    yd.backward(up.double())
+    torch.testing.assert_close(y.double(), yd, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad.double(), xd.grad, rtol=1e-5, atol=1e-5)
+    if weighted:
+        torch.testing.assert_close(w.grad.double(), wd.grad, rtol=1e-5, atol=1e-5)
+    assert fl.DISPATCH_LOG.records("moe_dispatch")[-1]["backend"] == backends[0]
+    # its input gradient is moe_combine's forward: the adjoint pair
+    assert fl.DISPATCH_LOG.records("moe_combine")
+
+
+def test_combine_and_dispatch_are_adjoint():
+    """<combine(r, w, inv), y> == <r, dispatch(y, perm, w)> in fp64: each is the other's input gradient."""
+    t, k, h = 7, 4, 16
+    r = torch.randn(t * k, h, dtype=torch.float64)
+    y = torch.randn(t, h, dtype=torch.float64)
+    w = torch.rand(t, k, dtype=torch.float64)
+    perm = torch.randperm(t * k).int()
+    inv = torch.argsort(perm.long()).int()
+    lhs = (fl.moe_combine(r, w, inv) * y).sum()
+    rhs = (r * fl.moe_dispatch(y, perm, k, w)).sum()
+    torch.testing.assert_close(lhs, rhs)
+
+
+def test_combine_row_gradient_runs_dispatch():
+    rows, w, idx = _case(dtype=torch.float32)
+    rows.requires_grad_()
+    fl.moe_combine(rows, w, idx).sum().backward()
+    assert sum(r["calls"] for r in fl.DISPATCH_LOG.records("moe_dispatch")) == 1
+
+
+def test_dispatch_opcheck_and_compile():
+    t, k, h = 6, 2, 8
+    x, w = torch.randn(t, h), torch.rand(t, k)
+    perm = torch.randperm(t * k).int()
+    for args in ((x, perm, k, w, None), (x.bfloat16(), perm, k, None, torch.float32)):
+        torch.library.opcheck(mc.moe_dispatch_op, args)
+    fn = torch.compile(lambda a, p, ww: fl.moe_dispatch(a, p, k, ww), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(fn(x, perm, w), mc.moe_dispatch_reference(x, perm, k, w))
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda x, p, w: (x, p[:-1], 2, w), "perm must be int32"),
+        (lambda x, p, w: (x, p.long(), 2, w), "perm must be int32"),
+        (lambda x, p, w: (x, p, 0, w), "topk must be a positive int"),
+        (lambda x, p, w: (x, p, 2, w[:, :1]), "weights must be floating"),
+        (lambda x, p, w: (x.int(), p, 2, w), "x must be a floating"),
+        (lambda x, p, w: (x, torch.zeros_like(p), 2, w), "permutation"),
+    ],
+)
+def test_dispatch_invalid_arguments_raise_before_any_kernel(make, match):
+    x, w = torch.randn(5, 8), torch.rand(5, 2)
+    perm = torch.randperm(10).int()
+    with pytest.raises(ValueError, match=match):
+        fl.moe_dispatch(*make(x, perm, w))

@@ -49,6 +49,14 @@ def combine(h: int, k: int) -> dict:
     return compile_gfx950(moe_combine._moe_combine_fwd, sig, const, aligned, num_warps=moe_combine.NUM_WARPS)
 
 
+def dispatch(h: int, k: int) -> dict:
+    bs, bh = moe_combine._plan(h, 2)
+    sig = dict(X="*bf16", stride_x="i32", W="*fp32", PERM="*i32", Y="*bf16", stride_y="i32", S="i32", H="i32")
+    const = dict(TOPK=k, BS=bs, BH=bh, HAS_W=True)
+    aligned = ("X", "W", "PERM", "Y", "stride_x", "stride_y", "H")
+    return compile_gfx950(moe_combine._moe_dispatch_fwd, sig, const, aligned, num_warps=moe_combine.NUM_WARPS)
+
+
 def topk_fwd(n: int, k: int, dtype: torch.dtype) -> dict:
     _, const = topk._plan(n, k, dtype, n, 4096, None)
     const = dict(const)
@@ -90,6 +98,7 @@ VARIANTS = {
     "swiglu-768": lambda: swiglu_fwd(768),
     "swiglu-14336": lambda: swiglu_fwd(14336),
     "moe_combine-h2048-k8": lambda: combine(2048, 8),
+    "moe_dispatch-h2048-k8": lambda: dispatch(2048, 8),
     "topk-128-k8-fp32": lambda: topk_fwd(128, 8, torch.float32),
     "topk-64-k8-bf16": lambda: topk_fwd(64, 8, torch.bfloat16),
     "mx_cast-mxfp8_e4m3-bf16": lambda: mx_cast_rows("mxfp8_e4m3", True),

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import fly_lightning as fl
-from fly_lightning.kernels.triton.moe_combine import moe_combine_triton
-from fly_lightning.ops.moe_combine import moe_combine_reference
+from fly_lightning.kernels.triton.moe_combine import moe_combine_triton, moe_dispatch_triton
+from fly_lightning.ops.moe_combine import moe_combine_reference, moe_dispatch_reference
 
 
 def _run(rows, w, idx, out_dtype=None):
@@ -69,3 +69,21 @@ def test_unsupported_inputs_fall_back_with_reason(make, reason):
     torch.testing.assert_close(y, moe_combine_reference(rows, w, idx))
     reasons = fl.DISPATCH_LOG.summary()["moe_combine"]["fallback_reasons"]
     assert any(reason in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("t, k, h", [(1, 1, 8), (37, 3, 200), (5, 8, 1030)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False])
+def test_dispatch_matches_reference(t, k, h, dtype, weighted):
+    x = torch.randn(t, h).to(dtype)
+    w = torch.rand(t, k) if weighted else None
+    perm = torch.randperm(t * k).int()
+    torch.use_deterministic_algorithms(True)  # poisoned outputs: an unwritten element would show
+    try:
+        y = moe_dispatch_triton(x, perm, k, w, torch.float32)
+        y16 = moe_dispatch_triton(x, perm, k, w, None)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    torch.testing.assert_close(y, moe_dispatch_reference(x, perm, k, w, torch.float32), rtol=1e-6, atol=1e-6)
+    assert y16.dtype == dtype
+    torch.testing.assert_close(y16.float(), moe_dispatch_reference(x, perm, k, w).float(), rtol=8e-3, atol=1e-3)

@@ -1,4 +1,4 @@
-"""The moe_combine kernel compiles for the H200 (sm_90) without register spills and reads rows in 16-byte vectors.
+"""The moe_combine and moe_dispatch kernels compile for the H200 (sm_90) without register spills and reads rows in 16-byte vectors.
 Runs Triton's compiler and bundled ptxas on the CPU, in a subprocess without the interpreter."""
 
 

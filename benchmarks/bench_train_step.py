@@ -293,6 +293,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="record each process's largest kernels over one step")
     p.add_argument("--from-runs", nargs="+", metavar="JSONL", help="summarise saved processes instead of running")
     p.add_argument("--env-from", nargs="+", metavar="JSON", help="with --from-runs: the invocations' result files")
+    p.add_argument("--note", action="append", default=[], help="a note for the result (repeatable)")
     args = p.parse_args()
     if args.worker:
         print(json.dumps(worker(*args.worker, profile=args.profile)), flush=True)
@@ -304,7 +305,10 @@ def main() -> None:
             record(res, *key, [r for r in runs if (r["model"], r["precision"]) == key])
         envs = [json.loads(open(path).read())["environment"] for path in args.env_from or []]
         env = dict(envs[0], command=" ; ".join(e["command"] for e in envs)) if envs else None
-        res.notes.append(f"summarised from the process records of {len(args.from_runs)} invocations on one machine")
+        res.notes.append(
+            f"summarised from the process records of {len(args.from_runs)} invocations; each model's variants and "
+            "its two stock runs come from one invocation (one machine, one process per variant)"
+        )
     else:
         variants = [v for v in args.variants.split(",") if v != "stock"]
         for model_name in args.models.split(","):
@@ -328,6 +332,7 @@ def main() -> None:
         "vs_best_baseline = the fastest of stock/compile/liger over this variant (> 1: faster); summary speedup = "
         "the same for the fastest variant with fly in it"
     )
+    res.notes.extend(args.note)
     print(res.save(env=env if args.from_runs else None))
     print(res.markdown())
 

@@ -132,8 +132,8 @@ def test_liger_rmsnorm_is_left_with_reason():
     model = nn.Sequential(liger_cls(8))
     summary = fly_lightning.transform(model)
     assert summary.swapped == []
-    assert summary.left == [("0", "LigerRMSNorm", "Liger-Kernel's RMSNorm (fused forward and backward) kept: ours has "
-                             "ATen's backward")]  # fmt: skip
+    assert summary.left == [("0", "LigerRMSNorm", "Liger-Kernel's RMSNorm (fused forward and backward) kept: ours not "
+                             "measured faster")]  # fmt: skip
     assert type(model[0]) is liger_cls
 
 

@@ -1,4 +1,5 @@
-"""Compile the moe_combine and moe_dispatch kernels for sm_90 without a GPU and report each variant as JSON (see ``_sm90.py``)."""
+"""Compile the moe_combine and moe_dispatch kernels for sm_90 without a GPU and report each variant as JSON
+(see ``_sm90.py``)."""
 
 import re
 

@@ -1,5 +1,5 @@
-"""The moe_combine and moe_dispatch kernels compile for the H200 (sm_90) without register spills and reads rows in 16-byte vectors.
-Runs Triton's compiler and bundled ptxas on the CPU, in a subprocess without the interpreter."""
+"""The moe_combine and moe_dispatch kernels compile for the H200 (sm_90) without register spills and read rows in
+16-byte vectors. Runs Triton's compiler and bundled ptxas on the CPU, in a subprocess without the interpreter."""
 
 
 def test_compiles_for_sm90_with_vector_loads(compiled_variants):

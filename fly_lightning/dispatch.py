@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from fly_lightning import policy, registry
+from fly_lightning import policy, registry, tuning
 from fly_lightning.backends import BACKENDS
 from fly_lightning.dispatch_log import DISPATCH_LOG, INDUCTOR, Decision
 from fly_lightning.registry import BackendImpl, OpDef
@@ -151,18 +151,7 @@ def _decide(op: OpDef, cfg: policy.DispatchConfig, key: tuple[int, Hashable], ar
             break
     chosen, timings, tuning_s = supported[0], {}, None
     if cfg.select == "measure" and len(supported) > 1:
-        if _capturing():
-            rejected.append(("measure", "skipped during CUDA graph capture; first supported candidate used"))
-        else:
-            start = time.perf_counter()
-            measured = {impl.backend: _time_ms(impl.fn, args) for impl in supported}
-            tuning_s = time.perf_counter() - start
-            timings = {b: t for b, t in measured.items() if isinstance(t, float)}
-            failed = [(b, f"raised when measured: {err}") for b, err in measured.items() if isinstance(err, str)]
-            ran = [impl for impl in supported if impl.backend in timings] or [op.impls["aten"]]
-            chosen = min(ran, key=lambda impl: timings.get(impl.backend, 0.0))
-            rejected += failed
-            rejected += [(b, f"slower when measured ({t:.4f} ms)") for b, t in timings.items() if b != chosen.backend]
+        chosen, timings, tuning_s = _measured_choice(op, supported, args, rejected)
     shape, dtype = _describe(args)
     dec = Decision(
         op.name,
@@ -179,6 +168,52 @@ def _decide(op: OpDef, cfg: policy.DispatchConfig, key: tuple[int, Hashable], ar
     op.cache[key] = dec
     DISPATCH_LOG.add(dec)
     return dec
+
+
+def _measured_choice(
+    op: OpDef, supported: list[BackendImpl], args: tuple, rejected: list[tuple[str, str]]
+) -> tuple[BackendImpl, dict[str, float], float | None]:
+    """The fastest supported candidate: from the tuning database when it has this shape's winner for this
+    environment, else timed on the real inputs (and written there), within the process's tuning budget."""
+    db = tuning.active_db()
+    env = key = None
+    if db is not None:
+        env = tuning.environment_key(next((t.device for t in _tensors(args)), torch.device("cpu")))
+        key = tuning.tuning_key(args)
+        hit = db.get(env, op.name, key)
+        by_name = {impl.backend: impl for impl in supported}
+        if hit is not None and hit.get("backend") in by_name:
+            how = "pinned" if hit.get("pinned") else "measured earlier"
+            rejected += [(b, f"tuning database: {hit['backend']} {how}") for b in by_name if b != hit["backend"]]
+            return by_name[hit["backend"]], dict(hit.get("timings_ms", {})), 0.0
+    if _capturing():
+        rejected.append(("measure", "skipped during CUDA graph capture; first supported candidate used"))
+        return supported[0], {}, None
+    if not tuning.budget_left():
+        rejected.append(("measure", f"tuning budget ({tuning.budget_s():g} s) spent; first supported candidate used"))
+        return supported[0], {}, None
+    start = time.perf_counter()
+    measured = {impl.backend: _time_ms(impl.fn, args) for impl in supported}
+    tuning_s = time.perf_counter() - start
+    tuning.spend(tuning_s)
+    timings = {b: t for b, t in measured.items() if isinstance(t, float)}
+    failed = [(b, f"raised when measured: {err}") for b, err in measured.items() if isinstance(err, str)]
+    ran = [impl for impl in supported if impl.backend in timings] or [op.impls["aten"]]
+    chosen = min(ran, key=lambda impl: timings.get(impl.backend, 0.0))
+    rejected += failed
+    rejected += [(b, f"slower when measured ({t:.4f} ms)") for b, t in timings.items() if b != chosen.backend]
+    if db is not None and timings:
+        try:
+            kept = db.put(env, op.name, key, chosen.backend, timings)
+        except OSError as exc:  # a read-only cache must not fail the call
+            rejected.append(("tuning database", f"not written: {exc}"))
+        else:  # another process stored this shape first: take its winner, so that processes on a host agree
+            other = next((impl for impl in ran if impl.backend == kept["backend"] != chosen.backend), None)
+            if other is not None:
+                rejected[:] = [(b, r) for b, r in rejected if b != other.backend]
+                rejected.append((chosen.backend, f"tuning database: {other.backend} stored by another process"))
+                chosen = other
+    return chosen, timings, tuning_s
 
 
 def _capturing() -> bool:

@@ -15,8 +15,13 @@ reset_availability()
 
 
 @pytest.fixture(autouse=True)
-def _clean_dispatch_state():
-    """Each test starts with an empty dispatch log and the default policy."""
+def _clean_dispatch_state(tmp_path, monkeypatch):
+    """Each test starts with an empty dispatch log, the default policy, its own (empty) tuning database and the whole
+    tuning budget."""
+    from fly_lightning import tuning
+
+    monkeypatch.setenv("FLY_LIGHTNING_TUNING_DB", str(tmp_path / "tuning.json"))
+    tuning.reset_budget()
     previous = fly_lightning.set_dispatch_config(fly_lightning.DispatchConfig())
     fly_lightning.DISPATCH_LOG.reset()
     torch.manual_seed(0)

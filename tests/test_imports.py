@@ -27,7 +27,7 @@ PACKAGES = {
 }
 
 # The dispatch core, bottom first: each module may import only those before it.
-CORE = ["backends", "registry", "policy", "dispatch_log", "dispatch", "dtensor"]
+CORE = ["backends", "registry", "policy", "tuning", "dispatch_log", "dispatch", "dtensor"]
 # Above the core, in order; a layer may import its own modules and every layer below, never one above.
 LAYERS = [
     [f"fly_lightning.{m}" for m in CORE],

@@ -1,0 +1,270 @@
+"""Persistent tuning database: the winners of measured selection (``select="measure"``), kept across runs.
+
+One JSON file, human-readable, shared by every process on a host::
+
+    {"format": "fly-lightning tuning db", "version": 1,
+     "environments": {"NVIDIA H200 (sm_90) | torch 2.11.0 | triton 3.6.0 | flydsl - | fly_lightning 0.1.0": {
+         "grouped_mm": {"8192x2048 bf16 c, 128x2048x768 bf16 c, 128 int32 c | None": {
+             "backend": "triton", "timings_ms": {"triton": 0.51, "aten": 0.55}, "pinned": false,
+             "measured": "2026-12-03T16:00:00Z"}}}}}
+
+- **Environment key**: device name and architecture, torch / Triton / FlyDSL versions and the package version. An
+  upgrade is a new environment: its shapes are measured again, never answered by stale winners.
+- **Shape key** (``tuning_key``): each tensor's shape, dtype and contiguity, the other arguments' values. The first
+  dimension of each tensor is bucketed to the next power of two (a sequence or token count), so runs whose lengths
+  vary reuse one measurement per bucket; the in-process decision still keys on the exact shape.
+- **Pinned** entries (``fly-lightning tuning pin``) are never overwritten by a measurement.
+- **One choice per host**: the first measurement of a shape is the one kept; a process that measured the same shape
+  at the same time takes the stored winner, not its own, so the ranks of a run on one host agree. (Ranks on other
+  hosts have their own file: pin the entry, or copy the file, where they must agree too.)
+- **Writes** take an exclusive lock on ``<file>.lock``, re-read the file, merge, write a temporary file and rename it
+  over the old one: several processes (the ranks of a DDP run on one host) lose none of each other's entries, and a
+  reader never sees half a file. A file that cannot be parsed is moved aside (``<file>.corrupt-<time>``) with a
+  warning and rebuilt; it never crashes a run.
+
+``FLY_LIGHTNING_TUNING_DB`` is the file (default ``$XDG_CACHE_HOME/fly_lightning/tuning.json``); ``off`` disables it.
+``FLY_LIGHTNING_TUNING_BUDGET_S`` (default 120) bounds the seconds a process spends measuring: past it, new shapes run
+their first supported candidate, recorded as such, so a rare shape never stalls training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = "fly-lightning tuning db"
+VERSION = 1
+DEFAULT_BUDGET_S = 120.0
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; writes are still atomic renames
+    fcntl = None
+
+
+def default_path() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "fly_lightning" / "tuning.json"
+
+
+def active_path() -> Path | None:
+    """The database file in force (``FLY_LIGHTNING_TUNING_DB``), or None when it is off."""
+    value = os.environ.get("FLY_LIGHTNING_TUNING_DB", "").strip()
+    if value.lower() in ("off", "0", "none", "false"):
+        return None
+    return Path(value) if value else default_path()
+
+
+def budget_s() -> float:
+    try:
+        return float(os.environ.get("FLY_LIGHTNING_TUNING_BUDGET_S", DEFAULT_BUDGET_S))
+    except ValueError:
+        return DEFAULT_BUDGET_S
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "-"
+
+
+def environment_key(device: torch.device) -> str:
+    """Device name and architecture, and the versions that decide what a kernel compiles to."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        arch = getattr(props, "gcnArchName", None) or f"sm_{props.major}{props.minor}"
+        name = f"{props.name} ({arch})"
+    else:
+        name = device.type
+    versions = " | ".join(
+        f"{d} {v}"
+        for d, v in (
+            ("torch", torch.__version__),
+            ("triton", _version("triton")),
+            ("flydsl", _version("flydsl")),
+            ("fly_lightning", _version("fly-lightning")),
+        )
+    )
+    return f"{name} | {versions}"
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above ``n`` (0 and 1 stay): the bucket of a leading (token / row) dimension."""
+    return n if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def tuning_key(args: tuple) -> str:
+    """``"8192x2048 bf16 c, 128x2048x768 bf16 t | 8, True"``: tensors (first dim bucketed, dtype, ``c`` contiguous or
+    ``t`` not), then the other arguments."""
+    tensors, others = [], []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            dims = list(a.shape)
+            if dims:
+                dims[0] = bucket(dims[0])
+            shape = "x".join(map(str, dims)) or "scalar"
+            tensors.append(f"{shape} {str(a.dtype).removeprefix('torch.')} {'c' if a.is_contiguous() else 't'}")
+        else:
+            others.append(str(a).removeprefix("torch."))
+    return ", ".join(tensors) + " | " + ", ".join(others)
+
+
+def _empty() -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "environments": {}}
+
+
+class TuningDB:
+    """The database at ``path``: ``get`` reads (cached, reloaded when the file changes), ``put``/``pin``/``prune``
+    write under the lock with a merge."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._data: dict[str, Any] | None = None
+        self._stamp: tuple[int, int] | None = None
+
+    # --- reading ------------------------------------------------------------------------------------------------
+    def _read(self) -> dict[str, Any]:
+        """The file's contents; a missing file is empty; an unreadable one is moved aside with a warning."""
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            return _empty()
+        try:
+            data = json.loads(text)
+            if not (isinstance(data, dict) and data.get("format") == FORMAT):
+                raise ValueError("not a fly-lightning tuning database")
+            if data.get("version") != VERSION or not isinstance(data.get("environments"), dict):
+                raise ValueError(f"version {data.get('version')!r}, expected {VERSION}")
+            return data
+        except ValueError as exc:
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            with contextlib.suppress(OSError):
+                os.replace(self.path, aside)
+            warnings.warn(
+                f"tuning database {self.path} unreadable ({exc}); moved to {aside.name}, rebuilding", stacklevel=3
+            )
+            return _empty()
+
+    def data(self) -> dict[str, Any]:
+        try:
+            st = self.path.stat()
+            stamp = (st.st_mtime_ns, st.st_size)
+        except FileNotFoundError:
+            stamp = None
+        if self._data is None or stamp != self._stamp:
+            self._data, self._stamp = self._read(), stamp
+        return self._data
+
+    def get(self, env: str, op: str, key: str) -> dict[str, Any] | None:
+        return self.data()["environments"].get(env, {}).get(op, {}).get(key)
+
+    def entries(self) -> Iterator[tuple[str, str, str, dict[str, Any]]]:
+        """``(environment, op, shape key, entry)`` for every entry."""
+        for env, ops in self.data()["environments"].items():
+            for op, keys in ops.items():
+                for key, entry in keys.items():
+                    yield env, op, key, entry
+
+    # --- writing ------------------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        """Exclusive lock, fresh contents to change in place, then an atomic replace of the file."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                data = self._read()
+                yield data
+                tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+                tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+                os.replace(tmp, self.path)
+                self._data, self._stamp = None, None
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def put(
+        self, env: str, op: str, key: str, backend: str, timings_ms: dict[str, float], replace: bool = False
+    ) -> dict[str, Any]:
+        """Record a measured winner and return the entry in force. The first measurement of a shape wins: where the
+        shape already has an entry (another rank measured it meanwhile, or it is pinned) that entry stays and is
+        returned, so that every process on the host takes the same choice. ``replace`` overwrites an unpinned one."""
+        with self._locked() as data:
+            slot = data["environments"].setdefault(env, {}).setdefault(op, {})
+            if key in slot and (slot[key].get("pinned") or not replace):
+                return dict(slot[key])
+            slot[key] = {
+                "backend": backend,
+                "timings_ms": {b: round(t, 5) for b, t in timings_ms.items()},
+                "pinned": False,
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            }
+            return dict(slot[key])
+
+    def pin(self, env: str, op: str, key: str, backend: str | None) -> None:
+        """Pin ``backend`` for this shape (never overwritten by a measurement); None unpins."""
+        with self._locked() as data:
+            slot = data["environments"].setdefault(env, {}).setdefault(op, {})
+            if backend is None:
+                if key in slot:
+                    slot[key]["pinned"] = False
+                return
+            slot[key] = {**slot.get(key, {}), "backend": backend, "pinned": True}
+
+    def prune(self, keep_env: str | None = None, op: str | None = None) -> int:
+        """Drop entries (of ``op``, or all ops) of every environment but ``keep_env`` (None: every environment);
+        pinned entries stay. Returns how many were dropped."""
+        dropped = 0
+        with self._locked() as data:
+            for env, ops in list(data["environments"].items()):
+                if env == keep_env:
+                    continue
+                for name, keys in list(ops.items()):
+                    if op is not None and name != op:
+                        continue
+                    for key in [k for k, e in keys.items() if not e.get("pinned")]:
+                        del keys[key]
+                        dropped += 1
+                    if not keys:
+                        del ops[name]
+                if not ops:
+                    del data["environments"][env]
+        return dropped
+
+
+_DBS: dict[Path, TuningDB] = {}
+_spent_s = 0.0  # seconds this process has measured
+
+
+def active_db() -> TuningDB | None:
+    path = active_path()
+    if path is None:
+        return None
+    if path not in _DBS:
+        _DBS[path] = TuningDB(path)
+    return _DBS[path]
+
+
+def spend(seconds: float) -> None:
+    global _spent_s
+    _spent_s += seconds
+
+
+def budget_left() -> bool:
+    return _spent_s < budget_s()
+
+
+def reset_budget() -> None:
+    global _spent_s
+    _spent_s = 0.0

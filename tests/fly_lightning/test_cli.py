@@ -1,0 +1,71 @@
+"""``fly-lightning``: the tuning database commands, the support matrix, the manifest diff and pre-tuning."""
+
+import subprocess
+
+import pytest
+import torch
+
+from fly_lightning import cli, support, tuning
+from fly_lightning.callbacks import manifest_diff
+
+
+@pytest.fixture
+def db(tmp_path):
+    d = tuning.TuningDB(tmp_path / "t.json")
+    here = tuning.environment_key(torch.device("cpu"))
+    d.put(here, "grouped_mm", "8192x2048 bfloat16 c | None", "triton", {"triton": 0.5, "aten": 0.6})
+    d.put("old GPU | torch 2.0", "rms_norm", "16x8 float32 c | 1e-06", "aten", {"aten": 0.01})
+    return d
+
+
+def test_show_lists_this_machine_first(db, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    assert cli.main(["tuning", "show", "--db", str(db.path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 entries" in out and out.index("(this machine)") < out.index("old GPU")
+    assert "grouped_mm" in out and "triton" in out and "aten 0.6 triton 0.5" in out
+
+
+def test_prune_drops_other_environments_and_pin_holds(db, capsys):
+    cli.main(["tuning", "pin", "rms_norm", "16x8 float32 c | 1e-06", "triton", "--env", "old GPU | torch 2.0",
+              "--db", str(db.path)])  # fmt: skip
+    assert cli.main(["tuning", "prune", "--db", str(db.path)]) == 0
+    assert "dropped 0 entries" in capsys.readouterr().out  # the old environment's only entry is pinned
+    cli.main(["tuning", "pin", "rms_norm", "16x8 float32 c | 1e-06", "--unpin", "--env", "old GPU | torch 2.0",
+              "--db", str(db.path)])  # fmt: skip
+    cli.main(["tuning", "prune", "--db", str(db.path)])
+    assert [op for _, op, _, _ in tuning.TuningDB(db.path).entries()] == ["grouped_mm"]
+    cli.main(["tuning", "prune", "--all", "--db", str(db.path)])
+    assert list(tuning.TuningDB(db.path).entries()) == []
+
+
+def test_support_markdown_is_the_readme_matrix(capsys):
+    assert cli.main(["support", "--markdown"]) == 0
+    assert capsys.readouterr().out.strip() == support.markdown()
+
+
+def test_diff_is_the_manifest_diff(monkeypatch):
+    seen = []
+    monkeypatch.setattr(manifest_diff, "main", lambda argv: seen.append(argv) or 1)
+    assert cli.main(["diff", "a.json", "b.json"]) == 1 and seen == [["a.json", "b.json"]]
+
+
+def test_tune_runs_the_recipe_with_measured_selection(db, monkeypatch, capsys):
+    calls = []
+
+    def fake_call(cmd, env):
+        calls.append((cmd, env))
+        tuning.TuningDB(env["FLY_LIGHTNING_TUNING_DB"]).put("cpu", "swiglu", "k", "triton", {"triton": 1.0})
+        return 0
+
+    monkeypatch.setattr(subprocess, "call", fake_call)
+    assert cli.main(["tune", "--steps", "1", "--db", str(db.path), "--model.hidden_size", "64"]) == 0
+    ((cmd, env),) = calls
+    assert env["FLY_LIGHTNING_SELECT"] == "measure" and cmd[-2:] == ["--model.hidden_size", "64"]
+    assert "--trainer.max_steps=1" in cmd
+    assert "1 shape(s) tuned" in capsys.readouterr().out
+
+
+def test_unknown_arguments_are_errors():
+    with pytest.raises(SystemExit):
+        cli.main(["tuning", "show", "--bogus"])

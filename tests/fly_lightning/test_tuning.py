@@ -1,0 +1,172 @@
+"""The tuning database: measured winners persist and are reused, bucketing, version invalidation, pinning, a corrupt
+file, concurrent writers, the tuning budget."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fly_lightning import DISPATCH_LOG, dispatch_config, tuning
+from fly_lightning.dispatch import Op
+
+
+def _op(costs: dict[str, float], calls: list[str]) -> Op:
+    """A private op whose backends take known times (seconds) and log their calls."""
+    op = Op(name="scratch", reference=lambda x: x * 2, signature=lambda x: (x.shape, x.dtype))
+
+    def make(backend):
+        def fn(x):
+            calls.append(backend)
+            time.sleep(costs[backend])
+            return x * 2
+
+        return fn
+
+    op.implement("aten")(make("aten"))
+    op.implement("triton")(make("triton"))
+    return op
+
+
+def _db() -> tuning.TuningDB:
+    return tuning.active_db()
+
+
+def test_measured_winner_is_written_and_reused_by_a_later_process():
+    calls: list[str] = []
+    with dispatch_config(select="measure"):
+        _op({"aten": 0.004, "triton": 0.0}, calls)(torch.ones(3))
+    assert DISPATCH_LOG.records("scratch")[0]["backend"] == "triton"
+    ((env, op, key, entry),) = list(_db().entries())
+    assert op == "scratch" and entry["backend"] == "triton" and set(entry["timings_ms"]) == {"aten", "triton"}
+    assert key == "4 float32 c | " and env.startswith("cpu | torch ")  # 3 rows bucketed to 4
+    # a new process: nothing cached in memory, the database answers without timing anything
+    DISPATCH_LOG.reset()
+    calls.clear()
+    with dispatch_config(select="measure"):
+        _op({"aten": 0.0, "triton": 0.004}, calls)(torch.ones(4))  # triton now slower: the stored winner still holds
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "triton" and rec["tuning_s"] == 0.0 and calls == ["triton"]
+    assert "tuning database: triton measured earlier" in rec["reason"]
+
+
+def test_bucketing_of_the_leading_dimension():
+    key = lambda n: tuning.tuning_key((torch.ones(n, 8), 2, True))  # noqa: E731
+    assert key(3000) == key(4096) == "4096x8 float32 c | 2, True"
+    assert key(4097) != key(4096)
+    assert [tuning.bucket(n) for n in (0, 1, 2, 3, 5, 1024, 1025)] == [0, 1, 2, 4, 8, 1024, 2048]
+    assert tuning.tuning_key((torch.ones(4, 6).t(),)) == "8x4 float32 t | "
+
+
+def test_an_upgrade_measures_again(monkeypatch):
+    calls: list[str] = []
+    with dispatch_config(select="measure"):
+        _op({"aten": 0.0, "triton": 0.003}, calls)(torch.ones(2))
+    monkeypatch.setattr(tuning, "_version", lambda dist: "9.9" if dist == "triton" else "-")
+    DISPATCH_LOG.reset()
+    with dispatch_config(select="measure"):
+        _op({"aten": 0.003, "triton": 0.0}, calls)(torch.ones(2))
+    assert DISPATCH_LOG.records("scratch")[0]["backend"] == "triton"  # measured, not read from the old entry
+    assert len({env for env, *_ in _db().entries()}) == 2
+
+
+def test_a_pinned_entry_wins_and_is_never_overwritten():
+    env = tuning.environment_key(torch.device("cpu"))
+    key = tuning.tuning_key((torch.ones(2),))
+    _db().pin(env, "scratch", key, "aten")
+    calls: list[str] = []
+    with dispatch_config(select="measure"):
+        _op({"aten": 0.003, "triton": 0.0}, calls)(torch.ones(2))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "aten" and calls == ["aten"] and "aten pinned" in rec["reason"]
+    assert _db().put(env, "scratch", key, "triton", {"triton": 0.1}, replace=True)["backend"] == "aten"
+    assert _db().get(env, "scratch", key)["backend"] == "aten"
+
+
+def test_a_corrupt_file_warns_and_is_rebuilt(tmp_path):
+    path = tuning.active_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"format": "fly-lightning tuning db", "version": 1, "environments": {"x": ')  # truncated
+    calls: list[str] = []
+    with pytest.warns(UserWarning, match="unreadable"), dispatch_config(select="measure"):
+        _op({"aten": 0.002, "triton": 0.0}, calls)(torch.ones(2))
+    assert DISPATCH_LOG.records("scratch")[0]["backend"] == "triton"
+    assert json.loads(path.read_text())["format"] == "fly-lightning tuning db"
+    assert list(path.parent.glob("tuning.json.corrupt-*"))  # the bad file is kept aside, not silently lost
+
+
+_WRITER = """
+import sys
+from fly_lightning.tuning import TuningDB
+db = TuningDB(sys.argv[1])
+for i in range(25):
+    db.put("env", "op", f"{sys.argv[2]}-{i}", "triton", {"triton": 1.0})
+"""
+
+
+def test_four_processes_writing_at_once_lose_nothing():
+    path = str(tuning.active_path())
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, path, f"w{w}"]) for w in range(4)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0, 0, 0]
+    keys = {key for _, _, key, _ in tuning.TuningDB(path).entries()}
+    assert keys == {f"w{w}-{i}" for w in range(4) for i in range(25)}
+
+
+def test_the_tuning_budget_bounds_measurement(monkeypatch):
+    monkeypatch.setenv("FLY_LIGHTNING_TUNING_BUDGET_S", "0")
+    calls: list[str] = []
+    with dispatch_config(select="measure"):
+        _op({"aten": 0.0, "triton": 0.003}, calls)(torch.ones(2))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert rec["backend"] == "triton" and calls == ["triton"]  # the first supported candidate, not timed
+    assert "tuning budget (0 s) spent" in rec["reason"]
+
+
+def test_off_writes_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLY_LIGHTNING_TUNING_DB", "off")
+    assert tuning.active_db() is None
+    with dispatch_config(select="measure"):
+        _op({"aten": 0.0, "triton": 0.002}, [])(torch.ones(2))
+    assert DISPATCH_LOG.records("scratch")[0]["backend"] == "aten"
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_prune_keeps_pinned_entries_and_the_current_environment():
+    db = _db()
+    db.put("old", "a", "k1", "triton", {})
+    db.put("old", "a", "k2", "aten", {})
+    db.pin("old", "a", "k3", "aten")
+    db.put("new", "a", "k1", "triton", {})
+    assert db.prune(keep_env="new") == 2
+    assert sorted((env, key) for env, _, key, _ in db.entries()) == [("new", "k1"), ("old", "k3")]
+
+
+_RANK = """
+import sys, time, torch
+from fly_lightning import DISPATCH_LOG, dispatch_config
+from fly_lightning.dispatch import Op
+fast = sys.argv[1]  # each process finds a different backend faster
+op = Op(name="scratch", reference=lambda x: x * 2, signature=lambda x: (x.shape, x.dtype))
+for b in ("aten", "triton"):
+    op.implement(b)(lambda x, b=b: (time.sleep(0 if b == fast else 0.01), x * 2)[1])
+while time.time() < float(sys.argv[2]):  # start measuring together
+    time.sleep(0.001)
+with dispatch_config(select="measure"):
+    op(torch.ones(4))
+print(DISPATCH_LOG.records("scratch")[0]["backend"])
+"""
+
+
+def test_processes_measuring_one_shape_at_once_take_one_choice():
+    """Two ranks on one host disagree on the fastest backend; both take the one stored first."""
+    start = time.time() + 8  # past both imports
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _RANK, fast, str(start)], stdout=subprocess.PIPE, text=True)
+        for fast in ("aten", "triton")
+    ]
+    chosen = [p.communicate(timeout=120)[0].split()[-1] for p in procs]
+    assert chosen[0] == chosen[1]
+    ((_, _, _, entry),) = list(_db().entries())
+    assert entry["backend"] == chosen[0]

@@ -18,7 +18,7 @@ import torch
 
 import fly_lightning
 from benchmarks.harness import Results
-from fly_lightning.recipes.data import MarkovLMData
+from fly_lightning.recipes.data import LMData
 from fly_lightning.recipes.moe_finetune import MoECausalLM
 
 STEPS, WARMUP = 40, 10
@@ -52,7 +52,7 @@ def fit(cfg: dict, strategy: str) -> StepTimer:
     seq_len, batch_size = cfg.pop("seq_len"), cfg.pop("batch_size")
     torch.manual_seed(0)
     model = MoECausalLM(**cfg, max_seq_len=seq_len + 1, warmup_steps=2)
-    data = MarkovLMData(seq_len=seq_len, batch_size=batch_size, n_train=batch_size * (STEPS + 1))
+    data = LMData(seq_len=seq_len, batch_size=batch_size, n_train=batch_size * (STEPS + 1))
     timer = StepTimer()
     trainer = L.Trainer(
         strategy=strategy,

@@ -1,7 +1,8 @@
-"""The embedded default data: token sequences from a seeded first-order Markov chain.
+"""The recipe's data: the embedded default (token sequences from a seeded first-order Markov chain) or real text.
 
-No download and no file: every machine generates the same corpus, and a model can learn it (the loss falls well below
-the uniform ``log(vocab)`` towards ``log(branching)``), which makes the default run a real, checkable training job.
+The default needs no download and no file: every machine generates the same corpus, and a model can learn it (the
+loss falls well below the uniform ``log(vocab)`` towards ``log(branching)``), which makes the default run a real,
+checkable training job. ``--data.path`` trains on real text instead (``fly_lightning.recipes.text``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import lightning.pytorch as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+from fly_lightning.recipes import text
 
 
 def markov_corpus(n_seqs: int, seq_len: int, vocab: int, seed: int = 0, branching: int = 4) -> torch.Tensor:
@@ -23,42 +26,64 @@ def markov_corpus(n_seqs: int, seq_len: int, vocab: int, seed: int = 0, branchin
     return seqs
 
 
-class MarkovLMData(L.LightningDataModule):
-    """Train/validation splits of the embedded corpus (``test`` and ``predict`` use the validation split).
+class LMData(L.LightningDataModule):
+    """Train/validation splits of the embedded corpus, or of real text (``test`` and ``predict`` use the validation
+    split).
 
     Args:
-        vocab_size: token ids in ``[0, vocab_size)``; must match the model.
+        path: real text: a text file, a folder of text / JSONL files, or a JSONL file (``text`` or chat ``messages``);
+            None: the embedded Markov corpus.
+        tokenizer: with ``path``: ``bytes`` (UTF-8 bytes, 256 ids) or a local Hugging Face tokenizer directory; None
+            (the default): the ``--model.pretrained`` directory's tokenizer when there is one, else bytes.
+        vocab_size: token ids in ``[0, vocab_size)``; must match the model (and hold the tokenizer's vocabulary).
         seq_len: tokens per sample (the model sees ``seq_len - 1`` inputs and targets).
         batch_size: samples per batch.
-        n_train: training sequences.
-        n_val: validation sequences.
-        seed: corpus seed.
+        n_train: training sequences of the embedded corpus.
+        n_val: validation sequences of the embedded corpus.
+        val_fraction: with ``path``: the share of packed sequences held out (at least one).
+        seed: corpus seed, split and shuffling seed.
     """
 
     def __init__(
         self,
+        path: str | None = None,
+        tokenizer: str | None = None,
         vocab_size: int = 256,
         seq_len: int = 129,
         batch_size: int = 8,
         n_train: int = 2048,
         n_val: int = 64,
+        val_fraction: float = 0.05,
         seed: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
+        self.tokenizer: text.Tokenizer | None = None
 
     def setup(self, stage: str | None = None) -> None:
         h = self.hparams
-        data = markov_corpus(h.n_train + h.n_val, h.seq_len, h.vocab_size, h.seed)
-        self.train_set = TensorDataset(data[: h.n_train])
-        self.val_set = TensorDataset(data[h.n_train :])
+        if h.path is None:
+            data = markov_corpus(h.n_train + h.n_val, h.seq_len, h.vocab_size, h.seed)
+            self.train_set = TensorDataset(data[: h.n_train])
+            self.val_set = TensorDataset(data[h.n_train :])
+            return
+        self.tokenizer = text.load_tokenizer(h.tokenizer)
+        if self.tokenizer.vocab_size > h.vocab_size:
+            raise ValueError(
+                f"data.tokenizer {h.tokenizer} has {self.tokenizer.vocab_size} tokens but data.vocab_size is "
+                f"{h.vocab_size}: pass --data.vocab_size (and a model of that vocabulary)"
+            )
+        train, val = text.split(
+            text.pack(text.read_documents(h.path), self.tokenizer, h.seq_len), h.val_fraction, h.seed
+        )
+        self.train_set, self.val_set = TensorDataset(train), TensorDataset(val)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(
             self.train_set,
             batch_size=self.hparams.batch_size,
             shuffle=True,
-            drop_last=True,
+            drop_last=len(self.train_set) >= self.hparams.batch_size,  # a small real corpus still makes a batch
             generator=torch.Generator().manual_seed(self.hparams.seed),
         )
 

@@ -6,6 +6,7 @@ shapes and how step time splits by operator. Everything is a LightningCLI argume
 
     fly-finetune fit --model.arch mixtral --trainer.max_steps 100 --trainer.strategy flydsl_ddp --trainer.devices 2
     fly-finetune fit --model.pretrained /path/to/Qwen3-30B-A3B --data.vocab_size 151936   # real checkpoints
+    fly-finetune fit --data.path corpus.jsonl --data.tokenizer bytes                      # real text
     fly-finetune fit --print_config > cfg.yaml && fly-finetune fit -c cfg.yaml           # every option
     fly-finetune test --ckpt_path lightning_logs/version_0/checkpoints/last.ckpt         # also validate, predict
 
@@ -33,10 +34,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar, RichProgre
 from lightning.pytorch.cli import LightningCLI
 
 from fly_lightning.callbacks import DispatchCoverage, OperatorTime
-from fly_lightning.recipes.data import MarkovLMData
+from fly_lightning.recipes.data import LMData
 
 PROG = "fly-finetune"
 Arch = Literal["qwen3_moe", "mixtral", "olmoe"]
+Quant = Literal["none", "mxfp8", "mxfp4"]
 ARCHS: tuple[str, ...] = get_args(Arch)
 
 
@@ -106,6 +108,12 @@ class MoECausalLM(L.LightningModule):
         num_experts / experts_per_token / expert_intermediate_size: the MoE layers.
         max_seq_len: position embeddings.
         lr / weight_decay / warmup_steps: AdamW with linear warm-up, then cosine decay over ``trainer.max_steps``.
+        quant: ``"mxfp8"`` (E4M3 weights and activations) or ``"mxfp4"`` (E2M1) forward GEMMs for the model's
+            ``nn.Linear`` layers but the output head, through ``FlyMXConfig`` (torchao ``quantize_``); ``"none"``: bf16.
+            ``fly-finetune test --model.quant ...`` on one checkpoint compares the eval losses.
+        export_dir: at the end of ``fit``, a transformers-loadable copy of the model (``save_pretrained``: config and
+            safetensors with the original parameter names, and the data's tokenizer if it has one) in this folder of
+            the log directory; None: none.
     """
 
     def __init__(
@@ -124,6 +132,8 @@ class MoECausalLM(L.LightningModule):
         lr: float = 3e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 5,
+        quant: Quant = "none",
+        export_dir: str | None = "hf_model",
     ) -> None:
         super().__init__()
         if pretrained:
@@ -144,6 +154,8 @@ class MoECausalLM(L.LightningModule):
                 expert_intermediate_size,
                 max_seq_len,
             )
+        if quant != "none":
+            apply_quant(self.model, quant)
         # with a checkpoint, its config decides the vocabulary: the unused argument must not clash with the data's
         # vocab_size when Lightning merges the hparams (``setup`` checks the real one)
         self.save_hyperparameters(ignore=["vocab_size"] if pretrained else None)
@@ -157,6 +169,16 @@ class MoECausalLM(L.LightningModule):
                 f"data.vocab_size={data_vocab} does not match the model's vocabulary ({model_vocab}): "
                 f"pass --data.vocab_size {model_vocab}"
             )
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            path = export_hf(
+                self, Path(self.trainer.log_dir or self.trainer.default_root_dir) / self.hparams.export_dir
+            )
+            if path is not None:
+                from rich.console import Console
+
+                Console().print(f"transformers model written to {path}")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=tokens, labels=tokens).loss  # HF shifts the labels
@@ -190,6 +212,39 @@ class MoECausalLM(L.LightningModule):
             "optimizer": opt,
             "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"},
         }
+
+
+def apply_quant(model: torch.nn.Module, quant: str) -> None:
+    """``quantize_`` the model's ``nn.Linear`` layers (the output head excepted) with ``FlyMXConfig``."""
+    from torchao.quantization import quantize_
+
+    from fly_lightning import FlyMXConfig
+
+    fmt = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1"}[quant]
+    head = model.get_output_embeddings()
+    quantize_(
+        model,
+        FlyMXConfig(weight=fmt, activation=fmt),
+        filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m is not head,
+    )
+
+
+def export_hf(module: MoECausalLM, path: Path) -> Path | None:
+    """``save_pretrained`` of the module's model (the swapped modules keep the original parameter names, so the
+    folder loads with ``AutoModelForCausalLM.from_pretrained``), with the data's Hugging Face tokenizer if any. Sharded
+    parameters (FSDP2, tensor parallel) are not gathered here: None, with a warning to use the Lightning checkpoint."""
+    from fly_lightning.dtensor import is_dtensor
+
+    if any(is_dtensor(p) for p in module.model.parameters()):
+        warnings.warn(
+            "model.export_dir: sharded parameters are not exported; use the Lightning checkpoint", stacklevel=2
+        )
+        return None
+    module.model.save_pretrained(path)
+    tokenizer = getattr(getattr(module.trainer, "datamodule", None), "tokenizer", None)
+    if tokenizer is not None and tokenizer.hf is not None:
+        tokenizer.hf.save_pretrained(path)
+    return path
 
 
 def check_pretrained(pretrained: str | None) -> str | None:
@@ -247,11 +302,27 @@ class FinetuneCLI(LightningCLI):
         parser.add_lightning_class_args(OperatorTime, "op_time")
         parser.set_defaults({"op_time.every_n_steps": 10, "op_time.first_step": 5})
 
+    def _parse_ckpt_path(self) -> None:
+        """LightningCLI lets a checkpoint's hyperparameters override the command line; ``--model.quant`` given on the
+        command line wins here, so that one checkpoint can be evaluated in bf16, MXFP8 and MXFP4."""
+        sub = self.config.get("subcommand")
+        quant = self.config[sub].model.quant if sub else None
+        super()._parse_ckpt_path()
+        raw = self._raw_args if self._raw_args is not None else sys.argv[1:]
+        if sub and any(a == "--model.quant" or a.startswith("--model.quant=") for a in raw):
+            self.config[sub].model.quant = quant
+
+    def parse_arguments(self, parser, args) -> None:
+        self._raw_args = None if args is None else list(args)
+        super().parse_arguments(parser, args)
+
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
         problem = check_pretrained(config.model.pretrained)
         if problem:
             self._parser(self.subcommand).error(problem)
+        if config.data.tokenizer is None:  # real text with a checkpoint: its own tokenizer, else bytes
+            config.data.tokenizer = config.model.pretrained if config.data.path and config.model.pretrained else "bytes"
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> L.Trainer:
         if config.get("enable_checkpointing") is False:  # --trainer.enable_checkpointing=false turns checkpoints off
@@ -318,7 +389,7 @@ def main(args: list[str] | None = None) -> None:
     cli_args = args or ["fit"]
     FinetuneCLI(
         MoECausalLM,
-        MarkovLMData,
+        LMData,
         trainer_defaults=trainer_defaults(),
         seed_everything_default=0,
         # None: LightningCLI reads sys.argv itself (given both, it warns on every command-line run)

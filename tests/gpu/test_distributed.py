@@ -36,7 +36,7 @@ def run_one(strategy_name: str, out: str) -> None:
     import lightning.pytorch as L
 
     import fly_lightning
-    from fly_lightning.recipes.data import MarkovLMData
+    from fly_lightning.recipes.data import LMData
     from fly_lightning.recipes.moe_finetune import MoECausalLM
 
     losses: list[float] = []
@@ -70,7 +70,7 @@ def run_one(strategy_name: str, out: str) -> None:
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(model, MarkovLMData(seq_len=257, batch_size=4, n_train=512))
+    trainer.fit(model, LMData(seq_len=257, batch_size=4, n_train=512))
     if trainer.global_rank == 0:
         s = getattr(trainer.strategy, "transform_summary", None)
         result = {

@@ -8,13 +8,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fly_lightning.recipes.data import MarkovLMData, markov_corpus
+from fly_lightning.recipes.data import LMData, markov_corpus
 
 SMALL = dict(vocab_size=48, seq_len=33, batch_size=8, n_train=80, n_val=20)
 
 
-def _dm(**kwargs) -> MarkovLMData:
-    dm = MarkovLMData(**{**SMALL, **kwargs})
+def _dm(**kwargs) -> LMData:
+    dm = LMData(**{**SMALL, **kwargs})
     dm.setup("fit")
     return dm
 
@@ -85,7 +85,7 @@ def test_branching_one_is_a_deterministic_chain():
     assert _conditional_entropy(seqs, 16) == 0.0
 
 
-# --- MarkovLMData -------------------------------------------------------------------------------------------------
+# --- LMData -------------------------------------------------------------------------------------------------
 
 
 def test_split_sizes_and_disjoint_splits():

@@ -26,7 +26,7 @@ import fly_lightning
 from fly_lightning import DISPATCH_LOG, FlyMoE, FlyRMSNorm
 from fly_lightning.callbacks import DispatchCoverage, OperatorTime, load_manifest
 from fly_lightning.recipes import moe_finetune
-from fly_lightning.recipes.data import MarkovLMData
+from fly_lightning.recipes.data import LMData
 from fly_lightning.recipes.moe_finetune import (
     ARCHS,
     FinetuneCLI,
@@ -154,7 +154,7 @@ def test_fp32_training_tracks_the_stock_strategy_step_by_step(arch):
         torch.manual_seed(0)
         model = MoECausalLM(arch, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, num_experts=8,
                             expert_intermediate_size=48, max_seq_len=64, warmup_steps=2)  # fmt: skip
-        data = MarkovLMData(seq_len=33, batch_size=4, n_train=32)
+        data = LMData(seq_len=33, batch_size=4, n_train=32)
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=1, max_steps=6, limit_val_batches=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Record()],
@@ -178,7 +178,7 @@ def test_defaults_agree_and_run_observed(tmp_path, no_reexec, capsys):
     """The embedded default run: model and data vocabularies match, strategy flydsl, checkpoints and both callbacks
     on (CLI options, not hidden trainer defaults)."""
     model_defaults = inspect.signature(MoECausalLM).parameters
-    data_defaults = inspect.signature(MarkovLMData).parameters
+    data_defaults = inspect.signature(LMData).parameters
     assert model_defaults["vocab_size"].default == data_defaults["vocab_size"].default
     assert model_defaults["arch"].default in ARCHS
     assert data_defaults["seq_len"].default <= model_defaults["max_seq_len"].default
@@ -435,7 +435,7 @@ def test_progress_bar_counts_steps_when_only_max_steps_bounds_the_run(tmp_path):
             seen.append(trainer.progress_bar_callback._get_train_description(trainer.current_epoch))
 
     model = MoECausalLM(**TINY)
-    data = MarkovLMData(vocab_size=VOCAB, seq_len=9, batch_size=4, n_train=40, n_val=4)  # 10 batches an epoch
+    data = LMData(vocab_size=VOCAB, seq_len=9, batch_size=4, n_train=40, n_val=4)  # 10 batches an epoch
     trainer = L.Trainer(
         max_steps=13,
         accelerator="cpu",
@@ -547,3 +547,71 @@ def test_console_script_reexecs_once_without_gpu_and_keeps_stdout_clean(tmp_path
     assert proc.returncode not in (0, None)
     assert proc.stderr.count("fly-finetune: no GPU") == (0 if torch.cuda.is_available() else 1)
     assert "no GPU" not in proc.stdout and "gpt2" in proc.stderr
+
+
+def test_cli_fine_tunes_a_checkpoint_on_chat_jsonl_and_exports_a_transformers_folder(
+    tmp_path, no_reexec, record_cli, tiny_tokenizer
+):
+    """Real data and real checkpoints: a local model directory with its tokenizer, chat JSONL rendered with the
+    tokenizer's template, and at the end a folder that ``from_pretrained`` loads with the original parameter names."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ckpt = tmp_path / "ckpt"
+    build_hf_model("qwen3_moe", 16, 32, 1, 2, 1, 4, 2, 16, 32).save_pretrained(ckpt)
+    tiny_tokenizer(ckpt)  # the tokenizer lives in the model directory, as on the hub
+    rows = [{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the cat sat"}]},
+            {"text": "a dog ran on the mat"}] * 20  # fmt: skip
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    main(
+        [
+            "fit",
+            f"--model.pretrained={ckpt}",
+            f"--data.path={tmp_path / 'chat.jsonl'}",
+            "--data.vocab_size=16",
+            "--data.seq_len=9",
+            "--data.val_fraction=0.2",
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=1",
+            "--trainer.enable_progress_bar=false",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path}",
+        ]
+    )
+    (cli,) = record_cli
+    assert cli.trainer.global_step == 2
+    assert cli.datamodule.hparams.tokenizer == str(ckpt)  # defaulted to the checkpoint's own tokenizer
+    out = Path(cli.trainer.log_dir) / "hf_model"
+    saved, original = load_file(out / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    assert saved.keys() == original.keys()  # the original names, whatever module replaced them in training
+    assert any(not torch.equal(saved[k], original[k]) for k in saved)  # and the fine-tuned values
+    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    trained = {k: v.detach() for k, v in cli.model.model.state_dict().items()}
+    assert all(torch.equal(v.to(trained[k].dtype), trained[k]) for k, v in reloaded.state_dict().items())
+    assert AutoTokenizer.from_pretrained(out).eos_token == "[EOS]"
+
+
+@pytest.mark.parametrize("quant, fmt", [("mxfp8", "mxfp8_e4m3"), ("mxfp4", "mxfp4_e2m1")])
+def test_cli_quant_trains_with_mx_linears_and_evaluates(quant, fmt, tmp_path, no_reexec, record_cli):
+    from fly_lightning.quant.linear import FlyMXLinear
+
+    main(_fit_args(tmp_path, f"--model.quant={quant}", steps=2))
+    (cli,) = record_cli
+    mx = [m for m in cli.model.modules() if isinstance(m, FlyMXLinear)]
+    assert mx and all(m.spec.weight == fmt and m.spec.activation == fmt for m in mx)
+    assert not isinstance(cli.model.model.get_output_embeddings(), FlyMXLinear)  # the head stays in bf16
+    assert all(math.isfinite(v) for v in _metric(Path(cli.trainer.log_dir), "train_loss"))
+    assert fly_lightning.DISPATCH_LOG.summary()["mx_cast"]["calls"] > 0
+    # the quality comparison: the same checkpoint evaluated with and without MX
+    ckpt = Path(cli.trainer.log_dir) / "checkpoints" / "last.ckpt"
+    losses = {}
+    for q in ("none", quant):
+        record_cli.clear()
+        test_args = [
+            a for a in _fit_args(tmp_path / q, f"--model.quant={q}") if not a.startswith("--trainer.max_steps")
+        ]
+        main(["test", *test_args[1:], f"--ckpt_path={ckpt}"])
+        losses[q] = record_cli[0].trainer.callback_metrics["test_loss"].item()
+    assert all(math.isfinite(v) for v in losses.values()) and losses["none"] != losses[quant]

@@ -7,9 +7,11 @@ checkable training job. ``--data.path`` trains on real text instead (``fly_light
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import lightning.pytorch as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from fly_lightning.recipes import text
 
@@ -24,6 +26,37 @@ def markov_corpus(n_seqs: int, seq_len: int, vocab: int, seed: int = 0, branchin
     for t in range(1, seq_len):
         seqs[:, t] = table_VB[seqs[:, t - 1], choice[:, t]]
     return seqs
+
+
+class EpochSampler(Sampler[int]):
+    """A seeded shuffle per epoch (from the seed and the epoch number alone) that starts past the samples already
+    consumed: a run resumed mid-epoch sees the rest of the interrupted epoch's order, not a new start, so that it
+    reaches the same losses as an uninterrupted one. Under DDP, Lightning's sampler wrapper splits what it yields
+    among the ranks; the consumed count is over all ranks, so the split stays as it was."""
+
+    def __init__(self, n: int, seed: int, consumed: Callable[[], int]) -> None:
+        self.n, self.seed, self.consumed, self.epoch = n, seed, consumed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g)[self.consumed() :].tolist())
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that Lightning treats as resumable (``state_dict``/``load_state_dict``): its position lives in
+    Lightning's own restored progress, which ``EpochSampler`` reads, so there is nothing else to save."""
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        pass
 
 
 class LMData(L.LightningDataModule):
@@ -79,13 +112,21 @@ class LMData(L.LightningDataModule):
         self.train_set, self.val_set = TensorDataset(train), TensorDataset(val)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
+        return ResumableLoader(
             self.train_set,
             batch_size=self.hparams.batch_size,
-            shuffle=True,
+            sampler=EpochSampler(len(self.train_set), self.hparams.seed, self._consumed_samples),
             drop_last=len(self.train_set) >= self.hparams.batch_size,  # a small real corpus still makes a batch
-            generator=torch.Generator().manual_seed(self.hparams.seed),
         )
+
+    def _consumed_samples(self) -> int:
+        """Samples of the current epoch already trained on, over all ranks: Lightning's restored batch count when a
+        run resumes mid-epoch, 0 at an epoch's start."""
+        trainer = self.trainer
+        if trainer is None:
+            return 0
+        ready = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return ready * self.hparams.batch_size * trainer.world_size
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.hparams.batch_size)

@@ -615,3 +615,18 @@ def test_cli_quant_trains_with_mx_linears_and_evaluates(quant, fmt, tmp_path, no
         main(["test", *test_args[1:], f"--ckpt_path={ckpt}"])
         losses[q] = record_cli[0].trainer.callback_metrics["test_loss"].item()
     assert all(math.isfinite(v) for v in losses.values()) and losses["none"] != losses[quant]
+
+
+def test_a_resumed_run_reaches_the_losses_of_an_uninterrupted_one(tmp_path, no_reexec, record_cli):
+    """Stopped at step 4 (mid-epoch: 12 batches an epoch) and resumed to step 16 (into the second epoch): the same
+    batches in the same order, so the same training losses as the run that never stopped."""
+    ckpt = ["--checkpoint.every_n_train_steps=4", "--checkpoint.save_top_k=-1", "--checkpoint.monitor=null",
+            "--checkpoint.filename={step}", "--trainer.val_check_interval=null", "--trainer.check_val_every_n_epoch=100"]  # fmt: skip
+    main(_fit_args(tmp_path / "whole", *ckpt, steps=16))
+    whole = _metric(Path(record_cli[0].trainer.log_dir), "train_loss")
+    stop = Path(record_cli[0].trainer.log_dir) / "checkpoints" / "step=4.ckpt"
+    record_cli.clear()
+    main([*_fit_args(tmp_path / "resumed", *ckpt, steps=16), f"--ckpt_path={stop}"])
+    resumed = _metric(Path(record_cli[0].trainer.log_dir), "train_loss")
+    assert len(whole) == 16 and len(resumed) == 12
+    assert resumed == whole[4:]

@@ -22,6 +22,9 @@ One JSON file, human-readable, shared by every process on a host::
   reader never sees half a file. A file that cannot be parsed is moved aside (``<file>.corrupt-<time>``) with a
   warning and rebuilt; it never crashes a run.
 
+Besides the backend choices of measured selection, kernels keep their own measured configurations here (the Triton
+grouped GEMM's launch configuration per shape class: op ``grouped_mm.config``, the configuration in ``detail``).
+
 ``FLY_LIGHTNING_TUNING_DB`` is the file (default ``$XDG_CACHE_HOME/fly_lightning/tuning.json``); ``off`` disables it.
 ``FLY_LIGHTNING_TUNING_BUDGET_S`` (default 120) bounds the seconds a process spends measuring: past it, new shapes run
 their first supported candidate, recorded as such, so a rare shape never stalls training.
@@ -195,7 +198,14 @@ class TuningDB:
                     fcntl.flock(lock, fcntl.LOCK_UN)
 
     def put(
-        self, env: str, op: str, key: str, backend: str, timings_ms: dict[str, float], replace: bool = False
+        self,
+        env: str,
+        op: str,
+        key: str,
+        backend: str,
+        timings_ms: dict[str, float],
+        replace: bool = False,
+        detail: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Record a measured winner and return the entry in force. The first measurement of a shape wins: where the
         shape already has an entry (another rank measured it meanwhile, or it is pinned) that entry stays and is
@@ -209,6 +219,7 @@ class TuningDB:
                 "timings_ms": {b: round(t, 5) for b, t in timings_ms.items()},
                 "pinned": False,
                 "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                **({"detail": detail} if detail else {}),
             }
             return dict(slot[key])
 

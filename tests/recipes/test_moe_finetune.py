@@ -621,7 +621,8 @@ def test_a_resumed_run_reaches_the_losses_of_an_uninterrupted_one(tmp_path, no_r
     """Stopped at step 4 (mid-epoch: 12 batches an epoch) and resumed to step 16 (into the second epoch): the same
     batches in the same order, so the same training losses as the run that never stopped."""
     ckpt = ["--checkpoint.every_n_train_steps=4", "--checkpoint.save_top_k=-1", "--checkpoint.monitor=null",
-            "--checkpoint.filename={step}", "--trainer.val_check_interval=null", "--trainer.check_val_every_n_epoch=100"]  # fmt: skip
+            "--checkpoint.filename={step}", "--trainer.val_check_interval=null",
+            "--trainer.check_val_every_n_epoch=100"]  # fmt: skip
     main(_fit_args(tmp_path / "whole", *ckpt, steps=16))
     whole = _metric(Path(record_cli[0].trainer.log_dir), "train_loss")
     stop = Path(record_cli[0].trainer.log_dir) / "checkpoints" / "step=4.ckpt"

@@ -235,6 +235,25 @@ def test_tune_replaces_the_table_only_when_clearly_faster(monkeypatch, clean_tun
     assert gk.tune(x, w, offs, candidates=[fast], reps=1, margin=0.2) == table
 
 
+def test_tuned_configuration_persists_in_the_tuning_database(monkeypatch, clean_tuning):
+    """A later process (MEASURED empty) takes the configuration an earlier one measured, without timing anything."""
+    from fly_lightning import tuning
+
+    x, w, offs = _problem([5, 0, 20, 9], k=24, n=40)
+    fast = replace(BASE, block_m=16, group_m=1)
+    table = gc.table_config(x, w, x.shape[0])
+    speeds = iter([1.0, 0.5] * 3)  # table, fast: per round
+    monkeypatch.setattr(gk, "_elapsed_ms", lambda run, reps, cuda: (run(), next(speeds))[1])
+    monkeypatch.setattr(gk, "tune_candidates", lambda m_class: [fast])
+    assert gk.tune(x, w, offs) == fast
+    ((env, op, key, entry),) = list(tuning.active_db().entries())
+    assert op == gk.DB_OP and entry["backend"] == fast.label() and entry["detail"]["block_m"] == 16
+    assert set(entry["timings_ms"]) == {table.label(), fast.label()}
+    gc.MEASURED.clear()
+    monkeypatch.setattr(gk, "_elapsed_ms", lambda *a: pytest.fail("timed again"))
+    assert gk.tune(x, w, offs) == fast and gc.MEASURED[gc.measure_key(x, w, x.shape[0], False, False)] == fast
+
+
 def test_tune_mismatch_is_elementwise():
     e = torch.randn(3000, 64).to(torch.bfloat16)
     assert gk._mismatch(e.clone(), e) is None

@@ -28,9 +28,8 @@ log="$OUT/session-$tag.log"
   else
     echo "no .whl/ carried: the image's packages only"; mkdir -p /tmp/site
   fi
-  # the package as an install lays it out (pyproject's package-dir mapping), without needing a build backend there
+  # the package as an install lays it out, without needing a build backend there
   rm -rf /tmp/site/fly_lightning && cp -r fly_lightning /tmp/site/fly_lightning
-  for d in kernels quant callbacks recipes; do cp -r "$d" "/tmp/site/fly_lightning/$d"; done
   rm -rf /tmp/site/benchmarks && cp -r benchmarks /tmp/site/benchmarks
 } >"$log" 2>&1
 # run outside the checkout: its fly_lightning/ on sys.path[0] would shadow the laid-out package

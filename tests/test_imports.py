@@ -17,14 +17,8 @@ import pytest
 import fly_lightning
 
 ROOT = Path(fly_lightning.__file__).resolve().parents[1]
-# installed name -> folder, as pyproject's package-dir maps them
-PACKAGES = {
-    "fly_lightning": "fly_lightning",
-    "fly_lightning.kernels": "kernels",
-    "fly_lightning.quant": "quant",
-    "fly_lightning.callbacks": "callbacks",
-    "fly_lightning.recipes": "recipes",
-}
+# installed name -> folder
+PACKAGES = {"fly_lightning": "fly_lightning"}
 
 # The dispatch core, bottom first: each module may import only those before it.
 CORE = ["backends", "registry", "policy", "tuning", "dispatch_log", "dispatch", "dtensor"]

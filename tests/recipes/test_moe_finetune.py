@@ -292,27 +292,28 @@ def test_cli_fit_swaps_learns_and_writes_outputs(arch, tmp_path, no_reexec, reco
         assert title in out, title
 
 
+def _pretrained_fit_args(root: Path, ckpt: Path, *data: str) -> list[str]:
+    """Two steps of fine-tuning the checkpoint ``ckpt`` on ``data`` options, logging to ``root``."""
+    return [
+        "fit",
+        f"--model.pretrained={ckpt}",
+        *data,
+        "--data.seq_len=9",
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={root}",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+        f"--trainer.logger.save_dir={root}",
+    ]
+
+
 def test_cli_fine_tunes_a_pretrained_checkpoint(tmp_path, no_reexec, record_cli):
     """``--model.pretrained`` with only ``--data.vocab_size`` (as the module docstring shows) must run."""
     ckpt = tmp_path / "ckpt"
     build_hf_model("mixtral", VOCAB, 32, 1, 2, 1, 4, 2, 16, 32).save_pretrained(ckpt)
-    main(
-        [
-            "fit",
-            f"--model.pretrained={ckpt}",
-            f"--data.vocab_size={VOCAB}",
-            "--data.seq_len=9",
-            "--data.n_train=16",
-            "--data.n_val=8",
-            "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2",
-            "--trainer.limit_val_batches=1",
-            "--trainer.enable_progress_bar=false",
-            f"--trainer.default_root_dir={tmp_path}",
-            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-            f"--trainer.logger.save_dir={tmp_path}",
-        ]
-    )
+    main(_pretrained_fit_args(tmp_path, ckpt, f"--data.vocab_size={VOCAB}", "--data.n_train=16", "--data.n_val=8"))
     (cli,) = record_cli
     assert cli.trainer.global_step == 2
     assert type(cli.model.model).__name__ == "MixtralForCausalLM"
@@ -564,21 +565,9 @@ def test_cli_fine_tunes_a_checkpoint_on_chat_jsonl_and_exports_a_transformers_fo
             {"text": "a dog ran on the mat"}] * 20  # fmt: skip
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     main(
-        [
-            "fit",
-            f"--model.pretrained={ckpt}",
-            f"--data.path={tmp_path / 'chat.jsonl'}",
-            "--data.vocab_size=16",
-            "--data.seq_len=9",
-            "--data.val_fraction=0.2",
-            "--trainer.max_steps=2",
-            "--trainer.val_check_interval=2",
-            "--trainer.limit_val_batches=1",
-            "--trainer.enable_progress_bar=false",
-            f"--trainer.default_root_dir={tmp_path}",
-            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-            f"--trainer.logger.save_dir={tmp_path}",
-        ]
+        _pretrained_fit_args(
+            tmp_path, ckpt, f"--data.path={tmp_path / 'chat.jsonl'}", "--data.vocab_size=16", "--data.val_fraction=0.2"
+        )
     )
     (cli,) = record_cli
     assert cli.trainer.global_step == 2

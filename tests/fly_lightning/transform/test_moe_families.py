@@ -47,7 +47,7 @@ _SIZES = dict(
 # per-family values the generic sizes break (the family's own config validation says so)
 _OVERRIDES = {"zaya": dict(num_experts_per_tok=1)}  # ZAYA supports top-1 routing only
 
-# families whose tiny model the generic shrink cannot build or run (transformers 5.24; the error the build gives)
+# families whose tiny model the generic shrink cannot build or run (transformers 5.24-5.25; the error the build gives)
 NOT_BUILT = {
     "dbrx": "nested attn/ffn sub-configs the generic shrink does not reach (DbrxAttentionConfig has no rope_theta)",
     "deepseek_ocr2": "OCR model: the base model needs image inputs (fails on input_ids only)",
@@ -58,6 +58,7 @@ NOT_BUILT = {
     "ernie4_5_vl_moe": "moe_intermediate_size is a per-modality list (text, vision)",
     "gemma4": "per_layer_config keyed by layer indices beyond the shrunk depth",
     "glm4v_moe": "mrope sections sized for the full head dim",
+    "kolibri1_1": "index_layers (indexed-attention layer indices) beyond the shrunk depth (transformers 5.25)",
     "glm5_next": "DSA attention layers require NoPE (qk_rope_head_dim 0), which the generic MLA sizes set",
     "granitemoehybrid": "mamba_n_heads must divide mamba_expand * hidden_size",
     "hunyuan_v1_moe": "rope scaling field left None by the shrunk config (None ** float)",

@@ -19,7 +19,7 @@ import triton.language as tl
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.kernels.triton._support import device_reason, on_device, rows_per_program
 from fly_lightning.ops.moe_combine import MOE_COMBINE, MOE_DISPATCH
 
 MAX_K = 32  # slots per token, unrolled
@@ -104,6 +104,7 @@ def moe_combine_triton(
     if k == 0:
         return y.zero_()
     bt, bh = _plan(h, rows.element_size())
+    bt = rows_per_program(t, bt, rows)
     grid = (cdiv(t, bt), cdiv(h, bh))
     with on_device(rows):
         _moe_combine_fwd[grid](
@@ -182,6 +183,7 @@ def moe_dispatch_triton(
     if y.numel() == 0:
         return y
     bs, bh = _plan(h, x.element_size())
+    bs = rows_per_program(s, bs, x)
     with on_device(x):
         _moe_dispatch_fwd[(cdiv(s, bs), cdiv(h, bh))](
             x,

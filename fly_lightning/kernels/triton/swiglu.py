@@ -13,7 +13,7 @@ import triton.language as tl
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.kernels.triton._support import device_reason, on_device, rows_per_program
 from fly_lightning.ops.swiglu import SWIGLU, split_gate_up
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +61,7 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor | None) -> torch.Tensor:
     if y.numel() == 0:
         return y
     bt, bi = _plan(i)
+    bt = rows_per_program(s, bt, g)
     with on_device(g):
         _swiglu_fwd[(cdiv(s, bt), cdiv(i, bi))](g, g.stride(0), u, u.stride(0), y, s, i, BT=bt, BI=bi, num_warps=4)
     return y

@@ -10,6 +10,15 @@ import triton
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
 
+@pytest.fixture(autouse=True)
+def gpu_row_blocks(monkeypatch):
+    """The kernels' GPU launch plans under the interpreter too (not its larger row blocks): the tests here cross
+    program boundaries as a GPU launch does."""
+    from fly_lightning.kernels.triton import _support
+
+    monkeypatch.setattr(_support, "INTERPRETER_ROWS", 0)
+
+
 @pytest.fixture
 def compiled_variants():
     """``compiled_variants("x_sm90_compile.py")``: run that script without the interpreter and return its per-variant

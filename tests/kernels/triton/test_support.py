@@ -38,3 +38,19 @@ def test_launch_tuned_tunes_once_per_key_then_launches_the_pick(monkeypatch):
     launch(torch.float32, 2)
     launch(torch.int32, 2)
     assert runs == [1, 2, 2]
+
+
+def test_interpreter_row_blocks(monkeypatch):
+    """Under the CPU interpreter the row-wise kernels take up to INTERPRETER_ROWS rows a program; on a GPU, or with
+    0 (as this folder's tests run), the plan's."""
+    import torch
+
+    from fly_lightning.kernels.triton import _support
+
+    t = torch.empty(1)
+    assert _support.rows_per_program(2064, 32, t) == 32  # this folder's autouse fixture: the GPU plan
+    monkeypatch.setattr(_support, "INTERPRETER_ROWS", 1024)
+    assert _support.rows_per_program(2064, 32, t) == 1024 and _support.rows_per_program(20, 32, t) == 32
+    assert _support.rows_per_program(300, 16, t) == 512
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _support.rows_per_program(2064, 32, t) == 32

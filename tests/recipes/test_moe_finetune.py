@@ -559,7 +559,8 @@ def test_cli_fine_tunes_a_checkpoint_on_chat_jsonl_and_exports_a_transformers_fo
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ckpt = tmp_path / "ckpt"
-    build_hf_model("qwen3_moe", 16, 32, 1, 2, 1, 4, 2, 16, 32).save_pretrained(ckpt)
+    build_hf_model("qwen3_moe", 16, 32, 1, 2, 1, 4, 2, 16, 32).save_pretrained(ckpt, max_shard_size="20KB")
+    assert len(list(ckpt.glob("*.safetensors"))) > 1  # sharded, with an index, as real checkpoints are
     tiny_tokenizer(ckpt)  # the tokenizer lives in the model directory, as on the hub
     rows = [{"messages": [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "the cat sat"}]},
             {"text": "a dog ran on the mat"}] * 20  # fmt: skip
@@ -573,7 +574,8 @@ def test_cli_fine_tunes_a_checkpoint_on_chat_jsonl_and_exports_a_transformers_fo
     assert cli.trainer.global_step == 2
     assert cli.datamodule.hparams.tokenizer == str(ckpt)  # defaulted to the checkpoint's own tokenizer
     out = Path(cli.trainer.log_dir) / "hf_model"
-    saved, original = load_file(out / "model.safetensors"), load_file(ckpt / "model.safetensors")
+    tensors = lambda d: {k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}  # noqa: E731
+    saved, original = tensors(out), tensors(ckpt)
     assert saved.keys() == original.keys()  # the original names, whatever module replaced them in training
     assert any(not torch.equal(saved[k], original[k]) for k in saved)  # and the fine-tuned values
     reloaded = AutoModelForCausalLM.from_pretrained(out)

@@ -33,6 +33,7 @@ their first supported candidate, recorded as such, so a rare shape never stalls 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.metadata
 import json
 import os
@@ -74,6 +75,7 @@ def budget_s() -> float:
         return DEFAULT_BUDGET_S
 
 
+@functools.cache  # read once per process: the key is built on every measured decision
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests                     # the GPU tests (tests/gpu), JUnit XML in the archive
 #   bash benchmarks/gpu_session.sh rms route grouped_all     # suites, each writing <suite>.json/.md
 #
-# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, overhead, train_step, recipe_step,
+# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, overhead, train_step, cold_start, recipe_step,
 # recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (e.g. "-k distributed" on a 2-GPU machine).
 # The suites need .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along;
 # the tests phase runs on the image's packages alone.
@@ -74,6 +74,8 @@ for phase in "$@"; do
     overhead) run overhead 300 python3 -m benchmarks.bench_dispatch_overhead ${FLY_AGAINST:+--against "$FLY_AGAINST"} ;;
     # FLY_TRAIN_STEP_ARGS narrows the whole-step suite (models, variants, precisions, rounds) to fit one call
     train_step) run train_step 560 python3 -m benchmarks.bench_train_step ${FLY_TRAIN_STEP_ARGS:-} ;;
+    # FLY_COLD_ARGS: the model (default qwen3_moe); each run in the suite gets its own cache directories
+    cold_start) run cold_start 560 python3 -m benchmarks.bench_cold_start ${FLY_COLD_ARGS:-} ;;
     recipe_step) run recipe_step 420 python3 -m benchmarks.bench_recipe_step ;;
     recipe_step_small) run recipe_step 240 python3 -m benchmarks.bench_recipe_step --only recipe-1024 ;;
     # the recipe's own GPU run (not a suite): its log directory, dispatch manifest and op_time land in the archive

@@ -3,6 +3,7 @@
 fly-lightning support                    # the support matrix, with what this machine can run
 fly-lightning diff A.json B.json         # which op/shape changed backend between two dispatch manifests
 fly-lightning tune [fly-finetune args]   # pre-tune: a short recipe run under select="measure", winners kept
+fly-lightning tune --hf-config DIR --batch-size B --seq-len S   # pre-tune a transformers model's shapes
 fly-lightning tuning show [--op OP]      # the tuning database
 fly-lightning tuning prune [--all]       # drop entries of other environments (or all unpinned ones)
 fly-lightning tuning pin OP KEY BACKEND  # pin a backend for one shape key (--unpin to release)
@@ -86,13 +87,23 @@ def _diff(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace, extra: list[str]) -> int:
-    """A short recipe run in a child process with measured selection on: every shape it meets is timed once and
-    written to the database; a later run with ``FLY_LIGHTNING_SELECT=measure`` reads them instead of timing."""
+    """A short run in a child process with measured selection on: every shape it meets is timed once and written
+    to the database; a later run with ``FLY_LIGHTNING_SELECT=measure`` reads them instead of timing. The run is the
+    recipe's (other arguments go to ``fly-finetune fit``) or, with ``--hf-config``, a transformers model's."""
     db = _db(args.db)
     before = {(e, o, k) for e, o, k, _ in db.entries()}
     env = dict(os.environ, FLY_LIGHTNING_SELECT="measure", FLY_LIGHTNING_TUNING_DB=str(db.path))
-    cmd = [sys.executable, "-m", "fly_lightning.recipes.moe_finetune", "fit", f"--trainer.max_steps={args.steps}"]
-    rc = subprocess.call(cmd + extra, env=env)
+    if args.hf_config:
+        if args.batch_size is None or args.seq_len is None:
+            raise SystemExit(f"{PROG} tune: --hf-config needs --batch-size and --seq-len (the training run's)")
+        if extra:
+            raise SystemExit(f"{PROG} tune: unrecognized arguments with --hf-config: {' '.join(extra)}")
+        cmd = [sys.executable, "-m", "fly_lightning.pretune", args.hf_config, f"--batch-size={args.batch_size}",
+               f"--seq-len={args.seq_len}", f"--steps={args.steps}", f"--precision={args.precision}"]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "fly_lightning.recipes.moe_finetune", "fit", f"--trainer.max_steps={args.steps}"]
+        cmd += extra
+    rc = subprocess.call(cmd, env=env)
     added = [(e, o, k) for e, o, k, _ in db.entries() if (e, o, k) not in before]
     print(f"{PROG}: {len(added)} shape(s) tuned into {db.path}; train with FLY_LIGHTNING_SELECT=measure to use them")
     return rc
@@ -109,6 +120,10 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("tune", help="pre-tune the recipe's shapes (other arguments go to fly-finetune fit)")
     s.add_argument("--steps", type=int, default=2, help="training steps to run (default 2)")
     s.add_argument("--db", help="database file (default: FLY_LIGHTNING_TUNING_DB or the user cache)")
+    s.add_argument("--hf-config", metavar="DIR", help="a transformers model (directory or config.json) instead")
+    s.add_argument("--batch-size", type=int, help="with --hf-config: the training run's batch size")
+    s.add_argument("--seq-len", type=int, help="with --hf-config: the training run's sequence length")
+    s.add_argument("--precision", default="bf16-true", choices=("bf16-true", "bf16-mixed", "32-true"))
     t = sub.add_parser("tuning", help="show, prune or pin the tuning database")
     tsub = t.add_subparsers(dest="action", required=True, metavar="ACTION")
     for name, help_ in (("show", "list the entries"), ("prune", "drop unpinned entries"), ("pin", "pin a backend")):

@@ -149,9 +149,9 @@ def _decide(op: OpDef, cfg: policy.DispatchConfig, key: tuple[int, Hashable], ar
         supported.append(impl)
         if cfg.select == "first":
             break
-    chosen, timings, tuning_s = supported[0], {}, None
+    chosen, timings, tuning_s, tkey = supported[0], {}, None, None
     if cfg.select == "measure" and len(supported) > 1:
-        chosen, timings, tuning_s = _measured_choice(op, supported, args, rejected)
+        chosen, timings, tuning_s, tkey = _measured_choice(op, supported, args, rejected)
     shape, dtype = _describe(args)
     dec = Decision(
         op.name,
@@ -164,6 +164,8 @@ def _decide(op: OpDef, cfg: policy.DispatchConfig, key: tuple[int, Hashable], ar
         cfg.uid,
         tuning_s=tuning_s,
         timings_ms=timings,
+        tuning_key=tkey,
+        alternatives={impl.backend: impl.fn for impl in supported} if tkey is not None else {},
     )
     op.cache[key] = dec
     DISPATCH_LOG.add(dec)
@@ -172,16 +174,28 @@ def _decide(op: OpDef, cfg: policy.DispatchConfig, key: tuple[int, Hashable], ar
 
 def _measured_choice(
     op: OpDef, supported: list[BackendImpl], args: tuple, rejected: list[tuple[str, str]]
+) -> tuple[BackendImpl, dict[str, float], float | None, str]:
+    """The fastest supported candidate: the one the run's ranks agreed on, else the tuning database's winner for this
+    shape and environment, else timed on the real inputs (and written there), within the process's tuning budget.
+    Every choice is journaled for the next agreement across ranks. Returns (choice, timings, tuning s, shape key)."""
+    key = tuning.tuning_key(args)
+    env = tuning.environment_key(next((t.device for t in _tensors(args)), torch.device("cpu")))
+    chosen, timings, tuning_s = _choose(op, supported, args, rejected, env, key)
+    tuning.journal(op.name, key, {"backend": chosen.backend, "timings_ms": timings, "environment": env})
+    return chosen, timings, tuning_s, key
+
+
+def _choose(
+    op: OpDef, supported: list[BackendImpl], args: tuple, rejected: list[tuple[str, str]], env: str, key: str
 ) -> tuple[BackendImpl, dict[str, float], float | None]:
-    """The fastest supported candidate: from the tuning database when it has this shape's winner for this
-    environment, else timed on the real inputs (and written there), within the process's tuning budget."""
+    by_name = {impl.backend: impl for impl in supported}
+    agreed = tuning.agreed(op.name, key)
+    if agreed is not None and agreed.get("backend") in by_name:
+        rejected += [(b, f"agreed across ranks: {agreed['backend']}") for b in by_name if b != agreed["backend"]]
+        return by_name[agreed["backend"]], dict(agreed.get("timings_ms", {})), 0.0
     db = tuning.active_db()
-    env = key = None
     if db is not None:
-        env = tuning.environment_key(next((t.device for t in _tensors(args)), torch.device("cpu")))
-        key = tuning.tuning_key(args)
         hit = db.get(env, op.name, key)
-        by_name = {impl.backend: impl for impl in supported}
         if hit is not None and hit.get("backend") in by_name:
             how = "pinned" if hit.get("pinned") else "measured earlier"
             rejected += [(b, f"tuning database: {hit['backend']} {how}") for b in by_name if b != hit["backend"]]
@@ -214,6 +228,20 @@ def _measured_choice(
                 rejected.append((chosen.backend, f"tuning database: {other.backend} stored by another process"))
                 chosen = other
     return chosen, timings, tuning_s
+
+
+@tuning.on_agreement("*")
+def _adopt(op: str, key: str, entry: dict[str, Any]) -> int:
+    """Switch this process's decisions of ``op`` for shape ``key`` to the agreed backend, where it is supported here."""
+    changed = 0
+    for dec in DISPATCH_LOG.decisions:
+        backend = entry.get("backend")
+        if dec.op == op and dec.tuning_key == key and dec.backend != backend and backend in dec.alternatives:
+            dec.rejected = (*dec.rejected, (dec.backend, f"agreed across ranks: {backend}"))
+            dec.rejected = tuple((b, r) for b, r in dec.rejected if b != backend)
+            dec.backend, dec.fn = backend, dec.alternatives[backend]
+            changed += 1
+    return changed
 
 
 def _capturing() -> bool:

@@ -40,6 +40,10 @@ class Decision:
     first_call_s: float | None = None  # host wall time of the first call (includes JIT compilation)
     tuning_s: float | None = None  # time spent measuring candidates (select="measure")
     timings_ms: dict[str, float] = field(default_factory=dict)  # measured candidates
+    # measured selection only: the tuning database's shape key, and each supported candidate's function (so that an
+    # agreement across ranks can switch this decision to another rank's choice)
+    tuning_key: str | None = None
+    alternatives: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
 
     @property
     def fallback(self) -> bool:

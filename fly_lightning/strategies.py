@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fly_lightning import tuning
 from fly_lightning.dispatch_log import DISPATCH_LOG
 from fly_lightning.policy import DispatchConfig, set_dispatch_config
 from fly_lightning.transform import TransformSummary, transform
@@ -67,6 +68,7 @@ class _FlyStrategyMixin:
         self.transform_summary = TransformSummary()
         self._fly_previous_config: DispatchConfig | None = None
         self._fly_quantization_left: list[tuple[str, str, str]] = []  # what quantize_ could not reach, once each
+        self._fly_batches = 0
 
     def connect(self, model: Any) -> None:
         super().connect(model)
@@ -80,6 +82,14 @@ class _FlyStrategyMixin:
     def setup(self, trainer: Any) -> None:
         self._fly_apply(self.lightning_module)
         super().setup(trainer)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Before steps 2, 3, 5, 9, ... (``tuning.agreement_due``): the ranks adopt one choice per measured shape
+        (``tuning.agree_across_ranks``). Every rank reaches this hook with the same count, so the collective matches."""
+        self._fly_batches += 1
+        if self.world_size > 1 and tuning.agreement_due(self._fly_batches):
+            tuning.agree_across_ranks()
+        super().on_train_batch_start(batch, batch_idx)
 
     def teardown(self) -> None:
         if self.fly_report and self.global_rank == 0:

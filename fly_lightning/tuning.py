@@ -15,8 +15,13 @@ One JSON file, human-readable, shared by every process on a host::
   vary reuse one measurement per bucket; the in-process decision still keys on the exact shape.
 - **Pinned** entries (``fly-lightning tuning pin``) are never overwritten by a measurement.
 - **One choice per host**: the first measurement of a shape is the one kept; a process that measured the same shape
-  at the same time takes the stored winner, not its own, so the ranks of a run on one host agree. (Ranks on other
-  hosts have their own file: pin the entry, or copy the file, where they must agree too.)
+  at the same time takes the stored winner, not its own, so the ranks of a run on one host agree.
+- **One choice per run** (``agree_across_ranks``): ranks on other hosts have their own file, and may measure
+  differently. Every choice a process makes (measured, read from its file, or taken untimed past the budget) is
+  journaled; at agreement points the journals are gathered and, per shape, the lowest rank's choice is adopted by
+  every rank (in memory and in its file). The fly-lightning strategies hold agreements before steps 2, 3, 5, 9, 17,
+  ... (one after each power of two) and every 512 steps after, so a shape is agreed after its first step at the
+  latest by the next agreement point. A pre-tuned file copied to every host agrees from the first step.
 - **Writes** take an exclusive lock on ``<file>.lock``, re-read the file, merge, write a temporary file and rename it
   over the old one: several processes (the ranks of a DDP run on one host) lose none of each other's entries, and a
   reader never sees half a file. A file that cannot be parsed is moved aside (``<file>.corrupt-<time>``) with a
@@ -39,7 +44,7 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +263,11 @@ class TuningDB:
 
 _DBS: dict[Path, TuningDB] = {}
 _spent_s = 0.0  # seconds this process has measured
+# (op, shape key, entry) of each choice this process made since the last agreement (see ``agree_across_ranks``)
+_JOURNAL: list[tuple[str, str, dict[str, Any]]] = []
+_AGREED: dict[tuple[str, str], dict[str, Any]] = {}  # choices adopted from the run's lowest rank
+# op -> callback applying an agreed entry to this process's in-memory choices; returns how many it changed
+_ADOPTERS: dict[str, Callable[[str, str, dict[str, Any]], int]] = {}
 
 
 def active_db() -> TuningDB | None:
@@ -274,6 +284,11 @@ def spend(seconds: float) -> None:
     _spent_s += seconds
 
 
+def spent_s() -> float:
+    """Seconds this process has spent measuring (measured selection and kernel configurations)."""
+    return _spent_s
+
+
 def budget_left() -> bool:
     return _spent_s < budget_s()
 
@@ -281,3 +296,64 @@ def budget_left() -> bool:
 def reset_budget() -> None:
     global _spent_s
     _spent_s = 0.0
+
+
+# --- agreement across the ranks of a distributed run ----------------------------------------------------------------
+def journal(op: str, key: str, entry: dict[str, Any]) -> None:
+    """Note a choice made in this process (``entry`` holds at least ``backend``), for the next agreement."""
+    _JOURNAL.append((op, key, dict(entry)))
+
+
+def agreed(op: str, key: str) -> dict[str, Any] | None:
+    """The entry the run's ranks agreed on for this shape, if an agreement covered it."""
+    return _AGREED.get((op, key))
+
+
+def on_agreement(op: str) -> Callable[[Callable[[str, str, dict[str, Any]], int]], Callable]:
+    """Register how ``op`` (``"*"``: every op without its own) applies an agreed entry to in-memory choices."""
+
+    def register(fn: Callable[[str, str, dict[str, Any]], int]) -> Callable:
+        _ADOPTERS[op] = fn
+        return fn
+
+    return register
+
+
+def agree_across_ranks(group: Any = None) -> int:
+    """Collective over ``group`` (every rank must call it): gather each rank's journal; per (op, shape) the lowest
+    rank's choice is adopted by all, applied to in-memory choices and written to each rank's file where it differs
+    (pinned entries there stay). Returns how many in-memory choices changed on this rank. Without an initialised
+    process group of more than one rank it only clears the journal."""
+    import torch.distributed as dist
+
+    mine = list(_JOURNAL)
+    _JOURNAL.clear()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        return 0
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    chosen: dict[tuple[str, str], dict[str, Any]] = {}
+    for entries in gathered:  # rank order: the lowest rank's choice wins
+        for op, key, entry in entries:
+            chosen.setdefault((op, key), entry)
+    changed = 0
+    for (op, key), entry in chosen.items():
+        _AGREED[(op, key)] = entry
+        adopt = _ADOPTERS.get(op) or _ADOPTERS.get("*")
+        if adopt is not None:
+            changed += adopt(op, key, entry)
+        db, env = active_db(), entry.get("environment")
+        if db is not None and env and entry.get("timings_ms"):
+            local = db.get(env, op, key)
+            if local is None or (local.get("backend") != entry["backend"] and not local.get("pinned")):
+                with contextlib.suppress(OSError):
+                    db.put(env, op, key, entry["backend"], entry["timings_ms"], replace=True,
+                           detail=entry.get("detail"))  # fmt: skip
+    return changed
+
+
+def agreement_due(step: int) -> bool:
+    """Whether the strategies hold an agreement before training step ``step`` (1-based): one after each power of
+    two (2, 3, 5, 9, 17, ...) and every 512 steps after 513."""
+    n = step - 1
+    return n >= 1 and ((n & (n - 1)) == 0 or n % 512 == 0)

@@ -12,7 +12,12 @@ import pytest
 from benchmarks.harness import RESULTS_DIR, Results
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-SHARED = {"benchmarks.harness", "benchmarks.grouped_mm_cases", "benchmarks.moe_route_cases"}
+SHARED = {
+    "benchmarks.harness",
+    "benchmarks.grouped_mm_cases",
+    "benchmarks.moe_route_cases",
+    "benchmarks.train_step_cases",
+}
 # result name -> the script that writes it
 SUITES = {
     "rms_norm": "bench_rms_norm",
@@ -26,6 +31,7 @@ SUITES = {
     "moe_route_floor": "bench_moe_route_floor",
     "goal_bounds": "goal_bounds",
     "train_step": "bench_train_step",
+    "cold_start": "bench_cold_start",
 }
 
 

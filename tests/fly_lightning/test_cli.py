@@ -69,3 +69,27 @@ def test_tune_runs_the_recipe_with_measured_selection(db, monkeypatch, capsys):
 def test_unknown_arguments_are_errors():
     with pytest.raises(SystemExit):
         cli.main(["tuning", "show", "--bogus"])
+
+
+def test_tune_a_transformers_model_stores_its_shapes(db, tmp_path, capsys):
+    """The real child process: a tiny Qwen3-MoE config, swapped and run under measured selection on CPU; its shapes
+    land in the database, and a second tune of the same shapes adds none (the file answers)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    cfg.save_pretrained(tmp_path / "model")
+    argv = ["tune", "--db", str(db.path), "--hf-config", str(tmp_path / "model"), "--batch-size", "2"]
+    argv += ["--seq-len", "8", "--steps", "1", "--precision", "32-true"]
+    assert cli.main(argv) == 0
+    ops = {op for _, op, _, _ in db.entries()}
+    assert {"rms_norm", "moe_route"} <= ops, ops
+    assert "0 shape(s)" not in capsys.readouterr().out
+    assert cli.main(argv) == 0
+    assert "0 shape(s) tuned" in capsys.readouterr().out
+
+
+def test_tune_a_transformers_model_needs_the_run_shape(db):
+    with pytest.raises(SystemExit, match="--batch-size and --seq-len"):
+        cli.main(["tune", "--db", str(db.path), "--hf-config", "x"])

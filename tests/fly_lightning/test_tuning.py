@@ -2,6 +2,7 @@
 file, concurrent writers, the tuning budget."""
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -170,3 +171,60 @@ def test_processes_measuring_one_shape_at_once_take_one_choice():
     assert chosen[0] == chosen[1]
     ((_, _, _, entry),) = list(_db().entries())
     assert entry["backend"] == chosen[0]
+
+
+_GLOO_RANK = """
+import json, sys, time, torch, torch.distributed as dist
+from fly_lightning import DISPATCH_LOG, dispatch_config, tuning
+from fly_lightning.dispatch import Op
+rank, init, fast = int(sys.argv[1]), sys.argv[2], sys.argv[3]  # each rank (a host of its own) finds another faster
+dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+calls = []
+op = Op(name="scratch", reference=lambda x: x * 2, signature=lambda x: (x.shape, x.dtype))
+for b in ("aten", "triton"):
+    op.implement(b)(lambda x, b=b: (calls.append(b), time.sleep(0 if b == fast else 0.01), x * 2)[-1])
+with dispatch_config(select="measure"):
+    op(torch.ones(4))
+    measured = DISPATCH_LOG.records("scratch")[0]["backend"]
+    changed = tuning.agree_across_ranks()
+    calls.clear()
+    op(torch.ones(4))  # the same shape: the agreed backend runs
+    if rank == 1:
+        op(torch.ones(16))  # a shape only this rank has seen: agreed at the next agreement, by rank 1's choice
+    tuning.agree_across_ranks()
+    if rank == 0:
+        op(torch.ones(16))  # rank 0 meets it later: it takes the agreed choice without measuring
+rec = {r["shape"]: r for r in DISPATCH_LOG.records("scratch")}
+print(json.dumps({"measured": measured, "changed": changed, "calls": calls, "backend": rec["4"]["backend"],
+                  "later": rec["16"]["backend"], "later_reason": rec["16"]["reason"]}))
+dist.destroy_process_group()
+"""
+
+
+def test_two_gloo_ranks_agree_on_one_choice(tmp_path):
+    """Two ranks with a tuning file each (as on two hosts) measure opposite winners; after the agreement both run
+    rank 0's choice, and rank 1's file holds it too (its next run agrees from the start)."""
+    init = f"file://{tmp_path / 'rendezvous'}"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GLOO_RANK, str(rank), init, fast],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FLY_LIGHTNING_TUNING_DB": str(tmp_path / f"host{rank}.json")},
+        )
+        for rank, fast in ((0, "triton"), (1, "aten"))
+    ]
+    out = [json.loads(p.communicate(timeout=180)[0].splitlines()[-1]) for p in procs]
+    assert [o["measured"] for o in out] == ["triton", "aten"]  # each rank's own measurement differed
+    assert [o["backend"] for o in out] == ["triton", "triton"] and [o["changed"] for o in out] == [0, 1]
+    assert out[1]["calls"][0] == "triton"  # after agreement rank 1 runs rank 0's choice
+    assert [o["later"] for o in out] == ["aten", "aten"]  # the shape only rank 1 measured: its choice, on both
+    assert "agreed across ranks" in out[0]["later_reason"]
+    host1 = tuning.TuningDB(tmp_path / "host1.json")
+    stored = {key: e["backend"] for _, _, key, e in host1.entries()}
+    assert stored == {"4 float32 c | ": "triton", "16 float32 c | ": "aten"}
+
+
+def test_agreement_points():
+    assert [s for s in range(1, 40) if tuning.agreement_due(s)] == [2, 3, 5, 9, 17, 33]
+    assert tuning.agreement_due(513) and tuning.agreement_due(1025) and not tuning.agreement_due(600)

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning import tuning
+from fly_lightning import policy, tuning
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._grouped_mm_config import (
     INTERPRETER_PROGRAMS,
@@ -444,8 +444,12 @@ def _plan(
         if measure_key(x, w, m, gather, scatter) not in MEASURED:
             if torch.cuda.is_current_stream_capturing():
                 cache = False  # the table's choice for now; the next call outside capture tunes
-            else:
+            elif tuning.budget_left() or _stored(x, w, m, gather, scatter):
+                start = time.perf_counter()
                 tune(x, w, offs, idx=idx, topk=topk, gather=gather, scatter=scatter)
+                tuning.spend(time.perf_counter() - start)
+            else:  # a rare shape past the budget runs the table's configuration, and says so once
+                _warn_budget_once()
     e, k, n = w.shape
     cfg = config or choose_config(x, w, m, gather, scatter)
     w_k_major = w.stride(2) != 1
@@ -564,10 +568,14 @@ def tune(
     index = dict(idx=idx, topk=topk, gather=gather, scatter=scatter)
     table = table_config(x, w, m)
     db = tuning.active_db()
-    env, db_key = (tuning.environment_key(x.device), str(key)) if db is not None else (None, None)
-    if db is not None and candidates is None and (hit := db.get(env, DB_OP, db_key)) and "detail" in hit:
-        best = GroupedMMConfig(**hit["detail"])  # measured by an earlier run in this environment, or pinned
+    env, db_key = tuning.environment_key(x.device), str(key)
+    hit = tuning.agreed(DB_OP, db_key)  # the run's ranks agreed on it, else an earlier run in this environment
+    if hit is None and db is not None:
+        hit = db.get(env, DB_OP, db_key)
+    if candidates is None and hit and "detail" in hit:
+        best = GroupedMMConfig(**hit["detail"])
         MEASURED[key] = best
+        _journal(env, db_key, best, hit.get("timings_ms", {}))
         return best
     # zero-filled: rows no configuration writes (past the last offset, unrouted slots) then compare equal
     expected = launch(x, w, offs, torch.zeros(m, w.shape[2], dtype=x.dtype, device=x.device), **index, config=table)
@@ -603,8 +611,9 @@ def tune(
     elif not any(c in runs for c in candidates):
         warnings.warn(f"grouped_mm tuning: no candidate ran correctly, keeping {table.label()}", stacklevel=2)
     MEASURED[key] = best
+    timed = {cfg.label(): statistics.median(t) for cfg, t in times.items() if t}
+    _journal(env, db_key, best, timed)
     if db is not None and len(runs) > 1:
-        timed = {cfg.label(): statistics.median(t) for cfg, t in times.items()}
         try:
             db.put(env, DB_OP, db_key, best.label(), timed, replace=True, detail=dataclasses.asdict(best))
         except OSError as exc:  # a read-only cache must not fail the run
@@ -613,6 +622,38 @@ def tune(
 
 
 DB_OP = "grouped_mm.config"  # the tuning database's entries of this kernel's launch configurations
+
+
+def _stored(x: torch.Tensor, w: torch.Tensor, m: int, gather: bool, scatter: bool) -> bool:
+    """Whether the run's agreement or the tuning database already holds this shape class (no measuring needed)."""
+    db_key = str(measure_key(x, w, m, gather, scatter))
+    db = tuning.active_db()
+    return tuning.agreed(DB_OP, db_key) is not None or (
+        db is not None and db.get(tuning.environment_key(x.device), DB_OP, db_key) is not None
+    )
+
+
+@functools.cache
+def _warn_budget_once() -> None:
+    warnings.warn(
+        f"grouped_mm: tuning budget ({tuning.budget_s():g} s) spent; new shape classes run the table's configuration",
+        stacklevel=4,
+    )
+
+
+def _journal(env: str, db_key: str, best: GroupedMMConfig, timed: dict[str, float]) -> None:
+    entry = {"backend": best.label(), "timings_ms": timed, "environment": env, "detail": dataclasses.asdict(best)}
+    tuning.journal(DB_OP, db_key, entry)
+
+
+@tuning.on_agreement(DB_OP)
+def _adopt(op: str, db_key: str, entry: dict) -> int:
+    """Take the configuration the run's ranks agreed on for this shape class (``tuning.agree_across_ranks``)."""
+    agreed = GroupedMMConfig(**entry["detail"])
+    keys = [k for k, cfg in MEASURED.items() if str(k) == db_key and cfg != agreed]
+    for k in keys:
+        MEASURED[k] = agreed
+    return len(keys)
 
 
 def _elapsed_ms(fn, reps: int, cuda: bool) -> float:
@@ -633,4 +674,8 @@ def _elapsed_ms(fn, reps: int, cuda: bool) -> float:
 
 
 def auto_tune_enabled() -> bool:
-    return os.environ.get("FLY_LIGHTNING_GROUPED_MM_TUNE") == "1"
+    """``FLY_LIGHTNING_GROUPED_MM_TUNE=1``; unset, measured selection (``select="measure"``) tunes too; ``0``: never."""
+    flag = os.environ.get("FLY_LIGHTNING_GROUPED_MM_TUNE")
+    if flag is not None:
+        return flag.strip() == "1"
+    return policy.get_dispatch_config().select == "measure"

@@ -158,12 +158,16 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return kept or configs[:1]
 
 
+# cache_results: the picks are kept in Triton's cache directory, so a later process launches without re-measuring
 _rms_norm_rows_tuned = triton.autotune(
-    _configs("rows"), key=["H", "HAS_W", "CAST_FIRST"], prune_configs_by={"early_config_prune": _prune}
+    _configs("rows"),
+    key=["H", "HAS_W", "CAST_FIRST"],
+    prune_configs_by={"early_config_prune": _prune},
+    cache_results=True,
 )(_rms_norm_rows)
-_rms_norm_unaligned_tuned = triton.autotune(_configs("unaligned"), key=["H", "HAS_W", "CAST_FIRST"])(
-    _rms_norm_unaligned
-)
+_rms_norm_unaligned_tuned = triton.autotune(
+    _configs("unaligned"), key=["H", "HAS_W", "CAST_FIRST"], cache_results=True
+)(_rms_norm_unaligned)
 
 
 @dataclass(frozen=True)

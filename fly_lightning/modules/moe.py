@@ -150,6 +150,13 @@ class FlyMoE(nn.Module):
         router_fp32: compute the router logits in fp32 whatever the weight's dtype, as transformers' DeepSeek-style
             routers do (``from_module`` sets it when the wrapped router does); otherwise in the weight's dtype.
         path: ``"plain"``, ``"fused"`` (token rows gathered inside the gate/up GEMM) or ``"auto"`` (``AUTO_PATH``).
+        router_path: dotted path of the module holding the router's ``weight`` (default: ``gate``, torchtitan
+            ``router.gate``); e.g. ``"router"`` (Jamba, Granite-MoE, Llama-4), ``"router.gate"`` (AFMoE),
+            ``"router.layer"`` (DBRX). ``from_module`` puts the wrapped block's own router modules there.
+        router_call_path: dotted path of the router module run (with the tokens) when someone observes it, default
+            ``router_path``; ``router_logits_index``: which output of it holds the logits when it returns a tuple
+            (Llama-4: 1); ``router_bias_arg``: it takes the selection bias as second argument (MiniMax-M2).
+        return_router_logits: ``forward`` returns ``(output, router_logits)``, as Llama-4's block does.
     """
 
     def __init__(
@@ -170,6 +177,11 @@ class FlyMoE(nn.Module):
         topk_groups: int | None = None,
         router_fp32: bool = False,
         path: Path = "auto",
+        router_path: str | None = None,
+        router_call_path: str | None = None,
+        router_logits_index: int = 0,
+        router_bias_arg: bool = False,
+        return_router_logits: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -192,7 +204,20 @@ class FlyMoE(nn.Module):
         self.score_before_experts, self.path = score_before_experts, path
         self.n_groups, self.topk_groups, self.router_fp32 = n_groups, topk_groups, router_fp32
         router = RouterWeight(num_experts, hidden_size, device=device, dtype=dtype)
-        if layout.startswith("torchtitan"):
+        default_path = "router.gate" if layout.startswith("torchtitan") else "gate"
+        # None: the layout's default place (the attribute lookups of the original code, no path walk)
+        self._router_path = None if router_path in (None, default_path) else tuple(router_path.split("."))
+        self._router_call_path = None if router_call_path is None else tuple(router_call_path.split("."))
+        self.router_logits_index, self.router_bias_arg = router_logits_index, router_bias_arg
+        self.return_router_logits = return_router_logits
+        if self._router_path is not None:
+            owner = self
+            for name in self._router_path[:-1]:
+                if not hasattr(owner, name):
+                    setattr(owner, name, nn.Module())
+                owner = getattr(owner, name)
+            setattr(owner, self._router_path[-1], router)
+        elif layout.startswith("torchtitan"):
             self.router = nn.Module()
             self.router.gate = router
         else:
@@ -207,17 +232,33 @@ class FlyMoE(nn.Module):
         self.reset_parameters()
 
     def selection_bias(self) -> Tensor | None:
-        """The selection-only bias: torchtitan's ``expert_bias`` or DeepSeek-V3's ``gate.e_score_correction_bias``."""
+        """The selection-only bias: torchtitan's (or AFMoE's) ``expert_bias``, DeepSeek-V3's
+        ``gate.e_score_correction_bias``, or one the block holds itself (MiniMax-M2's ``e_score_correction_bias``)."""
         bias = getattr(self, "expert_bias", None)
+        if bias is None and "e_score_correction_bias" in self._buffers:
+            return self._buffers["e_score_correction_bias"]
         return bias if bias is not None else getattr(self.router_module, "e_score_correction_bias", None)
+
+    def _walk(self, path: tuple[str, ...]) -> nn.Module:
+        module = self
+        for name in path:
+            module = getattr(module, name)
+        return module
 
     @property
     def router_module(self) -> nn.Module:
+        if self._router_path is not None:
+            return self._walk(self._router_path)
         return self.router.gate if self.layout.startswith("torchtitan") else self.gate
 
     @property
+    def router_call_module(self) -> nn.Module:
+        """The router module run when observed (``router_call_path``), by default ``router_module``."""
+        return self.router_module if self._router_call_path is None else self._walk(self._router_call_path)
+
+    @property
     def router_weight(self) -> Tensor:
-        return (self.router.gate if self.layout.startswith("torchtitan") else self.gate).weight
+        return self.router_module.weight
 
     def reset_parameters(self, std: float = 0.02) -> None:
         nn.init.normal_(self.router_weight, std=std)
@@ -237,9 +278,10 @@ class FlyMoE(nn.Module):
         records ``router_logits`` for its auxiliary loss that way) is run itself, so its observers see its outputs;
         otherwise one ``F.linear`` (the wrapped routers' own scores and top-k would be recomputed by ``moe_route``)."""
         router = self.router_module
-        if not isinstance(router, RouterWeight) and (router._forward_hooks or router._forward_pre_hooks):
-            out = router(x_TH)
-            logits = out[0] if isinstance(out, tuple) else out
+        called = router if self._router_call_path is None else self.router_call_module
+        if not isinstance(called, RouterWeight) and (called._forward_hooks or called._forward_pre_hooks):
+            out = called(x_TH, self.selection_bias()) if self.router_bias_arg else called(x_TH)
+            logits = out[self.router_logits_index] if isinstance(out, tuple) else out
             if isinstance(logits, Tensor) and logits.shape == (x_TH.shape[0], self.num_experts):
                 return logits
         router_w = router.weight
@@ -250,12 +292,13 @@ class FlyMoE(nn.Module):
     def resolved_path(self) -> Literal["plain", "fused"]:
         return AUTO_PATH if self.path == "auto" else self.path
 
-    def forward(self, hidden_states: Tensor) -> Tensor:
+    def forward(self, hidden_states: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         shape = hidden_states.shape
         if shape[-1] != self.hidden_size:
             raise ValueError(f"FlyMoE: expected last dim {self.hidden_size}, got {shape[-1]}")
         x = hidden_states.reshape(-1, self.hidden_size)
-        weights, _, counts, offs, perm = _route(self, self.router_logits(x))
+        logits = self.router_logits(x)
+        weights, _, counts, offs, perm = _route(self, logits)
         if hasattr(self, "tokens_per_expert"):
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
@@ -271,14 +314,19 @@ class FlyMoE(nn.Module):
             fused=self.resolved_path() == "fused",
             score_before_experts=self.score_before_experts,
         )
-        return self.add_shared(x, y).reshape(shape)
+        out = self.add_shared(x, y).reshape(shape)
+        return (out, logits) if self.return_router_logits else out
 
     def add_shared(self, x_TH: Tensor, y_TH: Tensor) -> Tensor:
         """``y_TH`` plus the shared experts' output, if the block has any (also used by ``moe_reference``)."""
         if self.shared_experts is not None:
             y_TH = y_TH + self.shared_experts(x_TH)
-        if getattr(self, "shared_expert", None) is not None:  # Qwen2-MoE: a gated shared expert
-            y_TH = y_TH + torch.sigmoid(self.shared_expert_gate(x_TH)) * self.shared_expert(x_TH)
+        if getattr(self, "shared_expert", None) is not None:  # Qwen2-MoE: a gated shared expert; Llama-4: ungated
+            gate = getattr(self, "shared_expert_gate", None)
+            if gate is None:
+                y_TH = y_TH + self.shared_expert(x_TH)
+            else:
+                y_TH = y_TH + torch.sigmoid(gate(x_TH)) * self.shared_expert(x_TH)
         return y_TH
 
     def extra_repr(self) -> str:

@@ -13,6 +13,12 @@ relative to the MoE block; E experts, hidden size H, expert intermediate size I:
 - ``torchtitan``: ``router.gate.weight`` [E, H], ``experts.w1`` [E, I, H] (gate), ``experts.w3`` [E, I, H] (up),
   ``experts.w2`` [E, H, I] (down), plus ``expert_bias`` [E] with load balancing. Stored as named.
 - ``torchtitan_legacy``: as ``torchtitan`` with ``w1``/``w3`` [E, H, I] and ``w2`` [E, I, H]. Stored as named.
+- ``hf_transposed`` (transformers Llama-4): ``experts.gate_up_proj`` [E, H, 2I] (gate columns first),
+  ``experts.down_proj`` [E, I, H]. Stored as named.
+- ``dbrx`` (transformers DBRX): ``experts.mlp.w1`` (gate), ``experts.mlp.v1`` (up), ``experts.mlp.w2`` (down), each
+  [E * I, H]. Stored as named.
+
+The router lives at ``gate`` (``router.gate`` for torchtitan) unless ``FlyMoE``'s ``router_path`` says otherwise.
 
 "Stored as named": the parameters are the model's own tensors (shared, not copied, by ``FlyMoE.from_module``).
 "Stored stacked": a grouped GEMM needs each projection contiguous over experts, so the per-expert matrices live in
@@ -32,7 +38,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor, nn
 
-LAYOUTS = ("hf", "mixtral", "qwen", "torchtitan", "torchtitan_legacy")
+LAYOUTS = ("hf", "mixtral", "qwen", "torchtitan", "torchtitan_legacy", "hf_transposed", "dbrx")
 LIST_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "down_proj")}
 STOCK_ORDER = {("w1", "w3", "w2"): ("w1", "w2", "w3")}  # transformers 4's Mixtral expert defines w1, w2, w3
 
@@ -171,6 +177,37 @@ class SplitExperts(nn.Module):
         return "legacy=True" if self.legacy else ""
 
 
+class TransposedFusedExperts(nn.Module):
+    """transformers Llama-4 experts: ``gate_up_proj`` [E, H, 2I] (gate columns, then up) and ``down_proj`` [E, I, H],
+    already the grouped GEMMs' ``[E, K, N]`` operands."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None, dtype=None) -> None:
+        super().__init__()
+        e, h, i = num_experts, hidden_size, intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, h, 2 * i, device=device, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(e, i, h, device=device, dtype=dtype))
+
+    def projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        return self.gate_up_proj, None, self.down_proj
+
+
+class DbrxExperts(nn.Module):
+    """transformers DBRX experts: ``mlp.w1`` (gate), ``mlp.v1`` (up), ``mlp.w2`` (down), each ``[E * I, H]``."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None, dtype=None) -> None:
+        super().__init__()
+        shape = (num_experts * intermediate_size, hidden_size)
+        self.num_experts = num_experts
+        self.mlp = nn.Module()
+        for name in ("w1", "v1", "w2"):
+            setattr(self.mlp, name, nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+
+    def projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        e, (ei, h) = self.num_experts, self.mlp.w1.shape
+        split = lambda w: w.view(e, ei // e, h)  # noqa: E731
+        return split(self.mlp.w1).transpose(1, 2), split(self.mlp.v1).transpose(1, 2), split(self.mlp.w2)
+
+
 def make_experts(
     layout: str, num_experts: int, hidden_size: int, intermediate_size: int, device=None, dtype=None
 ) -> nn.Module:
@@ -181,6 +218,10 @@ def make_experts(
         return ExpertList(*args, LIST_NAMES[layout], device=device, dtype=dtype)
     if layout in ("torchtitan", "torchtitan_legacy"):
         return SplitExperts(*args, legacy=layout == "torchtitan_legacy", device=device, dtype=dtype)
+    if layout == "hf_transposed":
+        return TransposedFusedExperts(*args, device=device, dtype=dtype)
+    if layout == "dbrx":
+        return DbrxExperts(*args, device=device, dtype=dtype)
     raise ValueError(f"unknown expert layout {layout!r}; known: {LAYOUTS}")
 
 

@@ -9,7 +9,8 @@ before the activation, an extra norm), so two checks follow:
   it does not model the block, and checkpoints would change);
 - probe: a block class not in ``_KNOWN`` (whose conversion the tests check) must, with real weights, reproduce its
   output with ``moe_reference`` of the replacement on 64 random tokens (half of them at 30x scale, so clamps show;
-  tokens whose k-th and next expert tie are skipped: tie order is not the block's math). With weights on the meta
+  tokens whose k-th and next expert tie are skipped: tie order is not the block's math; so are tokens whose selected
+  sigmoid scores sum below 1e-12, where a renormalisation's epsilon decides). With weights on the meta
   device or sharded, or a block that outputs zeros, the probe cannot tell and such a class is left. Known classes
   skip it (it runs the block and a per-expert loop: for a Mixtral-sized block on a CPU, an estimated ~90 GFLOP, not
   measured).
@@ -30,7 +31,7 @@ from torch import nn
 
 from fly_lightning.dtensor import is_dtensor
 from fly_lightning.modules.moe import FlyMoE, moe_reference
-from fly_lightning.ops.moe_route import ranked_values
+from fly_lightning.ops.moe_route import moe_route_reference, ranked_values
 from fly_lightning.ops.swiglu import split_gate_up, swiglu_reference
 from fly_lightning.transform.core import Matcher, Unsupported, register_matcher
 
@@ -50,14 +51,22 @@ def _match(module: nn.Module) -> str | None:
     if isinstance(module, FlyMoE):
         return None
     experts = getattr(module, "experts", None)
-    if experts is None:
-        return None
     router = getattr(module, "router", None)
+    if experts is None:
+        # JetMoE's block (and its attention counterpart): recognised, to be left with the reason
+        return "hf_v5" if router is not None and hasattr(module, "input_linear") else None
     if router is not None and hasattr(router, "gate") and hasattr(experts, "w1"):
         return "torchtitan"
     if not hasattr(module, "gate"):
+        # transformers v5 blocks routed by a ``router`` module (Jamba, Granite-MoE, Llama-4, AFMoE, DBRX, gpt-oss)
+        weights = ("gate_up_proj", "up_proj")
+        if router is not None and (any(isinstance(getattr(experts, n, None), torch.Tensor) for n in weights)
+                                   or hasattr(getattr(experts, "mlp", None), "w1")):  # fmt: skip
+            return "hf_v5"
         return None
     if isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor):
+        return "hf_v5"
+    if isinstance(getattr(experts, "up_proj", None), torch.Tensor):  # gate-less experts (Nemotron-H): left
         return "hf_v5"
     if isinstance(experts, nn.ModuleList) and len(experts) > 0:
         return "expert_list"
@@ -113,6 +122,18 @@ def _boundary_ties(moe: FlyMoE, x_TH: torch.Tensor) -> torch.Tensor:
     return gap <= torch.finfo(moe.router_weight.dtype).eps * 4 * top[:, -2].abs().clamp_min(1e-3)
 
 
+def _renorm_degenerate(moe: FlyMoE, x_TH: torch.Tensor) -> torch.Tensor:
+    """Tokens whose selected sigmoid scores sum below 1e-12 (every chosen logit below about -28, as the 30x probe
+    tokens reach): there the renormalisation's epsilon (``moe_route``'s, DeepSeek-V3's 1e-20) decides the weights, and
+    a router without one (MiniMax-M2) divides ~0 by ~0 (NaN at exact 0). Not the block's math either."""
+    if not moe.norm_topk_prob or moe.score_func != "sigmoid":
+        return torch.zeros(x_TH.shape[0], dtype=torch.bool, device=x_TH.device)
+    logits = moe.router_logits(x_TH).float()
+    raw, *_ = moe_route_reference(logits, moe.top_k, moe.score_func, False, moe.selection_bias(), 1.0, moe.n_groups,
+                                  moe.topk_groups)  # fmt: skip
+    return raw.sum(-1) < 1e-12
+
+
 def _probe(module: nn.Module, new: FlyMoE) -> bool:
     """Raise ``Unsupported`` unless ``new`` reproduces ``module`` on random tokens (see the module docstring); False
     when the probe cannot tell (the block outputs zeros: zero-initialised experts, say)."""
@@ -137,6 +158,10 @@ def _probe(module: nn.Module, new: FlyMoE) -> bool:
     with torch.no_grad(), _unobserved(new):  # a transformers v5 router is shared: its hooks stay silent too
         got = moe_reference(new, x)
         keep = ~_boundary_ties(new, x.reshape(-1, new.hidden_size))
+        keep &= ~_renorm_degenerate(new, x.reshape(-1, new.hidden_size))
+    if isinstance(want, torch.Tensor) and want.shape != got.shape and want.shape == (got.numel() // new.hidden_size,
+                                                                                    new.hidden_size):  # fmt: skip
+        want = want.reshape(got.shape)  # Llama-4's block returns flattened tokens, [B * S, H]
     if not isinstance(want, torch.Tensor) or want.shape != got.shape:
         raise Unsupported("probe: the original block's output is not a tensor of its input's shape")
     want, got = want.reshape(-1, new.hidden_size)[keep].float(), got.reshape(-1, new.hidden_size)[keep].float()
@@ -202,11 +227,18 @@ def _probe_experts(module: nn.Module, new: FlyMoE) -> None:
     w = torch.rand(t, k, generator=g).to(device=x.device, dtype=torch.float32)
     try:
         with torch.no_grad(), _unobserved(module):
-            want = module.experts(x.clone(), ids, w.to(x.dtype))
+            if new.score_before_experts:  # Llama-4's experts: tokens already in expert order, n rows per expert
+                ids = torch.arange(e, device=x.device).repeat_interleave(t).unsqueeze(1)
+                x, w = x.repeat(e, 1), torch.ones(e * t, 1, device=x.device)
+                want = module.experts(x.clone())
+            else:
+                want = module.experts(x.clone(), ids, w.to(x.dtype))
     except Exception as exc:  # noqa: BLE001 - experts that cannot be called alone cannot be checked
         raise Unsupported(f"probe: the experts could not be run alone ({type(exc).__name__})") from None
     with torch.no_grad():
         got = _experts_reference(new, x, ids, w)
+    if isinstance(want, torch.Tensor) and want.shape[-1] == got.shape[-1] and want.numel() == got.numel():
+        want = want.reshape(got.shape)  # DBRX's experts return [T, 1, H]
     if not isinstance(want, torch.Tensor) or want.shape != got.shape:
         raise Unsupported("probe: the experts' output is not a tensor of their input's shape")
     want = want.float()
@@ -238,6 +270,15 @@ def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
         raise Unsupported(
             str(exc).removeprefix("FlyMoE.from_module: ").removeprefix(f"{type(module).__name__}: ")
         ) from None
+    if variant == "hf_v5":
+        # a kept router is observed as in the original block; one the swapped block does not call (AFMoE's router,
+        # which takes the block's bias) is checked as the other variants' routers are
+        called = getattr(module, "gate", None) or getattr(module, "router", None)
+        if called is not None and new.router_call_module is not called:
+            if called._forward_hooks or called._forward_pre_hooks:
+                raise Unsupported("router has forward hooks, which the swapped block (router not run) would not fire")
+            if _records_router_logits(root):
+                raise Unsupported("model records router logits (output_router_logits=True); this router is not run")
     _check_state(module, new)
     cls = type(module)
     if not any(cls.__module__.startswith(prefix) and cls.__name__ == name for prefix, name in _KNOWN):

@@ -46,10 +46,18 @@ _SIZES = dict(
 )  # fmt: skip
 # per-family values the generic sizes break (the family's own config validation says so)
 _OVERRIDES = {"zaya": dict(num_experts_per_tok=1)}  # ZAYA supports top-1 routing only
+# per-family fields set (also where absent) in the config and its nested sub-config dicts: DBRX names its sizes
+# differently (n_layers, n_heads, ffn_config.ffn_hidden_size / moe_top_k), and transformers 5.24-5.25's DBRX reads
+# attn_config.rope_theta, which DbrxAttentionConfig does not define, and clamps by clip_qkv even when it is None
+_NESTED = {
+    "dbrx": dict(
+        n_layers=LAYERS, n_heads=2, max_seq_len=64, attn_config=dict(rope_theta=10000.0, clip_qkv=8.0, kv_n_heads=2),
+        ffn_config=dict(ffn_hidden_size=48, moe_top_k=K),
+    ),
+}  # fmt: skip
 
 # families whose tiny model the generic shrink cannot build or run (transformers 5.24-5.25; the error the build gives)
 NOT_BUILT = {
-    "dbrx": "nested attn/ffn sub-configs the generic shrink does not reach (DbrxAttentionConfig has no rope_theta)",
     "deepseek_ocr2": "OCR model: the base model needs image inputs (fails on input_ids only)",
     "deepseek_v2": "routing needs topk_method/group fields the generic shrink leaves inconsistent (top-k None)",
     "diffusion_gemma": "per_layer_config keyed by layer indices beyond the shrunk depth",
@@ -80,6 +88,15 @@ NO_MOE_BLOCK = {
     "glm_moe_dsa": "its MoE layers start after the shrunk depth",
 }
 
+# families whose blocks the transform must swap (at least one block of the tiny model; the rest left with a reason):
+# a regression that leaves one of these fails here rather than passing as "left"
+MUST_SWAP = {
+    "afmoe", "aria", "axk2", "cohere2_moe", "dbrx", "deepseek_v3", "exaone_moe", "flex_olmo", "glm4_moe",
+    "glm4_moe_lite", "glm4v_moe", "granitemoe", "granitemoe_swa", "granitemoeshared", "jamba", "laguna", "llama4",
+    "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "mixtral", "olmoe", "qwen2_moe",
+    "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open",
+}  # fmt: skip
+
 
 def discover() -> dict[str, list[str]]:
     """``{family directory: [MoE-like class names]}`` for the installed transformers (source scan, no imports)."""
@@ -96,6 +113,14 @@ def discover() -> dict[str, list[str]]:
 
 
 FAMILIES = discover()
+
+
+def _set_nested(d: dict, values: dict) -> None:
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(d.get(key), dict):
+            _set_nested(d[key], value)
+        else:
+            d[key] = value
 
 
 def _shrink(d: dict, family: str) -> dict:
@@ -134,7 +159,9 @@ def build(family: str, seed: int = 0) -> torch.nn.Module:
 
     model_type, model_cls = _model_class(family)
     config_cls = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[model_type])
-    config = config_cls(**_shrink(config_cls().to_dict(), family))
+    fields = _shrink(config_cls().to_dict(), family)
+    _set_nested(fields, _NESTED.get(family, {}))
+    config = config_cls(**fields)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).float()
@@ -182,6 +209,8 @@ def test_family_swapped_with_equal_numerics_or_left_with_reason(family):
         assert reason, path
     for path, _, matcher in summary.swapped:
         assert isinstance(model.get_submodule(path), fly_lightning.FlyMoE) and matcher.startswith("moe:"), path
+    if family in MUST_SWAP:
+        assert summary.swapped, f"{family}: no block swapped ({summary.left})"
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
     fly_lightning.DISPATCH_LOG.reset()
     got, loss = _run(model, ids)

@@ -32,6 +32,7 @@ from benchmarks.harness import Results
 from benchmarks.train_step_cases import MODELS, run_worker
 
 GOAL = 1.5  # a second (or pre-tuned) run's first step at most this times stock's first run's
+SMALL_TOKENS = 64
 
 
 def _env(root: Path, name: str, **extra: str) -> dict[str, str]:
@@ -46,8 +47,11 @@ def _env(root: Path, name: str, **extra: str) -> dict[str, str]:
     )
 
 
-def _pretune(model: str, env: dict[str, str], timeout_s: int) -> tuple[float, str]:
-    """``fly-lightning tune --hf-config`` for the model's config; (seconds, last output line)."""
+def _pretune(
+    model: str, env: dict[str, str], timeout_s: int, batch: int | None = None, seq: int | None = None
+) -> tuple[float, str]:
+    """``fly-lightning tune --hf-config`` for the model's config at its batch and sequence length (or the given
+    ones); (seconds, its summary line or the error)."""
     import time
 
     from transformers import AutoConfig
@@ -58,11 +62,12 @@ def _pretune(model: str, env: dict[str, str], timeout_s: int) -> tuple[float, st
         cfg_dir
     )
     cmd = [sys.executable, "-m", "fly_lightning.cli", "tune", "--hf-config", str(cfg_dir), "--batch-size",
-           str(case.batch), "--seq-len", str(case.seq), "--steps", "2"]  # fmt: skip
+           str(batch or case.batch), "--seq-len", str(seq or case.seq), "--steps", "2"]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    lines = (proc.stdout + proc.stderr).strip().splitlines() or [f"exit {proc.returncode}"]
-    return time.perf_counter() - start, lines[-1][:300]
+    said = [ln for ln in proc.stdout.splitlines() if "tuned into" in ln]
+    tail = said or proc.stderr.strip().splitlines()[-1:] or [f"exit {proc.returncode}"]
+    return time.perf_counter() - start, tail[-1][:300]
 
 
 def winners(db_path: Path) -> dict[str, Any]:
@@ -106,10 +111,15 @@ def main() -> None:
         runs.append(("fly_pretuned", "after tune", run_worker(args.model, "fly", args.precision, args.timeout,
                                                              env=pre_env)))  # fmt: skip
         res.summary["pretune"] = {"seconds": round(pretune_s, 2), "output": pretune_out}
-        res.details["winners"] = winners(root / "measure" / "tuning.json")
-        res.details["winners_pretuned"] = winners(root / "pretuned" / "tuning.json")
+        # the same model at a few tokens per step (a short-sequence or decode-like shape): where ATen may win
+        small_env = _env(root, "small", **measure)
+        small_s, small_out = _pretune(args.model, small_env, args.timeout, batch=1, seq=SMALL_TOKENS)
+        res.summary["pretune_small"] = {"tokens": SMALL_TOKENS, "seconds": round(small_s, 2), "output": small_out}
+        res.summary["winners"] = winners(root / "measure" / "tuning.json")
+        res.summary["winners_small"] = winners(root / "small" / "tuning.json")
     stock = [r for n, w, r in runs if (n, w) == ("stock", "first") and "error" not in r]
     stock_first = stock[0]["first_step_s"] if stock else None
+    stock_to_first = stock[0]["build_s"] + stock[0]["first_step_s"] if stock else None
     for name, which, r in runs:
         res.add(
             model=args.model,
@@ -119,6 +129,8 @@ def main() -> None:
             first_step_s=r.get("first_step_s"),
             vs_stock_first=(r["first_step_s"] / stock_first) if stock_first and "first_step_s" in r else None,
             build_s=r.get("build_s"),
+            to_first_step_s=r["build_s"] + r["first_step_s"] if "build_s" in r else None,
+            vs_stock_to_first=(r["build_s"] + r["first_step_s"]) / stock_to_first if stock and "build_s" in r else None,
             step_ms=r.get("step_ms"),
             tuning_spent_s=r.get("tuning_spent_s"),
             error=r.get("error", ""),
@@ -134,7 +146,9 @@ def main() -> None:
     res.notes.append(
         "each run is a process of its own; 'second' reuses the Triton/Inductor cache directory and tuning database "
         "its 'first' run left; first_step_s = step 0 (JIT compilation, autotuning, measuring); build_s = model "
-        "construction and swap; step_ms = median of steps 4..15"
+        "construction and swap (fly: with the package's import); to_first_step_s = both; step_ms = median of "
+        "steps 4..15; winners = the tuning database's choices per op after the measured first run, winners_small "
+        f"= after a pre-tune at {SMALL_TOKENS} tokens per step"
     )
     res.save()
 

@@ -23,8 +23,10 @@ def test_runs_share_caches_as_planned_and_the_goal_is_judged_against_stock(monke
         spent = 4.0 if measuring and not warm and "pretuned" not in db else 0.0
         return dict(first_step_s=step, build_s=1.0, step_ms=30.0, tuning_spent_s=spent, times_ms=[1.0])
 
-    def fake_pretune(model, env, timeout_s):
-        seen.append(("tune", dict(env)))  # leaves its caches warm for the run after it
+    def fake_pretune(model, env, timeout_s, batch=None, seq=None):
+        seen.append(("tune" if batch is None else "tune_small", dict(env)))  # leaves its caches warm
+        if batch is not None:
+            TuningDB(env["FLY_LIGHTNING_TUNING_DB"]).put("env", "moe_route", "64", "aten", {"aten": 0.01})
         return 12.0, "3 shape(s) tuned"
 
     monkeypatch.setattr(bench_cold_start, "run_worker", fake_worker)
@@ -39,10 +41,14 @@ def test_runs_share_caches_as_planned_and_the_goal_is_judged_against_stock(monke
     assert runs["fly_measure/first"]["tuning_spent_s"] == 4.0
     assert out["summary"]["ratios"] == {"fly/second": 1.25, "fly_measure/second": 1.25, "fly_pretuned/after tune": 1.25}
     assert out["summary"]["met"] is True and out["summary"]["pretuned_run_measured_s"] == 0.0
-    assert out["details"]["winners"]["rms_norm"] == {
+    assert out["summary"]["winners_small"] == {"moe_route": {"won": {"aten": 1}, "aten_won": [
+        {"key": "64", "timings_ms": {"aten": 0.01}}]}}  # fmt: skip
+    assert runs["fly/second"]["vs_stock_to_first"] == (1.0 + 2.5) / (1.0 + 2.0)
+    assert out["summary"]["winners"]["rms_norm"] == {
         "won": {"aten": 1}, "aten_won": [{"key": "k1", "timings_ms": {"aten": 1.0, "triton": 2.0}}]
     }  # fmt: skip
     # the pre-tuned run uses the caches and database the tune left, and nobody else's
     tune_env = next(e for v, e in seen if v == "tune")
-    assert seen[-1][1]["TRITON_CACHE_DIR"] == tune_env["TRITON_CACHE_DIR"]
-    assert len({e["TRITON_CACHE_DIR"] for _, e in seen}) == 4
+    pretuned_run = next(e for v, e in seen if v == "fly" and "pretuned" in e["TRITON_CACHE_DIR"])
+    assert pretuned_run["TRITON_CACHE_DIR"] == tune_env["TRITON_CACHE_DIR"]
+    assert len({e["TRITON_CACHE_DIR"] for _, e in seen}) == 5

@@ -445,9 +445,7 @@ def _plan(
             if torch.cuda.is_current_stream_capturing():
                 cache = False  # the table's choice for now; the next call outside capture tunes
             elif tuning.budget_left() or _stored(x, w, m, gather, scatter):
-                start = time.perf_counter()
                 tune(x, w, offs, idx=idx, topk=topk, gather=gather, scatter=scatter)
-                tuning.spend(time.perf_counter() - start)
             else:  # a rare shape past the budget runs the table's configuration, and says so once
                 _warn_budget_once()
     e, k, n = w.shape
@@ -577,6 +575,7 @@ def tune(
         MEASURED[key] = best
         _journal(env, db_key, best, hit.get("timings_ms", {}))
         return best
+    started = time.perf_counter()  # measuring from here on: counted against the process's tuning budget
     # zero-filled: rows no configuration writes (past the last offset, unrouted slots) then compare equal
     expected = launch(x, w, offs, torch.zeros(m, w.shape[2], dtype=x.dtype, device=x.device), **index, config=table)
     out = outputs.empty_like(expected, written_in_full=False)  # zeroed before each checked run
@@ -611,6 +610,7 @@ def tune(
     elif not any(c in runs for c in candidates):
         warnings.warn(f"grouped_mm tuning: no candidate ran correctly, keeping {table.label()}", stacklevel=2)
     MEASURED[key] = best
+    tuning.spend(time.perf_counter() - started)
     timed = {cfg.label(): statistics.median(t) for cfg, t in times.items() if t}
     _journal(env, db_key, best, timed)
     if db is not None and len(runs) > 1:

@@ -1,0 +1,276 @@
+"""Compile-only tests of the FlyDSL grouped GEMM for gfx950 (no AMD GPU needed, nothing is launched).
+
+All specialisations the 24-case grouped suite needs (``benchmarks/grouped_mm_cases.py``: 15 distinct
+(K, N, E, weight layout, tile) keys) plus the variants the suite does not reach (fp16, fp32 output, a K tail, the
+64-row tile on N-contiguous weights, E = 1024) are compiled in ONE child process (one torch + FlyDSL import, about
+1 s of compile each), then the gfx950 assembly of each is checked for what the design depends on: the 16x16x32
+16-bit MFMA, 16-byte LDS reads for every MFMA operand, 16-byte global loads, LDS writes of the intended width, the
+planned LDS size, a runtime K loop (not unrolled), no scratch and no spills. Without FlyDSL or ld.lld the compile
+tests skip with the reason.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.grouped_mm_cases import cases
+from fly_lightning.kernels.flydsl import _grouped_mm_kernel as gmm
+from fly_lightning.kernels.flydsl import _toolchain as compile_check
+
+GFX950_TARGET = re.compile(r'^\s*\.amdgcn_target\s+"amdgcn-amd-amdhsa-[a-z]*-gfx950"', re.MULTILINE)
+
+
+def _suite_specs() -> list[dict]:
+    seen = {}
+    for c in cases():
+        spec = {
+            "K": c.k,
+            "N": c.n,
+            "E": c.e,
+            "dtype": torch.bfloat16,
+            "k_major": c.k_major,
+            "tile": gmm.pick_tile(c.m, c.e),
+        }
+        seen.setdefault(tuple(spec.values()), (spec, c.name))
+    return [dict(spec, case=name) for spec, name in seen.values()]
+
+
+SUITE = _suite_specs()
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+EXTRA = [
+    {"K": 4096, "N": 2048, "E": 16, "dtype": FP16, "k_major": False, "out_dtype": FP32, "case": "fp16-fp32out-nmajor"},
+    {"K": 2048, "N": 1536, "E": 128, "dtype": BF16, "out_dtype": FP32, "tile": "64x128", "case": "fp32out-64row"},
+    {"K": 1000, "N": 1032, "E": 8, "dtype": BF16, "k_major": False, "tile": "64x128", "case": "k-tail-nmajor-64row"},
+    {"K": 1000, "N": 264, "E": 3, "dtype": FP16, "k_major": True, "case": "k-tail-kmajor"},
+    {"K": 512, "N": 512, "E": 1024, "dtype": BF16, "k_major": True, "case": "E1024"},
+]
+ALL = SUITE + [{"k_major": True, "tile": "128x128", **s} for s in EXTRA]
+
+
+def test_suite_specialisations_are_the_distinct_kernel_keys():
+    assert len(cases()) == 24
+    assert len(SUITE) == 15  # the 24 cases need 15 specialisations (K, N, E, layout, tile)
+    assert {s["k_major"] for s in SUITE} == {True, False} and {s["tile"] for s in SUITE} == {"128x128", "64x128"}
+    for c in cases():
+        assert gmm.supports(c.k, c.n, c.e, torch.bfloat16, None, c.k_major, c.m) == (True, "ok"), c.name
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    problem = compile_check.toolchain_problem()
+    if problem:
+        pytest.skip(f"FlyDSL compile checks cannot run: {problem}")
+    specs = [{k: v for k, v in s.items() if k != "case"} for s in ALL]
+    facts = gmm.compile_grouped_mm_many(specs, out_dir=str(tmp_path_factory.mktemp("grouped_mm")))
+    assert "results" in facts, facts.get("reason", "") + facts.get("stderr_tail", "")
+    assert len(facts["results"]) == len(ALL)
+    return facts["results"]
+
+
+def _ops(asm: str, prefix: str) -> set[str]:
+    return set(re.findall(rf"^\s+({prefix}\S*)", asm, re.MULTILINE))
+
+
+@pytest.mark.parametrize("i", range(len(ALL)), ids=[s["case"] for s in ALL])
+def test_grouped_mm_compiles_for_gfx950(compiled, i):
+    spec, facts = ALL[i], compiled[i]
+    assert facts["ok"], facts.get("reason", "")
+    plan = facts["plan"]
+    assert (plan["K"], plan["N"], plan["E"], plan["k_major"]) == (spec["K"], spec["N"], spec["E"], spec["k_major"])
+    asm = Path(facts["asm_path"]).read_text()
+    assert GFX950_TARGET.search(asm) and "gfx942" not in asm
+    assert facts["kernel_name"].startswith(gmm.KERNEL_NAME)
+    assert facts["wavefront_size"] == 64 and facts["max_flat_workgroup_size"] == 256
+
+    # Registers: nothing spilled, no scratch; accumulators + prefetch fit the 512-register budget of a lane.
+    assert facts["scratch_bytes"] == 0 and facts["vgpr_spill_count"] == 0 and facts["sgpr_spill_count"] == 0
+    assert facts["vgpr_count"] + facts["agpr_count"] <= 256
+
+    # The MFMA: only the gfx950 16x16x32 16-bit one, at least one K tile's worth (2 K steps x MI x NI per wave).
+    mfma = "v_mfma_f32_16x16x32_bf16" if spec["dtype"] == torch.bfloat16 else "v_mfma_f32_16x16x32_f16"
+    assert _ops(asm, "v_mfma") == {mfma}
+    per_wave = (plan["bm"] // plan["waves_m"] // 16) * (plan["bn"] // plan["waves_n"] // 16)
+    assert asm.count(mfma) >= 2 * per_wave
+
+    # LDS: the planned size (two K-contiguous [rows][64 + 8] tiles); every read is a 16-byte MFMA fragment.
+    assert facts["lds_bytes"] == plan["lds_bytes"] == (plan["bm"] + plan["bn"]) * 72 * 2
+    assert _ops(asm, "ds_read") == {"ds_read_b128"}
+    writes = _ops(asm, "ds_write")
+    if spec["k_major"]:
+        assert writes == {"ds_write_b128"}  # both operands go to LDS as loaded
+    else:
+        assert "ds_write_b128" in writes and writes <= {"ds_write_b128", "ds_write_b64", "ds_write2_b64"}
+    assert not _ops(asm, "ds_swizzle") - {"ds_swizzle_b32"}  # the tile search's shuffles only
+
+    # Global memory: 16-byte operand loads, dword offset loads, one vector store per 4 outputs.
+    assert _ops(asm, "buffer_load") == {"buffer_load_dwordx4", "buffer_load_dword"}
+    out32 = spec.get("out_dtype") == torch.float32
+    assert _ops(asm, "buffer_store") == {"buffer_store_dwordx4" if out32 else "buffer_store_dwordx2"}
+    assert not _ops(asm, "global_") and not _ops(asm, "flat_") and not _ops(asm, "scratch_")
+    if not out32:
+        cvt = "v_cvt_pk_bf16_f32" if spec["dtype"] == torch.bfloat16 else "v_cvt_pk_f16_f32"
+        assert cvt in asm
+
+    # A runtime K loop (a backward branch; code size independent of K) with the two barriers of one LDS stage.
+    labels = {m.group(1): m.start() for m in re.finditer(r"^(\.LBB\d+_\d+):", asm, re.MULTILINE)}
+    back = [
+        m for m in re.finditer(r"s_cbranch_\w+\s+(\.LBB\d+_\d+)", asm) if labels.get(m.group(1), 1 << 62) < m.start()
+    ]
+    assert back, "no backward branch: the K loop was unrolled or is missing"
+    assert asm.count("s_barrier") >= 2
+    assert facts["num_instructions"] < 2500
+    # The K tail is zeroed with selects only when K % 64 != 0.
+    assert plan["k_tail"] == (spec["K"] % 64 != 0)
+
+
+def test_isa_facts_summary(compiled):
+    """One line per specialisation (shown with -s): the numbers the report quotes."""
+    for spec, f in zip(ALL, compiled, strict=True):
+        assert f["ok"]
+        asm = Path(f["asm_path"]).read_text()
+        print(
+            f"{spec['case']:<32} vgpr={f['vgpr_count']} agpr={f['agpr_count']} sgpr={f['sgpr_count']} "
+            f"lds={f['lds_bytes']} scratch={f['scratch_bytes']} mfma={len(re.findall(r'v_mfma_f32_16x16x32', asm))} "
+            f"compile_s={f['compile_s']}"
+        )
+
+
+# ------------------------------------------------------------------ unsupported inputs and the support predicate
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ((2048, 1536, 128, torch.float32), "dtype"),
+        ((2048, 1536, 128, torch.bfloat16, torch.float16), "out_dtype"),
+        ((2044, 1536, 128, torch.bfloat16), "K=2044"),
+        ((2048, 1530, 128, torch.bfloat16), "N=1530"),
+        ((2048, 1536, 1025, torch.bfloat16), "E=1025"),
+        ((2048, 1536, 0, torch.bfloat16), "E=0"),
+    ],
+)
+def test_unsupported_is_a_reason_not_a_compile(args, needle):
+    facts = gmm.compile_grouped_mm(*args)
+    assert facts["ok"] is False and facts["supported"] is False and needle in facts["reason"]
+
+
+def test_size_limit_and_tile_choice():
+    ok, reason = gmm.supports(8192, 8192, 128, torch.bfloat16, None, True, M=4096)
+    assert not ok and reason.startswith("w is")
+    assert not gmm.supports(4096, 8192, 8, torch.bfloat16, torch.float32, True, M=2**16)[0]  # out > 2 GiB
+    assert gmm.pick_tile(128 * 64 - 1, 64) == "64x128" and gmm.pick_tile(128 * 64, 64) == "128x128"
+    assert gmm.constraints()["arch"] == "gfx950"
+
+
+class _OnRocm:
+    """A CPU tensor standing in for one on a ROCm GPU (none here): what the registered predicate reads."""
+
+    def __init__(self, t):
+        self._t = t
+        self.device = torch.device("cuda", 0)
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def _operands(m=64, k=256, n=128, e=4, dtype=torch.bfloat16, k_major=True):
+    x = torch.empty(m, k, dtype=dtype)
+    w = torch.empty(e, n, k, dtype=dtype).transpose(1, 2) if k_major else torch.empty(e, k, n, dtype=dtype)
+    return x, w, torch.zeros(e, dtype=torch.int32)
+
+
+def _rocm(x, w, offs):
+    return _OnRocm(x), _OnRocm(w), _OnRocm(offs)
+
+
+@pytest.mark.parametrize(
+    "make,out_dtype,expect",
+    [
+        (lambda: _rocm(*_operands()), None, True),
+        (lambda: _rocm(*_operands(k_major=False)), torch.float32, True),
+        (lambda: _operands(), None, "tensor not on a ROCm device"),
+        (lambda: _rocm(*_operands(dtype=torch.float32)), None, "dtype torch.float32"),
+        (lambda: _rocm(*_operands()), torch.float16, "out_dtype"),
+        (lambda: _rocm(*_operands(k=252)), None, "K=252"),
+        (lambda: _rocm(*_operands(n=124)), None, "N=124"),
+        (lambda: _rocm(*_operands(e=1025)), None, "E=1025"),
+        (lambda: _rocm(torch.empty(256, 64).t().to(torch.bfloat16), *_operands()[1:]), None, "x not contiguous"),
+        (lambda: _rocm(_operands()[0], torch.empty(4, 256, 256, dtype=torch.bfloat16)[:, :, :128], _operands()[2]),
+         None, "neither N- nor K-contiguous"),
+        (lambda: _rocm(*_operands()[:2], torch.zeros(8, dtype=torch.int32)[::2]), None, "offs not contiguous"),
+    ],
+)  # fmt: skip
+def test_registered_support_predicate(monkeypatch, make, out_dtype, expect):
+    from fly_lightning.kernels.flydsl import grouped_mm as backend
+
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx950")
+    verdict = backend._supports(*make(), out_dtype)
+    assert verdict is True if expect is True else expect in verdict
+
+
+def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):
+    from fly_lightning.kernels.flydsl import grouped_mm as backend
+
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx942")
+    assert "gfx942" in backend._supports(*_rocm(*_operands()), None)
+    monkeypatch.setattr(torch.version, "hip", None)  # a CUDA build: refused before the arch is looked at
+    assert backend._supports(*_rocm(*_operands()), None) == "tensor not on a ROCm device"
+
+
+def test_registered_as_compile_only():
+    from fly_lightning.ops.grouped_mm import GROUPED_MM
+
+    impl = GROUPED_MM.impls["flydsl"]
+    assert impl.verified == "compile-only" and "gfx950" in impl.constraints
+
+
+def test_weight_layout():
+    x, w, _ = _operands(k_major=True)
+    assert gmm.weight_layout(w) is True
+    assert gmm.weight_layout(_operands(k_major=False)[1]) is False
+    assert gmm.weight_layout(torch.empty(4, 256, 256)[:, :, :128]) is None
+    assert gmm.weight_layout(torch.empty(4, 128, 256).transpose(1, 2)[:, :, :64]) is None  # experts not dense
+    assert gmm.weight_layout(torch.empty(1, 256, 128)) is False and gmm.weight_layout(torch.empty(3, 256, 1)) is True
+
+
+LAUNCH_MODULE = """
+import os
+import torch
+import _grouped_mm_kernel as gmm  # the child has the kernel folder on its path
+
+def trace_launches():
+    # COMPILE_ONLY=1 and CPU tensors: flyc.compile traces + compiles with launch_grouped_mm's real argument list
+    # (flat views of x, w, out) and returns None instead of launching.
+    assert os.environ["COMPILE_ONLY"] == "1"
+    torch.cuda.current_stream = lambda device=None: None  # CPU-only torch has no streams
+    offs = torch.tensor([100, 100, 300, 333], dtype=torch.int32)
+    x = torch.randn(333, 256).to(torch.bfloat16)
+    w_k = torch.randn(4, 128, 256).to(torch.bfloat16).transpose(1, 2)  # K-contiguous [E, K, N]
+    out = gmm.launch_grouped_mm(x, w_k, offs)
+    w_n = torch.randn(4, 256, 128).to(torch.float16)
+    out32 = gmm.launch_grouped_mm(x.to(torch.float16), w_n, offs, torch.float32)
+    keys = [str(k[:7]) for k in gmm._LAUNCHERS]
+    shapes = [list(out.shape), list(out32.shape)]
+    return {"ok": True, "keys": keys, "shapes": shapes, "dtypes": [str(out.dtype), str(out32.dtype)]}
+"""
+
+
+def test_launch_function_traces_and_compiles(tmp_path):
+    problem = compile_check.toolchain_problem()
+    if problem:
+        pytest.skip(f"FlyDSL compile checks cannot run: {problem}")
+    (tmp_path / "launch_mod.py").write_text(LAUNCH_MODULE)
+    facts = compile_check.run_compile_in_subprocess(
+        str(tmp_path / "launch_mod.py"), "trace_launches", {}, out_dir=str(tmp_path)
+    )
+    assert facts["ok"], facts.get("reason", "") + facts.get("stderr_tail", "")
+    assert facts["keys"] == [
+        "(256, 128, 4, torch.bfloat16, torch.bfloat16, True, '64x128')",
+        "(256, 128, 4, torch.float16, torch.float32, False, '64x128')",
+    ]
+    assert facts["shapes"] == [[333, 128], [333, 128]] and facts["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    assert [p.parent.name for p in (tmp_path / "dump").glob("*/*final_isa.s")] == ["fly_grouped_mm_fwd_0"]

@@ -378,12 +378,16 @@ def build_grouped_mm(plan: Plan):
 
 
 def _example_args(plan: Plan, device: str = "cpu", rows: int = 300) -> tuple:
-    """Placeholder arguments with the types/ranks of a real call (CPU = no launch): flat 1-D views."""
+    """Placeholder arguments with the types/ranks of a real call (CPU = no launch): small flat 1-D tensors.
+
+    Every tensor argument has a dynamic 1-D layout, so the compiled kernel does not depend on their lengths (M is an
+    argument; K, N and E are in the plan): small zero-filled placeholders compile the same code as real sizes.
+    """
     dt = {v: k for k, v in _OUT_DTYPES.items()}
-    x = torch.empty(rows * plan.K, dtype=dt[plan.dtype], device=device)
-    w = torch.empty(plan.E * plan.K * plan.N, dtype=dt[plan.dtype], device=device)
+    x = torch.zeros(rows * VEC, dtype=dt[plan.dtype], device=device)
+    w = torch.zeros(plan.E * VEC, dtype=dt[plan.dtype], device=device)
     offs = torch.zeros(plan.E, dtype=torch.int32, device=device)
-    out = torch.empty(rows * plan.N, dtype=dt[plan.out_dtype], device=device)
+    out = torch.zeros(rows * VEC, dtype=dt[plan.out_dtype], device=device)
     return (x, w, offs, out, rows)
 
 

@@ -20,7 +20,7 @@ from fly_lightning.ops import (
     topk,
 )
 from fly_lightning.policy import DispatchConfig, dispatch_config, get_dispatch_config, set_dispatch_config
-from fly_lightning.quant.config import FlyMXConfig
+from fly_lightning.quant.config import FlyMXConfig, mx_filter
 from fly_lightning.registry import OPS, get_op
 from fly_lightning.transform import TransformSummary, transform
 
@@ -45,6 +45,7 @@ __all__ = [
     "FlyFSDP2Strategy",
     "FlyModelParallelStrategy",
     "FlyMXConfig",
+    "mx_filter",
     "FlyMoE",
     "FlyRMSNorm",
     "FlySingleDeviceStrategy",

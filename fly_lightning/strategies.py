@@ -140,9 +140,12 @@ class _FlyStrategyMixin:
         from torchao.quantization import quantize_
 
         from fly_lightning.dtensor import is_dtensor
+        from fly_lightning.quant.config import FlyMXConfig, mx_filter
 
         user_filter = self.fly_quantization_filter
-        default = lambda m, fqn: isinstance(m, nn.Linear)  # noqa: E731 - torchao's own default filter
+        # ours: Linears and MoE experts, head and routers kept; another config: torchao's own default filter
+        ours = isinstance(self.fly_quantization, FlyMXConfig)
+        default = mx_filter if ours else lambda m, fqn: isinstance(m, nn.Linear)  # noqa: E731
         sharded: list[tuple[str, str, str]] = []
 
         def wanted(module: nn.Module, fqn: str) -> bool:
@@ -159,10 +162,11 @@ class _FlyStrategyMixin:
         from fly_lightning.modules.moe import FlyMoE
 
         experts = [
-            (fqn, "FlyMoE", "quantization: experts are stacked [E, ...] tensors, not nn.Linear; the config does not "
-             "reach them (they run unquantized)")
+            (fqn, "FlyMoE", "quantization: experts are stacked [E, ...] tensors, not nn.Linear; this config does not "
+             "reach them (they run unquantized; FlyMXConfig does)" if not ours else
+             "quantization: experts not selected by the filter, or their dims are not multiples of 32")
             for fqn, m in model.named_modules()
-            if isinstance(m, FlyMoE) and not getattr(m, "_fly_quantize_seen", False)
+            if isinstance(m, FlyMoE) and not getattr(m, "_fly_quantize_seen", False) and m.mx is None
         ]  # fmt: skip
         for m in model.modules():
             m._fly_quantize_seen = True

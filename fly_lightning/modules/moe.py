@@ -28,6 +28,7 @@ from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import group_reason, moe_route, moe_route_reference
+from fly_lightning.ops.mx_cast import mx_round_trip
 from fly_lightning.ops.permutation import inverse_permutation
 from fly_lightning.ops.swiglu import split_gate_up, swiglu, swiglu_reference
 
@@ -82,11 +83,16 @@ def experts_forward(
     *,
     fused: bool,
     score_before_experts: bool = False,
+    mx: MXExperts | None = None,
 ) -> Tensor:
     """Routed SwiGLU experts and the deterministic combine: ``[T, H]``.
 
     ``gate_up_EHN`` is ``[E, H, 2I]`` (gate columns first) when ``up_EHI`` is None, else the ``[E, H, I]`` gate.
+    ``mx``: the GEMM operands go through MX casts (``MXExperts``).
     """
+    if mx is not None:
+        x_TH, gate_up_EHN, down_EIH = mx.act(x_TH), mx.weight(gate_up_EHN), mx.weight(down_EIH)
+        up_EHI = None if up_EHI is None else mx.weight(up_EHI)
     k = weights_Tk.shape[1]
     inv = inverse_permutation(perm_M)  # slot -> expert-ordered row: the combine gathers through it
     if fused:
@@ -101,7 +107,8 @@ def experts_forward(
         s = weights_Tk.reshape(-1).index_select(0, perm_M.long()).unsqueeze(1).to(gate.dtype)
         gate_up, up = gate * s, up * s
         weights_Tk = torch.ones_like(weights_Tk)  # the combine is then a plain sum (still in fp32)
-    rows = grouped_mm(swiglu(gate_up, up), down_EIH, offs_E)  # expert order
+    h = swiglu(gate_up, up)
+    rows = grouped_mm(h if mx is None else mx.act(h), down_EIH, offs_E)  # expert order
     return moe_combine(rows, weights_Tk, inv, out_dtype=x_TH.dtype)
 
 
@@ -129,6 +136,32 @@ def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
         rows = swiglu_reference(gate, u) @ down[e]
         y.index_add_(0, tok, rows.to(acc) * w.to(acc))
     return moe.add_shared(x, y.to(x.dtype)).reshape(hidden_states.shape)
+
+
+class MXExperts:
+    """MX forward numerics for the experts (set as ``FlyMoE.mx`` by ``FlyMXConfig``): activations (token rows along
+    H, the SwiGLU output along I) and weights (along their input dim, from the high-precision master every step) are
+    cast to MX and back (``mx_round_trip``); the grouped GEMMs then run on exactly the products an MX GEMM with fp32
+    accumulation computes (torchao's emulated path). Gradients pass straight through the casts. Hopper has no MX
+    tensor cores and there is no MX grouped kernel yet: this changes precision, not speed.
+
+    Args: ``weight`` / ``activation`` (None: weight-only) formats, scale ``mode``, as ``FlyMXConfig``'s.
+    """
+
+    def __init__(self, weight: str, activation: str | None, mode: str) -> None:
+        self.weight_fmt, self.act_fmt, self.mode = weight, activation, mode
+
+    def act(self, x: Tensor) -> Tensor:
+        return x if self.act_fmt is None else mx_round_trip(x, self.act_fmt, self.mode)
+
+    def weight(self, w_EKN: Tensor) -> Tensor:
+        """``[E, K, N]`` weights cast along K (the contraction dim), same layout."""
+        e, k, n = w_EKN.shape
+        rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column: blocks run along K
+        return mx_round_trip(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
+
+    def __repr__(self) -> str:
+        return f"MXExperts(weight={self.weight_fmt}, activation={self.act_fmt}, mode={self.mode})"
 
 
 class FlyMoE(nn.Module):
@@ -313,9 +346,12 @@ class FlyMoE(nn.Module):
             down,
             fused=self.resolved_path() == "fused",
             score_before_experts=self.score_before_experts,
+            mx=self.mx,
         )
         out = self.add_shared(x, y).reshape(shape)
         return (out, logits) if self.return_router_logits else out
+
+    mx: MXExperts | None = None  # MX forward numerics for the experts (``FlyMXConfig``); None: the weights' dtype
 
     def add_shared(self, x_TH: Tensor, y_TH: Tensor) -> Tensor:
         """``y_TH`` plus the shared experts' output, if the block has any (also used by ``moe_reference``)."""
@@ -333,5 +369,5 @@ class FlyMoE(nn.Module):
         return (
             f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, experts={self.num_experts}, "
             f"top_k={self.top_k}, layout={self.layout}, score={self.score_func}, norm={self.norm_topk_prob}, "
-            f"path={self.path}"
+            f"path={self.path}" + (f", mx={self.mx}" if self.mx is not None else "")
         )

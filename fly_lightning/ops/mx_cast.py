@@ -94,3 +94,21 @@ def mx_cast(x: Tensor, fmt: str = "mxfp8_e4m3", mode: str = "floor", axis: int =
     if isinstance(x, Tensor):
         x = x.detach()  # a cast has no gradient
     return _mx_cast_call(x, fmt, mode, axis)
+
+
+class _RoundTrip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, fmt: str, mode: str) -> Tensor:
+        data, scale = mx_cast(x, fmt, mode)
+        return formats.from_mx(data, scale, fmt, dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None, None
+
+
+def mx_round_trip(x: Tensor, fmt: str = "mxfp8_e4m3", mode: str = "floor") -> Tensor:
+    """``x`` cast to MX along its last dim and dequantised, in ``x``'s dtype: the operand an MX GEMM with fp32
+    accumulation sees (every MX value times its power-of-two scale is exact in bf16). The gradient passes straight
+    through (identity), as in MX training recipes."""
+    return _RoundTrip.apply(x, fmt, formats.as_mode(mode).value)

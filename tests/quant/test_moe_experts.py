@@ -1,0 +1,95 @@
+"""``FlyMXConfig`` on a swapped MoE block: the experts take MX forward numerics (``FlyMoE.mx``) through ``quantize_``,
+equal to a pure-torch oracle built on ``formats`` (torchao-exact casts) with straight-through gradients; the output
+head and routers stay in high precision under ``mx_filter``; blocks with dims that do not hold whole MX blocks are
+left with a warning."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from fly_lightning import FlyMXConfig, mx_filter
+from fly_lightning.modules.moe import FlyMoE
+from fly_lightning.ops.moe_route import moe_route_reference
+from fly_lightning.ops.swiglu import split_gate_up, swiglu_reference
+from fly_lightning.quant import formats
+
+logging.getLogger("torchao").setLevel(logging.ERROR)
+quantize_ = pytest.importorskip("torchao.quantization").quantize_
+H, INTER, E, K, T = 64, 32, 4, 2, 24
+
+
+def _moe() -> FlyMoE:
+    torch.manual_seed(0)
+    moe = FlyMoE(H, INTER, E, K)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+def _through(t: torch.Tensor, fmt: str | None, mode: str) -> torch.Tensor:
+    """Straight-through MX round trip along the last dim, on the reference casts (``formats``)."""
+    if fmt is None:
+        return t
+    q = formats.from_mx(*formats.to_mx(t.detach(), fmt, mode), fmt, dtype=t.dtype)
+    return t + (q - t).detach()
+
+
+def _oracle(moe: FlyMoE, x: torch.Tensor, w_fmt: str, a_fmt: str | None, mode: str) -> torch.Tensor:
+    """The block's math with every expert GEMM operand cast along its contraction dim, an expert loop in fp32."""
+    weights, ids, *_ = moe_route_reference(moe.router_logits(x), K, moe.score_func, moe.norm_topk_prob, None, 1.0)
+    gate_up, up, down = moe.experts.projections()
+    cast_w = lambda w: _through(w.transpose(1, 2), w_fmt, mode).transpose(1, 2)  # noqa: E731 - blocks along K
+    gate_up, down = cast_w(gate_up), cast_w(down)
+    xq = _through(x, a_fmt, mode)
+    y = torch.zeros_like(x)
+    for e in range(E):
+        tok, slot = torch.where(ids == e)
+        gate, u = split_gate_up(xq[tok] @ gate_up[e], None)
+        h = _through(swiglu_reference(gate, u), a_fmt, mode)
+        y = y.index_add(0, tok, (h @ down[e]) * weights[tok, slot].unsqueeze(1))
+    return y
+
+
+@pytest.mark.parametrize(
+    "config", [FlyMXConfig(), FlyMXConfig(activation=None), FlyMXConfig("mxfp4_e2m1", "mxfp4_e2m1", "rceil")]
+)
+def test_experts_match_the_oracle_forward_and_backward(config):
+    moe = _moe()
+    quantize_(moe, config, filter_fn=mx_filter)
+    assert moe.mx is not None and "mx=MXExperts" in repr(moe)
+    ref = _moe()
+    x = torch.randn(T, H, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, y_ref = moe(x), _oracle(ref, xr, config.weight, config.activation, config.mode)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    unquantized = _moe()(x.detach())
+    assert (y - unquantized).abs().max() > 1e-3  # the casts changed the numbers (the test would see no cast)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters(), strict=True):  # sums over tokens: 1e-4
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_the_filter_keeps_the_head_and_routers_in_high_precision():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.moe, self.lm_head = nn.Linear(H, H), _moe(), nn.Linear(H, 64)
+
+    net = Net()
+    quantize_(net, FlyMXConfig(), filter_fn=mx_filter)
+    assert type(net.proj).__name__ == "FlyMXLinear" and type(net.lm_head) is nn.Linear
+    assert net.moe.mx is not None and type(net.moe.gate) is not type(net.proj)
+
+
+def test_blocks_without_whole_mx_blocks_are_left_with_a_warning():
+    torch.manual_seed(0)
+    moe = FlyMoE(H, 24, E, K)  # intermediate 24: not a multiple of 32
+    with pytest.warns(UserWarning, match="intermediate 24 not a multiple of 32"):
+        quantize_(moe, FlyMXConfig(), filter_fn=mx_filter)
+    assert moe.mx is None

@@ -109,7 +109,8 @@ class MoECausalLM(L.LightningModule):
         max_seq_len: position embeddings.
         lr / weight_decay / warmup_steps: AdamW with linear warm-up, then cosine decay over ``trainer.max_steps``.
         quant: ``"mxfp8"`` (E4M3 weights and activations) or ``"mxfp4"`` (E2M1) forward GEMMs for the model's
-            ``nn.Linear`` layers but the output head, through ``FlyMXConfig`` (torchao ``quantize_``); ``"none"``: bf16.
+            ``nn.Linear`` layers and MoE experts but the output head and routers, through ``FlyMXConfig`` (torchao
+            ``quantize_``); ``"none"``: bf16.
             ``fly-finetune test --model.quant ...`` on one checkpoint compares the eval losses.
         export_dir: at the end of ``fit``, a transformers-loadable copy of the model (``save_pretrained``: config and
             safetensors with the original parameter names, and the data's tokenizer if it has one) in this folder of
@@ -215,18 +216,17 @@ class MoECausalLM(L.LightningModule):
 
 
 def apply_quant(model: torch.nn.Module, quant: str) -> None:
-    """``quantize_`` the model's ``nn.Linear`` layers (the output head excepted) with ``FlyMXConfig``."""
+    """``quantize_`` with ``FlyMXConfig``: the model's ``nn.Linear`` layers and its MoE experts (the blocks are swapped
+    for ``FlyMoE`` first, which is what carries MX experts), the output head and routers excepted (``mx_filter``)."""
     from torchao.quantization import quantize_
 
-    from fly_lightning import FlyMXConfig
+    from fly_lightning import FlyMXConfig, mx_filter, transform
 
     fmt = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1"}[quant]
     head = model.get_output_embeddings()
-    quantize_(
-        model,
-        FlyMXConfig(weight=fmt, activation=fmt),
-        filter_fn=lambda m, fqn: isinstance(m, torch.nn.Linear) and m is not head,
-    )
+    transform(model, ops=["moe"])
+    selected = lambda m, fqn: m is not head and mx_filter(m, fqn)  # noqa: E731
+    quantize_(model, FlyMXConfig(weight=fmt, activation=fmt), filter_fn=selected)
 
 
 def export_hf(module: MoECausalLM, path: Path) -> Path | None:

@@ -585,14 +585,18 @@ def test_cli_fine_tunes_a_checkpoint_on_chat_jsonl_and_exports_a_transformers_fo
 
 
 @pytest.mark.parametrize("quant, fmt", [("mxfp8", "mxfp8_e4m3"), ("mxfp4", "mxfp4_e2m1")])
-def test_cli_quant_trains_with_mx_linears_and_evaluates(quant, fmt, tmp_path, no_reexec, record_cli):
+def test_cli_quant_trains_with_mx_linears_and_experts_and_evaluates(quant, fmt, tmp_path, no_reexec, record_cli):
+    from fly_lightning.modules.moe import FlyMoE
     from fly_lightning.quant.linear import FlyMXLinear
 
-    main(_fit_args(tmp_path, f"--model.quant={quant}", steps=2))
+    wide = "--model.expert_intermediate_size=32"  # whole MX blocks along the experts' intermediate dim
+    main(_fit_args(tmp_path, f"--model.quant={quant}", wide, steps=2))
     (cli,) = record_cli
     mx = [m for m in cli.model.modules() if isinstance(m, FlyMXLinear)]
     assert mx and all(m.spec.weight == fmt and m.spec.activation == fmt for m in mx)
     assert not isinstance(cli.model.model.get_output_embeddings(), FlyMXLinear)  # the head stays in bf16
+    moes = [m for m in cli.model.modules() if isinstance(m, FlyMoE)]
+    assert moes and all(m.mx is not None and m.mx.weight_fmt == m.mx.act_fmt == fmt for m in moes)  # experts too
     assert all(math.isfinite(v) for v in _metric(Path(cli.trainer.log_dir), "train_loss"))
     assert fly_lightning.DISPATCH_LOG.summary()["mx_cast"]["calls"] > 0
     # the quality comparison: the same checkpoint evaluated with and without MX
@@ -601,7 +605,7 @@ def test_cli_quant_trains_with_mx_linears_and_evaluates(quant, fmt, tmp_path, no
     for q in ("none", quant):
         record_cli.clear()
         test_args = [
-            a for a in _fit_args(tmp_path / q, f"--model.quant={q}") if not a.startswith("--trainer.max_steps")
+            a for a in _fit_args(tmp_path / q, f"--model.quant={q}", wide) if not a.startswith("--trainer.max_steps")
         ]
         main(["test", *test_args[1:], f"--ckpt_path={ckpt}"])
         losses[q] = record_cli[0].trainer.callback_metrics["test_loss"].item()

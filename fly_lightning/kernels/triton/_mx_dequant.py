@@ -1,0 +1,88 @@
+"""MX tile dequantisation in registers, shared by the Triton MX GEMMs (``mx_scaled_mm``, ``mx_grouped_mm``).
+
+Each helper turns a tile of MX elements plus its E8M0 scales (one per 32 elements along the tile's last dim) into
+bf16 values ready for ``tl.dot``: no table gather, no hardware float8 conversion. The element's magnitude bits are
+moved into a bf16 bit pattern whose exponent field is the element's own (e4m3 / e5m2 / e2m1 exponent, bias not yet
+corrected), so normal and subnormal elements alike read as ``value * 2^-(127 - element bias)``; one multiply by the
+missing power of two (2^120, 2^112, 2^126) and one by the block scale ``2^(s - 127)`` (built from its bits) give the
+value. Every step is exact while the product stays in bf16's normal range (fp8 / fp4 values have at most 3
+significant bits), so the result equals the fp32 dequantisation of ``fly_lightning.quant.formats.from_mx`` up to
+underflow below 2^-126 (bf16 subnormals keep 7 bits).
+
+Specials: scale 255 is NaN (the whole block decodes to NaN); e4m3 code 0x7F and e5m2 exponent 31 decode to NaN /
+inf as torch's float8 types do (``to_mx`` never emits them outside NaN blocks, but the oracle honours them).
+
+``FP32=True`` does the multiplies in fp32 and returns fp32: the Triton interpreter's bf16 arithmetic works on raw
+bits and its bf16 -> fp32 conversion flushes subnormals, so kernels pass ``FP32=INTERPRET`` (values are the same).
+Function names and signatures are stable: other kernels import them.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _as_u8(x):
+    if x.dtype != tl.uint8:
+        x = x.to(tl.uint8, bitcast=True)
+    return x
+
+
+@triton.jit
+def _from_bf16_bits(bits, FP32: tl.constexpr):
+    """A bf16 bit pattern held in an int32 to bf16 (or, ``FP32``, to the same value in fp32)."""
+    if FP32:
+        return (bits << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def e8m0_to_float(scale_u8, FP32: tl.constexpr = False):
+    """E8M0 scales (uint8) to ``2^(s - 127)`` in bf16 (fp32 with ``FP32``); 0 is 2^-127 (a subnormal), 255 NaN."""
+    s = _as_u8(scale_u8).to(tl.int32)
+    bits = (s << 7) | tl.where((s == 0) | (s == 255), 0x40, 0)  # 0 -> 0x0040 (2^-127), 255 -> 0x7FC0 (NaN)
+    return _from_bf16_bits(bits, FP32)
+
+
+@triton.jit
+def _apply_scale(v, scale_u8, FP32: tl.constexpr):
+    """``v`` [R, C] times its block's scale, ``scale_u8`` [R, C / 32]."""
+    R: tl.constexpr = v.shape[0]
+    C: tl.constexpr = v.shape[1]
+    s = e8m0_to_float(scale_u8, FP32)
+    v3 = tl.reshape(v, (R, C // 32, 32)) * s[:, :, None]
+    return tl.reshape(v3, (R, C))
+
+
+@triton.jit
+def dequant_fp8(x_u8_or_fp8, scale_e8m0_u8, E5M2: tl.constexpr = False, FP32: tl.constexpr = False):
+    """MXFP8 tile ``[R, C]`` (uint8 codes or float8 values; e4m3, or e5m2 with ``E5M2``) with scales ``[R, C / 32]``
+    (uint8) to bf16 ``[R, C]`` (fp32 with ``FP32``)."""
+    x = _as_u8(x_u8_or_fp8).to(tl.int32)
+    sign = (x & 0x80) << 8
+    mag = x & 0x7F
+    if E5M2:
+        bits = sign | (mag << 5)  # exponent field at bf16's, bias 15 instead of 127
+        bits = tl.where(mag >= 0x7C, sign | 0x7F80 | tl.where(mag > 0x7C, 0x40, 0), bits)  # inf / NaN
+        bias: tl.constexpr = 2.0**112
+    else:
+        bits = sign | (mag << 4)  # bias 7 instead of 127
+        bits = tl.where(mag == 0x7F, 0x7FC0, bits)  # e4m3fn has no inf; 0x7F / 0xFF are NaN
+        bias: tl.constexpr = 2.0**120
+    v = _from_bf16_bits(bits, FP32) * bias
+    return _apply_scale(v, scale_e8m0_u8, FP32)
+
+
+@triton.jit
+def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False):
+    """MXFP4 tile packed two e2m1 codes per byte along the last dim (element ``2j`` in the low nibble), ``[R, C / 2]``
+    uint8, with scales ``[R, C / 32]`` (uint8) to bf16 ``[R, C]`` (fp32 with ``FP32``)."""
+    R: tl.constexpr = packed_u8.shape[0]
+    CP: tl.constexpr = packed_u8.shape[1]
+    p = _as_u8(packed_u8).to(tl.int32)
+    codes = tl.reshape(tl.join(p & 0xF, p >> 4), (R, CP * 2))  # join puts the low nibble first: element 2j
+    bits = ((codes & 8) << 12) | ((codes & 7) << 6)  # sign; exponent (2 bits) and mantissa (1) at bf16's, bias 1
+    v = _from_bf16_bits(bits, FP32) * 2.0**126
+    return _apply_scale(v, scale, FP32)

@@ -1,0 +1,66 @@
+"""FlyDSL MX GEMM for gfx950, the ``flydsl`` backend of ``mx_scaled_mm`` (compile-verified only).
+
+Both operands MX (``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp4_e2m1``, formats may differ), E8M0 scales per 32 along K
+applied by the scaled MFMA ``v_mfma_scale_f32_16x16x128_f8f6f4`` (kernel in ``_mx_scaled_mm_kernel``). Weight-only
+calls (bf16/fp32 ``a``) and everything else the predicate refuses run on ATen with the reason recorded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as kernel
+from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
+
+
+def device_arch(device: torch.device) -> str | None:
+    """The ROCm architecture name of ``device`` (``gfx950``, ``gfx942``, ...), or None when torch cannot tell."""
+    try:
+        return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+    except (RuntimeError, AssertionError, AttributeError):
+        return None
+
+
+def layout_reason(
+    a: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    a_fmt: str | None,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_fmt: str,
+    out_dtype: torch.dtype,
+) -> str | None:
+    """Why the FlyDSL kernel cannot compute ``mx_scaled_mm`` on these (validated) operands, or None."""
+    for t in (a, b):
+        if t.device.type != "cuda" or torch.version.hip is None:
+            return "tensor not on a ROCm device"
+    arch = device_arch(a.device)
+    if arch is not None and arch != kernel.compile_check.TARGET_ARCH:
+        return f"device is {arch} (the kernel uses gfx950-only scaled MFMA v_mfma_scale_f32_16x16x128_f8f6f4)"
+    if a_fmt is None:
+        return "a is high precision (weight-only MX): the scaled MFMA needs both operands in MX formats"
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
+        if not t.is_contiguous():
+            return f"{name} not contiguous"
+        align = 16 if name in ("a", "b") else 8  # 16-byte data loads; scales as one or two dwords per K stage
+        if t.data_ptr() % align:
+            return f"{name} not {align}-byte aligned"
+    k = b.shape[1] * 8 // kernel.FORMATS[b_fmt][0] if b_fmt in kernel.FORMATS else 0
+    ok, reason = kernel.supports(a.shape[0], b.shape[0], k, a_fmt, b_fmt, out_dtype)
+    return None if ok else reason
+
+
+def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
+    return layout_reason(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) or True
+
+
+@MX_SCALED_MM.implement(
+    "flydsl",
+    supports=_supports,
+    constraints="gfx950; a [M, K] and b [N, K] both MX (e4m3, e5m2, e2m1 packed; formats may differ), E8M0 scales "
+    "[rows, K/32], all contiguous; K % 128 == 0, N % 4 == 0; each tensor under 2 GiB; out bf16/fp16/fp32; scaled "
+    "MFMA 16x16x128 (scales applied in the instruction), 128x128 or 64x128 tiles; weight-only (bf16 a) on ATen",
+    verified="compile-only",
+)
+def mx_scaled_mm_flydsl(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:
+    return kernel.launch_mx_scaled_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)

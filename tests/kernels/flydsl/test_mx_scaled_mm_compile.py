@@ -1,0 +1,315 @@
+"""Compile-only tests of the FlyDSL MX GEMM for gfx950 (no AMD GPU needed, nothing is launched).
+
+The specialisations of a few LLM projection shapes (Llama-3-8B attention / MLP, Qwen3-30B-A3B attention, a
+Mixtral-sized down projection) in MXFP8 x MXFP8 and MXFP4 x MXFP4, plus mixed formats (e5m2, fp8 x fp4), fp16 /
+fp32 output, the 64-row tile and an fp4 K that is not a multiple of 256 (one MFMA step per stage), are compiled in
+ONE child process, then the gfx950 assembly of each is checked for what the design depends on: only the scaled MFMA
+``v_mfma_scale_f32_16x16x128_f8f6f4`` with each operand's format code and VGPR scale operands (the scales are
+applied by the instruction: no conversion instructions), 16-byte LDS reads for every MFMA fragment (two per fp8
+lane, one per fp4 lane) and one ``ds_read_u8`` per fragment's scale, 16-byte LDS writes for the data, dword writes for
+the scales, 16-byte global loads, the planned LDS size, a runtime K loop, no scratch and no spills. Without FlyDSL or
+ld.lld the compile tests skip with the reason.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as mxk
+from fly_lightning.kernels.flydsl import _toolchain as compile_check
+
+GFX950_TARGET = re.compile(r'^\s*\.amdgcn_target\s+"amdgcn-amd-amdhsa-[a-z]*-gfx950"', re.MULTILINE)
+F8, F8E5, F4 = "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"
+
+# (name, N, K): projections of [tokens, K] activations by an [N, K] weight
+SHAPES = [
+    ("llama8b-qkv", 6144, 4096),
+    ("llama8b-o", 4096, 4096),
+    ("llama8b-gate-up", 28672, 4096),
+    ("llama8b-down", 4096, 14336),
+    ("qwen3-30b-qkv", 5120, 2048),
+    ("mixtral-down", 4096, 14336),
+]
+SPECS = [{"case": f"{name}-{tag}", "N": n, "K": k, "a_fmt": f, "b_fmt": f} for name, n, k in SHAPES[:5] for tag, f in
+         (("fp8", F8), ("fp4", F4))]  # fmt: skip
+SPECS += [
+    {"case": "mixtral-down-e5m2xe4m3-fp32out", "N": 4096, "K": 14336, "a_fmt": F8E5, "b_fmt": F8,
+     "out_dtype": torch.float32},
+    {"case": "llama8b-o-fp8xfp4-64row", "N": 4096, "K": 4096, "a_fmt": F8, "b_fmt": F4, "tile": "64x128"},
+    {"case": "fp4xfp8-fp16out", "N": 1024, "K": 512, "a_fmt": F4, "b_fmt": F8, "out_dtype": torch.float16},
+    {"case": "fp4-k384-one-step-64row", "N": 260, "K": 384, "a_fmt": F4, "b_fmt": F4, "tile": "64x128"},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    problem = compile_check.toolchain_problem()
+    if problem:
+        pytest.skip(f"FlyDSL compile checks cannot run: {problem}")
+    specs = [{k: v for k, v in s.items() if k != "case"} for s in SPECS]
+    facts = mxk.compile_mx_scaled_mm_many(specs, out_dir=str(tmp_path_factory.mktemp("mx_scaled_mm")))
+    assert "results" in facts, facts.get("reason", "") + facts.get("stderr_tail", "")
+    assert len(facts["results"]) == len(SPECS)
+    return facts["results"]
+
+
+def _ops(asm: str, prefix: str) -> list[str]:
+    return re.findall(rf"^\s+({prefix}\S*)", asm, re.MULTILINE)
+
+
+@pytest.mark.parametrize("i", range(len(SPECS)), ids=[s["case"] for s in SPECS])
+def test_mx_scaled_mm_compiles_for_gfx950(compiled, i):
+    spec, facts = SPECS[i], compiled[i]
+    assert facts["ok"], facts.get("reason", "")
+    plan = facts["plan"]
+    assert (plan["N"], plan["K"], plan["a_fmt"], plan["b_fmt"]) == (spec["N"], spec["K"], spec["a_fmt"], spec["b_fmt"])
+    asm = Path(facts["asm_path"]).read_text()
+    assert GFX950_TARGET.search(asm) and "gfx942" not in asm
+    assert facts["kernel_name"].startswith(mxk.KERNEL_NAME)
+    assert facts["wavefront_size"] == 64 and facts["max_flat_workgroup_size"] == 256
+
+    # Registers: nothing spilled, no scratch.
+    assert facts["scratch_bytes"] == 0 and facts["vgpr_spill_count"] == 0 and facts["sgpr_spill_count"] == 0
+    assert facts["vgpr_count"] + facts["agpr_count"] <= 256
+
+    # Only the scaled MFMA, A operand = b (cbsz), B operand = a (blgp), each with its format code; both scale
+    # operands are VGPRs (an omitted scale would be a constant or the data register) with op_sel 0 (the low byte).
+    mfmas = re.findall(r"^\s+(v_mfma\S*)\s+(.*)$", asm, re.MULTILINE)
+    assert {op for op, _ in mfmas} == {mxk.MFMA}
+    b_code, a_code = mxk.FORMATS[spec["b_fmt"]][1], mxk.FORMATS[spec["a_fmt"]][1]
+    for _, operands in mfmas:
+        assert re.search(r"cbsz:(\d)", operands) is None if b_code == 0 else f"cbsz:{b_code}" in operands, operands
+        assert re.search(r"blgp:(\d)", operands) is None if a_code == 0 else f"blgp:{a_code}" in operands, operands
+        regs = [r.strip() for r in operands.split(" op_sel")[0].split(",")]
+        assert len(regs) == 6 and re.fullmatch(r"v\d+", regs[4]) and re.fullmatch(r"v\d+", regs[5]), operands
+        a_regs = 8 if spec["b_fmt"] != F4 else 4  # the MFMA's A operand is b: 32 values of 8 or 4 bits per lane
+        lo, hi = map(int, re.fullmatch(r"v\[(\d+):(\d+)\]", regs[1]).groups())
+        assert hi - lo + 1 == a_regs, operands
+    assert not re.search(r"v_cvt_\S*(fp8|bf8|fp4|scale)", asm)  # nothing dequantised in software
+    assert plan["k_steps"] == (2 if spec["a_fmt"] == spec["b_fmt"] == F4 and spec["K"] % 256 == 0 else 1)
+
+    # Per copy of the MFMA step (LLVM peels/rotates the loop): MI*NI MFMAs, one 16-byte read per fp4 fragment and
+    # two per fp8 fragment, one scale byte per fragment.
+    mi = plan["bm"] // plan["waves_m"] // 16
+    ni = plan["bn"] // plan["waves_n"] // 16
+    steps, rem = divmod(len(mfmas), mi * ni)
+    assert rem == 0 and steps >= plan["k_steps"]
+    a_frag, b_frag = plan["a_row_bytes"] // plan["k_steps"] // 64, plan["b_row_bytes"] // plan["k_steps"] // 64
+    reads = _ops(asm, "ds_read")
+    assert set(reads) == {"ds_read_b128", "ds_read_u8"}
+    assert reads.count("ds_read_b128") == steps * (mi * a_frag + ni * b_frag)
+    assert reads.count("ds_read_u8") == steps * (mi + ni)
+
+    # LDS: the planned size; data in 16-byte writes, scales as one dword (two for 2-step fp4 stages) per thread.
+    assert facts["lds_bytes"] == plan["lds_bytes"]
+    writes = set(_ops(asm, "ds_write"))
+    scale_w = "b32" if plan["k_steps"] == 1 else "b64"
+    assert "ds_write_b128" in writes
+    assert writes - {"ds_write_b128"} and writes - {"ds_write_b128"} <= {
+        f"ds_write_{scale_w}",
+        f"ds_write2_{scale_w}",
+        f"ds_write2st64_{scale_w}",
+    }
+
+    # Global memory: 16-byte data loads, scale dwords, one vector store per 4 outputs.
+    loads = set(_ops(asm, "buffer_load"))
+    assert loads == {"buffer_load_dwordx4", "buffer_load_dword" if plan["k_steps"] == 1 else "buffer_load_dwordx2"}
+    out32 = spec.get("out_dtype") == torch.float32
+    assert set(_ops(asm, "buffer_store")) == {"buffer_store_dwordx4" if out32 else "buffer_store_dwordx2"}
+    assert not _ops(asm, "global_") and not _ops(asm, "flat_") and not _ops(asm, "scratch_")
+
+    # A runtime K loop (a backward branch; code size independent of K), or, for a few K stages, LLVM's full unroll
+    # (exactly one MFMA step per K step then), with the two barriers of one LDS stage.
+    labels = {m.group(1): m.start() for m in re.finditer(r"^(\.LBB\d+_\d+):", asm, re.MULTILINE)}
+    back = [
+        m for m in re.finditer(r"s_cbranch_\w+\s+(\.LBB\d+_\d+)", asm) if labels.get(m.group(1), 1 << 62) < m.start()
+    ]
+    if not back:
+        assert plan["k_tiles"] <= 8 and steps == plan["k_tiles"] * plan["k_steps"], "K loop missing or mangled"
+    assert asm.count("s_barrier") >= 2
+    assert facts["num_instructions"] < 2000
+
+
+def test_isa_facts_summary(compiled):
+    """One line per specialisation (shown with -s): the numbers the notes quote."""
+    for spec, f in zip(SPECS, compiled, strict=True):
+        assert f["ok"]
+        asm = Path(f["asm_path"]).read_text()
+        print(
+            f"{spec['case']:<34} vgpr={f['vgpr_count']} agpr={f['agpr_count']} sgpr={f['sgpr_count']} "
+            f"lds={f['lds_bytes']} scratch={f['scratch_bytes']} mfma={asm.count(mxk.MFMA)} "
+            f"steps/stage={f['plan']['k_steps']} compile_s={f['compile_s']}"
+        )
+
+
+# ------------------------------------------------------------------ unsupported inputs and the support predicate
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ((4096, 4096, None, F8), "weight-only"),
+        ((4096, 4096, "mxfp6_e2m3", F8), "a format mxfp6_e2m3"),
+        ((4096, 4000, F8, F8), "K=4000"),
+        ((4096, 64, F4, F4), "K=64"),
+        ((4098, 4096, F8, F8), "N=4098"),
+        ((4096, 4096, F8, F8, torch.int32), "out_dtype"),
+    ],
+)
+def test_unsupported_is_a_reason_not_a_compile(args, needle):
+    facts = mxk.compile_mx_scaled_mm(*args)
+    assert facts["ok"] is False and facts["supported"] is False and needle in facts["reason"]
+
+
+def test_size_limit_tile_choice_and_stages():
+    ok, reason = mxk.supports(2**17, 4096, 16384, F8, F8, torch.bfloat16)  # fp8 a: 2 GiB
+    assert not ok and reason.startswith("a is")
+    assert mxk.supports(2**17, 4096, 16384, F4, F4, torch.bfloat16) == (True, "ok")  # fp4 a: 1 GiB
+    assert not mxk.supports(2**17, 8192, 1024, F4, F4, torch.float32)[0]  # out: 4 GiB
+    assert mxk.pick_tile(64) == "64x128" and mxk.pick_tile(65) == "128x128"
+    assert mxk.make_plan(4096, 4096, F4, F4, torch.bfloat16).k_steps == 2
+    assert mxk.make_plan(4096, 4224, F4, F4, torch.bfloat16).k_steps == 1  # K % 256 != 0
+    assert mxk.make_plan(4096, 4096, F8, F4, torch.bfloat16).k_steps == 1
+    assert mxk.constraints()["arch"] == "gfx950"
+
+
+class _OnRocm:
+    """A CPU tensor standing in for one on a ROCm GPU (none here): what the registered predicate reads."""
+
+    def __init__(self, t):
+        self._t = t
+        self.device = torch.device("cuda", 0)
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def _mx(rows, k, fmt):
+    data = (
+        torch.zeros(rows, k // 2, dtype=torch.uint8)
+        if fmt == F4
+        else torch.zeros(rows, k).to(torch.float8_e4m3fn if fmt == F8 else torch.float8_e5m2)
+    )
+    return data, torch.full((rows, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # fmt: skip
+
+
+def _operands(m=64, n=256, k=512, a_fmt=F8, b_fmt=F8, out_dtype=torch.bfloat16, rocm=True):
+    a, a_s = _mx(m, k, a_fmt) if a_fmt else (torch.zeros(m, k, dtype=torch.bfloat16), None)
+    b, b_s = _mx(n, k, b_fmt)
+    if rocm:
+        a, b = _OnRocm(a), _OnRocm(b)
+    return a, a_s, a_fmt, b, b_s, b_fmt, out_dtype
+
+
+def _replace(ops, i, t):
+    ops = list(ops)
+    ops[i] = t
+    return tuple(ops)
+
+
+@pytest.mark.parametrize(
+    "make,expect",
+    [
+        (lambda: _operands(), True),
+        (lambda: _operands(a_fmt=F4, b_fmt=F4, out_dtype=torch.float32), True),
+        (lambda: _operands(a_fmt=F8E5, b_fmt=F4, k=384), True),
+        (lambda: _operands(rocm=False), "tensor not on a ROCm device"),
+        (lambda: _operands(a_fmt=None), "weight-only"),
+        (lambda: _operands(k=480), "K=480"),
+        (lambda: _operands(n=250), "N=250"),
+        (lambda: _replace(_operands(), 0, _OnRocm(_mx(64, 1024, F8)[0][:, ::2])), "a not contiguous"),
+        (lambda: _replace(_operands(), 4, _mx(512, 512, F8)[1][::2]), "b_scale not contiguous"),
+        (
+            lambda: _replace(
+                _operands(),
+                3,
+                _OnRocm(torch.zeros(256 * 512 + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(256, 512)),
+            ),
+            "b not 16-byte aligned",
+        ),
+    ],
+)
+def test_registered_support_predicate(monkeypatch, make, expect):
+    from fly_lightning.kernels.flydsl import mx_scaled_mm as backend
+
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx950")
+    verdict = backend._supports(*make())
+    assert verdict is True if expect is True else expect in verdict
+
+
+def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):
+    from fly_lightning.kernels.flydsl import mx_scaled_mm as backend
+
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx942")
+    assert "gfx942" in backend._supports(*_operands())
+    monkeypatch.setattr(torch.version, "hip", None)  # a CUDA build: refused before the arch is looked at
+    assert backend._supports(*_operands()) == "tensor not on a ROCm device"
+
+
+def test_registered_as_compile_only():
+    from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
+    from fly_lightning.support import markdown
+
+    impl = MX_SCALED_MM.impls["flydsl"]
+    assert impl.verified == "compile-only" and "gfx950" in impl.constraints
+    rows = [line for line in markdown().splitlines() if line.startswith("| `mx_scaled_mm` | flydsl |")]
+    assert len(rows) == 1 and rows[0].endswith("| compile-only |")
+
+
+def test_cpu_call_runs_on_aten_with_the_reason():
+    """On this host the op never reaches the kernel: the dispatcher serves ATen and records why not FlyDSL."""
+    import fly_lightning
+    from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm, mx_scaled_mm_reference
+
+    a, a_s, _, b, b_s, _, _ = _operands(m=8, n=16, k=128, rocm=False)
+    a = torch.randn(8, 128).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 128).to(torch.float8_e4m3fn)
+    with fly_lightning.dispatch_config(fly_lightning.DispatchConfig(backends=("flydsl",))):
+        y = mx_scaled_mm(a, b, b_s, F8, a_scale=a_s, a_fmt=F8, out_dtype=torch.float32)
+    torch.testing.assert_close(y, mx_scaled_mm_reference(a, a_s, F8, b, b_s, F8, torch.float32))
+    (rec,) = fly_lightning.DISPATCH_LOG.records("mx_scaled_mm")
+    assert rec["backend"] == "aten" and rec["fallback"] and "flydsl" in rec["reason"] and "ROCm" in rec["reason"]
+
+
+LAUNCH_MODULE = """
+import os
+import torch
+import _mx_scaled_mm_kernel as mxk  # the child has the kernel folder on its path
+
+def trace_launches():
+    # COMPILE_ONLY=1 and CPU tensors: flyc.compile traces + compiles with launch_mx_scaled_mm's real argument list
+    # (flat dword views of the data and scales) and returns None instead of launching.
+    assert os.environ["COMPILE_ONLY"] == "1"
+    torch.cuda.current_stream = lambda device=None: None  # CPU-only torch has no streams
+    scale = lambda rows, k: torch.full((rows, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    a8 = torch.randn(100, 512).to(torch.float8_e4m3fn)
+    b8 = torch.randn(256, 512).to(torch.float8_e4m3fn)
+    out = mxk.launch_mx_scaled_mm(a8, scale(100, 512), "mxfp8_e4m3", b8, scale(256, 512), "mxfp8_e4m3")
+    a4 = torch.randint(0, 256, (30, 256), dtype=torch.uint8)
+    b4 = torch.randint(0, 256, (132, 256), dtype=torch.uint8)
+    out32 = mxk.launch_mx_scaled_mm(a4, scale(30, 512), "mxfp4_e2m1", b4, scale(132, 512), "mxfp4_e2m1", torch.float32)
+    keys = [str(k[:6]) for k in mxk._LAUNCHERS]
+    return {"ok": True, "keys": keys, "shapes": [list(out.shape), list(out32.shape)],
+            "dtypes": [str(out.dtype), str(out32.dtype)]}
+"""
+
+
+def test_launch_function_traces_and_compiles(tmp_path):
+    problem = compile_check.toolchain_problem()
+    if problem:
+        pytest.skip(f"FlyDSL compile checks cannot run: {problem}")
+    (tmp_path / "launch_mod.py").write_text(LAUNCH_MODULE)
+    facts = compile_check.run_compile_in_subprocess(
+        str(tmp_path / "launch_mod.py"), "trace_launches", {}, out_dir=str(tmp_path)
+    )
+    assert facts["ok"], facts.get("reason", "") + facts.get("stderr_tail", "")
+    assert facts["keys"] == [
+        "(256, 512, 'mxfp8_e4m3', 'mxfp8_e4m3', torch.bfloat16, '128x128')",
+        "(132, 512, 'mxfp4_e2m1', 'mxfp4_e2m1', torch.float32, '64x128')",
+    ]
+    assert facts["shapes"] == [[100, 256], [30, 132]] and facts["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    assert [p.parent.name for p in (tmp_path / "dump").glob("*/*final_isa.s")] == ["fly_mx_scaled_mm_fwd_0"]

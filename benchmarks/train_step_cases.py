@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-VARIANTS = ("stock", "compile", "liger", "fly", "fly_compile", "liger_fly", "fly_compile_opaque")
+REST_VARIANTS = ("compile_rest", "liger_rest")
+"""Measurement-only variants for the step's bound (``goal_bounds``): the baseline with every MoE block's forward and
+backward taken out (a zero output, zero gradients handed to the optimizer for the block's parameters), i.e. what the
+step costs outside the blocks our operators replace. Never a baseline, never a result."""
+
+VARIANTS = ("stock", "compile", "liger", "fly", "fly_compile", "liger_fly", "fly_compile_opaque", *REST_VARIANTS)
 BASELINES = ("stock", "compile", "liger")  # what users already run; every ratio is against the fastest of these
 PRECISIONS = ("bf16-true", "bf16-mixed")
 STEPS, WARMUP = 16, 4
@@ -91,11 +96,24 @@ def _build(case: ModelCase, variant: str, precision: str, device: torch.device) 
         summary = fly_lightning.transform(model)
         info["swapped"] = sorted({f"{cls} -> {how}" for _, cls, how in summary.swapped})
         info["left"] = sorted({f"{cls}: {why}" for _, cls, why in summary.left})
+    if variant in REST_VARIANTS:
+        info["moe_params"] = _stand_in_moe_blocks(model)
     if variant == "fly_compile_opaque":
         fly_lightning.set_dispatch_config(inductor_ops=())
     if "compile" in variant:
         model = torch.compile(model)
     return model, info
+
+
+def _stand_in_moe_blocks(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Make every transformers MoE block (``*SparseMoeBlock``) return zeros without computing; returns its
+    parameters, to which the step hands zero gradients so the optimizer's work stays that of the full model."""
+    blocks = [m for m in model.modules() if type(m).__name__.endswith("SparseMoeBlock")]
+    if not blocks:
+        raise LookupError("no *SparseMoeBlock module to stand in for")
+    for block in blocks:
+        block.forward = lambda hidden_states: torch.zeros_like(hidden_states)
+    return [p for block in blocks for p in block.parameters()]
 
 
 def _batches(case: ModelCase, device: torch.device, n: int) -> list[torch.Tensor]:
@@ -133,6 +151,8 @@ def worker(model_name: str, variant: str, precision: str, profile: bool = False)
     t_build = time.perf_counter()
     model, info = _build(case, variant, precision, device)
     build_s = time.perf_counter() - t_build
+    moe_params = info.pop("moe_params", [])
+    zero_grads = [torch.zeros_like(p) for p in moe_params]  # allocated once: handing them over costs nothing
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
     times_ms, losses = [], []
@@ -144,6 +164,8 @@ def worker(model_name: str, variant: str, precision: str, profile: bool = False)
         with autocast:
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        for p, g in zip(moe_params, zero_grads, strict=True):
+            p.grad = g
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()

@@ -1,6 +1,9 @@
 """The whole-step benchmark's arithmetic: rotation with the stock noise floor, per-variant summary, headline ratio."""
 
+import torch
+
 from benchmarks.bench_train_step import rotated, summarise
+from benchmarks.train_step_cases import MODELS, _build, _stand_in_moe_blocks
 
 
 def _run(variant: str, ms: float, losses=(2.0, 1.5), **extra):
@@ -34,3 +37,21 @@ def test_summary_compares_the_fastest_with_fly_against_the_fastest_baseline():
     assert abs(row["liger_fly"]["max_loss_diff"] - 0.05) < 1e-12
     assert row["mixtral_only"] == {"error": "no Liger-Kernel entry"}
     assert row["stock"]["runs_ms"] == [50.0, 51.0]
+
+
+def test_rest_runs_are_never_a_baseline_or_a_result():
+    runs = [_run("stock", 50.0), _run("stock", 50.0), _run("compile", 40.0), _run("compile_rest", 10.0),
+            _run("fly_compile", 38.0)]  # fmt: skip
+    row = summarise(runs)
+    assert row["headline"]["best_baseline"] == "compile" and row["headline"]["best_with_fly"] == "fly_compile"
+
+
+def test_rest_variant_takes_the_moe_blocks_out_and_keeps_their_parameters():
+    model, _ = _build(MODELS["tiny_qwen3_moe"], "stock", "bf16-true", torch.device("cpu"))
+    n_params = sum(1 for _ in model.parameters())
+    params = _stand_in_moe_blocks(model)
+    assert params and all(p.requires_grad for p in params)
+    ids = torch.randint(0, 100, (1, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is None for p in params)  # the blocks computed nothing
+    assert sum(1 for _ in model.parameters()) == n_params

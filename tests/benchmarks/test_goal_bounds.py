@@ -5,8 +5,18 @@ import shutil
 
 import pytest
 
-from benchmarks.goal_bounds import grouped_bounds, main, roofline_ms, route_bounds, run_copy_gbps, suite_bytes
+from benchmarks.goal_bounds import (
+    grouped_bounds,
+    main,
+    moe_roof_ms,
+    roofline_ms,
+    route_bounds,
+    run_copy_gbps,
+    step_bounds,
+    suite_bytes,
+)
 from benchmarks.harness import RESULTS_DIR
+from benchmarks.train_step_cases import MODELS, ModelCase
 
 
 def test_roofline_takes_the_slower_of_compute_and_memory():
@@ -61,6 +71,7 @@ def test_main_reads_the_result_files_and_writes_its_own_beside_them(tmp_path):
         "gemm_roof": dict(env, summary=dict(best_tflops=700.0, copy_GBps=4000.0), rows=[]),
         "grouped_mm": dict(env, rows=[g]),
         "moe_route_floor": dict(env, notes=["copy bandwidth 4000 GB/s"], rows=[floor_row]),
+        "train_step": dict(env, rows=[]),
     }
     for name, payload in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(payload))
@@ -74,7 +85,34 @@ def test_main_reads_the_result_files_and_writes_its_own_beside_them(tmp_path):
 
 def test_committed_goal_bounds_follow_from_the_committed_results(tmp_path):
     """The README quotes ``goal_bounds.md``: recomputing it from the committed inputs gives the committed summary."""
-    for name in ("gemm_roof", "grouped_mm", "moe_route_floor"):
+    for name in ("gemm_roof", "grouped_mm", "moe_route_floor", "train_step"):
         shutil.copy(RESULTS_DIR / f"{name}.json", tmp_path)
     committed = json.loads((RESULTS_DIR / "goal_bounds.json").read_text())
     assert main(tmp_path).summary == committed["summary"]
+
+
+def test_moe_roof_counts_three_passes_of_the_expert_gemms_per_layer():
+    case = ModelCase("x", dict(hidden_size=1024, moe_intermediate_size=512, intermediate_size=9, num_experts=4,
+                               num_experts_per_tok=2, num_hidden_layers=3), 2, 512)  # fmt: skip
+    t = 1024
+    flops = 3 * (2 * t * 2 * 1024 * 3 * 512 + 2 * t * 1024 * 4)
+    assert moe_roof_ms(case, 1000.0, 1e12) == pytest.approx(3 * flops / 1e12)
+    weights = 3 * 2 * 4 * 3 * 1024 * 512  # memory-bound at 1 GB/s: experts moved three times per layer
+    assert moe_roof_ms(case, 1e12, 1.0) == pytest.approx(3 * weights / 1e6)
+    # Mixtral's config names the expert size intermediate_size and the experts num_local_experts
+    assert moe_roof_ms(MODELS["mixtral"], 1000.0, 1e12) > moe_roof_ms(MODELS["qwen3_moe"], 1000.0, 1e12)
+
+
+def test_step_bound_adds_the_roof_to_the_fastest_rest_and_compares_with_the_fastest_baseline():
+    roof = moe_roof_ms(MODELS["olmoe"], 800.0, 4000.0)
+    rows = [
+        dict(model="olmoe", precision="bf16-true", variant=v, step_ms=ms)
+        for v, ms in (("stock", 50.0), ("compile", 30.0), ("fly_compile", 29.0), ("compile_rest", 20.0),
+                      ("liger_rest", 22.0), ("fly", None))
+    ]  # fmt: skip
+    (b,) = step_bounds(rows, 800.0, 4000.0)
+    assert b["best_baseline"] == "compile" and b["rest"] == "compile_rest" and b["best_with_fly"] == "fly_compile"
+    assert b["bound_ms"] == pytest.approx(20.0 + roof, abs=1e-3)
+    assert b["ceiling_x"] == pytest.approx(30.0 / (20.0 + roof), abs=1e-3)
+    assert b["goal_past_roof"] == (30.0 / (20.0 + roof) < 1.15)
+    assert step_bounds([r for r in rows if "rest" not in r["variant"]], 800.0, 4000.0) == []

@@ -49,7 +49,6 @@ BLOCK_THREADS = 256
 WAVE = 64
 BK = 128  # K values per scaled MFMA step (16x16x128), 4 scale blocks: the unit of K
 STAGE_BYTES = 128  # at most this many bytes of a row per LDS stage: one fp8 K step, or two fp4 K steps
-MX_BLOCK = 32
 LDS_PAD = 16  # bytes of padding per LDS row
 MAX_BYTES = 2**31 - 1  # 32-bit buffer offsets
 
@@ -73,7 +72,8 @@ def constraints() -> dict[str, Any]:
         "N": "multiple of 4 (4-column stores)",
         "out_dtypes": [str(d) for d in _OUT_DTYPES],
         "bytes_max": f"every tensor under 2**31 bytes ({MAX_BYTES})",
-        "tiles": {k: f"BM={v[0]} BN={v[1]} BK={BK}, waves {v[2]}x{v[3]}" for k, v in TILES.items()},
+        "tiles": {k: f"BM={v[0]} BN={v[1]}, waves {v[2]}x{v[3]}" for k, v in TILES.items()},
+        "stage": f"{STAGE_BYTES} bytes of each row per LDS stage: K {BK} (any fp8 operand) or {2 * BK} (fp4 x fp4)",
         "mfma": f"{MFMA}, E8M0 scales applied by the instruction, fp32 accumulators",
     }
 

@@ -145,23 +145,28 @@ class MXExperts:
     accumulation computes (torchao's emulated path). Gradients pass straight through the casts. Hopper has no MX
     tensor cores and there is no MX grouped kernel yet: this changes precision, not speed.
 
-    Args: ``weight`` / ``activation`` (None: weight-only) formats, scale ``mode``, as ``FlyMXConfig``'s.
+    Args: ``weight`` / ``activation`` (None: weight-only) formats, scale ``mode``, as ``FlyMXConfig``'s; ``frozen``:
+    the block's expert container holds the weights in MX itself (``FlyMXConfig(frozen=True)``: its ``projections()``
+    are already the dequantised MX values, no master), so ``weight`` passes them through.
     """
 
-    def __init__(self, weight: str, activation: str | None, mode: str) -> None:
-        self.weight_fmt, self.act_fmt, self.mode = weight, activation, mode
+    def __init__(self, weight: str, activation: str | None, mode: str, frozen: bool = False) -> None:
+        self.weight_fmt, self.act_fmt, self.mode, self.frozen = weight, activation, mode, frozen
 
     def act(self, x: Tensor) -> Tensor:
         return x if self.act_fmt is None else mx_round_trip(x, self.act_fmt, self.mode)
 
     def weight(self, w_EKN: Tensor) -> Tensor:
         """``[E, K, N]`` weights cast along K (the contraction dim), same layout."""
+        if self.frozen:
+            return w_EKN
         e, k, n = w_EKN.shape
         rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column: blocks run along K
         return mx_round_trip(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
 
     def __repr__(self) -> str:
-        return f"MXExperts(weight={self.weight_fmt}, activation={self.act_fmt}, mode={self.mode})"
+        frozen = ", frozen" if self.frozen else ""
+        return f"MXExperts(weight={self.weight_fmt}{frozen}, activation={self.act_fmt}, mode={self.mode})"
 
 
 class FlyMoE(nn.Module):

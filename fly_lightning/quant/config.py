@@ -4,6 +4,10 @@ dispatched MX operators (``mx_cast``, ``mx_scaled_mm``: their dispatch log, supp
 and gives each selected ``FlyMoE`` block MX expert numerics (``FlyMoE.mx``: casts through ``mx_cast``, GEMMs on
 the dequantised operands). ``mx_filter`` selects both, leaving the output head and routers in high precision.
 
+``FlyMXConfig(frozen=True)`` stores the selected weights in MX instead, with no high-precision master and no weight
+gradient (``quant.frozen``): Linears become ``FlyMXFrozenLinear``, a block's expert container ``FlyMXFrozenExperts``.
+To freeze only the experts: ``filter_fn=lambda m, fqn: isinstance(m, FlyMoE)``.
+
 A Linear whose ``in_features`` is not a multiple of 32 (MX blocks) is left as it is, with a warning naming it.
 """
 
@@ -18,6 +22,7 @@ from torchao.quantization.transform_module import register_quantize_module_handl
 
 from fly_lightning.modules.moe import FlyMoE, MXExperts
 from fly_lightning.quant import formats
+from fly_lightning.quant.frozen import FlyMXFrozenExperts, FlyMXFrozenLinear, install_saved_tensor_hooks
 from fly_lightning.quant.linear import FlyMXLinear, MXSpec
 
 
@@ -29,11 +34,14 @@ class FlyMXConfig(AOBaseConfig):
         weight: the weights' MX format: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4_e2m1"``.
         activation: the activations' format, or None for weight-only (bf16/fp32 activations times MX weights).
         mode: scale mode, ``"floor"`` or ``"rceil"`` (torchao's ``ScaleCalculationMode`` values).
+        frozen: store the weights in MX (data and scales as buffers), drop the high-precision weights, no weight
+            gradient (``fly_lightning.quant.frozen``); False: training, cast from the master every forward.
     """
 
     weight: str = "mxfp8_e4m3"
     activation: str | None = "mxfp8_e4m3"
     mode: str = "floor"
+    frozen: bool = False
 
     def __post_init__(self) -> None:
         formats.as_format(self.weight)
@@ -59,7 +67,9 @@ def mx_filter(module: nn.Module, fqn: str) -> bool:
 def _swap_linear(module: nn.Module, config: FlyMXConfig) -> nn.Module:
     if isinstance(module, FlyMoE):
         return _mx_experts(module, config)
-    if isinstance(module, FlyMXLinear) or not isinstance(module, nn.Linear):
+    if isinstance(module, FlyMXFrozenLinear) or not isinstance(module, nn.Linear):
+        return module
+    if isinstance(module, FlyMXLinear) and not config.frozen:
         return module
     if module.in_features % formats.BLOCK:
         warnings.warn(
@@ -68,6 +78,8 @@ def _swap_linear(module: nn.Module, config: FlyMXConfig) -> nn.Module:
             stacklevel=2,
         )
         return module
+    if config.frozen:  # from a Linear or a training FlyMXLinear: its master is dropped
+        return FlyMXFrozenLinear.from_linear(module, config.spec)
     return FlyMXLinear.from_linear(module, config.spec)
 
 
@@ -82,5 +94,12 @@ def _mx_experts(moe: FlyMoE, config: FlyMXConfig) -> FlyMoE:
             stacklevel=2,
         )
         return moe
-    moe.mx = MXExperts(config.weight, config.activation, config.mode)
+    if isinstance(moe.experts, FlyMXFrozenExperts):
+        if not config.frozen:
+            warnings.warn("FlyMXConfig: MoE experts already frozen in MX are left frozen", stacklevel=2)
+        return moe
+    if config.frozen:
+        moe.experts = FlyMXFrozenExperts.from_moe(moe, config.spec)  # the old container (the masters) goes
+        install_saved_tensor_hooks(moe)
+    moe.mx = MXExperts(config.weight, config.activation, config.mode, frozen=config.frozen)
     return moe

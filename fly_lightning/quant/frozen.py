@@ -1,0 +1,305 @@
+"""Frozen MX weights: ``FlyMXConfig(frozen=True)`` stores the selected weights in MX, with no high-precision copy.
+
+For fine-tuning around weights that stay fixed (a large MoE model's experts, say): each weight becomes MX data and
+E8M0 scales held as buffers (nothing for an optimizer, no ``requires_grad``) and the high-precision weight is
+dropped, so it costs 1 + 1/32 bytes per parameter in MXFP8 and 1/2 + 1/32 in MXFP4 instead of 2 (bf16).
+
+- ``FlyMXFrozenLinear`` replaces an ``nn.Linear``: forward through ``mx_scaled_mm`` (weight-only, or with activations
+  cast by ``mx_cast``), the activation gradient through the dequantised weight (``grad_x = grad_y @ dequant(W)``,
+  dequantised again in backward: nothing of weight size is saved for it); no weight gradient. The bias stays the
+  Linear's own parameter (trainable if it was).
+- ``FlyMXFrozenExperts`` replaces a ``FlyMoE`` block's expert container: ``projections()`` gives the grouped GEMMs'
+  ``[E, K, N]`` operands dequantised (in the autocast dtype under autocast, else the original weights' dtype), so
+  the block's forward, its reference and its probes are unchanged. While the block runs, saved-tensor hooks store
+  those operands as a reference to the MX buffers and dequantise them again in backward, so the block does not keep
+  a dequantised copy of its experts alive between forward and backward (off under ``torch.compile`` and when outer
+  saved-tensor hooks, such as activation checkpointing's, are active: they must see every saved tensor).
+
+Storage: buffers are ``uint8`` (fp8 element bytes; fp4 packed two per byte, element ``2j`` in the low nibble; scales
+the biased E8M0 exponent, 127 = 2^0), not ``float8_*`` dtypes, because ``Module.to(dtype)`` would convert floating
+buffers (fp8 included) to the new dtype. A weight ``[N, K]`` (a projection ``[E, K, N]`` as ``[E, N, K]``) is stored
+row-wise with blocks of 32 along K: data ``[..., N, K / per_byte]``, scales ``[..., N, K / 32]``. The state dict
+holds those buffers and ``_extra_state`` metadata (format, scale mode, block size, version, shape), checked on load.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from fly_lightning.modules.moe import FlyMoE
+from fly_lightning.ops.mx_cast import mx_cast
+from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
+from fly_lightning.quant import formats
+from fly_lightning.quant.linear import MXSpec
+
+VERSION = 1  # of the stored layout and metadata (state dicts and MX checkpoints)
+_COMPUTE = (torch.bfloat16, torch.float32)  # what mx_cast / mx_scaled_mm take
+
+
+def quantize_rows(w: Tensor, fmt: str, mode: str) -> tuple[Tensor, Tensor]:
+    """``w`` ``[..., K]`` cast to MX along its last dim: ``(data, scale)`` as ``uint8`` (see the module docstring)."""
+    x = w.detach()
+    if x.dtype not in _COMPUTE:
+        x = x.float()  # fp16 is exact in fp32
+    data, scale = mx_cast(x.reshape(-1, x.shape[-1]).contiguous(), fmt, mode)
+    f = formats.as_format(fmt)
+    return (
+        data.view(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // f.per_byte),
+        scale.view(torch.uint8).reshape(*x.shape[:-1], x.shape[-1] // formats.BLOCK),
+    )
+
+
+def typed(data: Tensor, scale: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """``uint8`` buffers viewed as the MX operators' dtypes (fp8 elements, ``float8_e8m0fnu`` scales; fp4 stays
+    packed ``uint8``)."""
+    f = formats.as_format(fmt)
+    return (data.view(f.torch_dtype) if f.bits == 8 else data), scale.view(torch.float8_e8m0fnu)
+
+
+def dequantize_rows(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
+    """The values ``quantize_rows`` stored, ``[..., K]`` in ``dtype`` (exact in fp32, and in bf16 but for values
+    under bf16's smallest subnormal)."""
+    return formats.from_mx(*typed(data, scale, fmt), fmt, dtype=dtype)
+
+
+def _compute_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
+    """The autocast dtype under autocast (as ``F.linear``), else the original weights' dtype (fp16: fp32)."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return stored if stored in _COMPUTE else torch.float32
+
+
+def _metadata(fmt: str, mode: str, shape: list[int], **extra: object) -> dict:
+    return {"format": fmt, "mode": mode, "block_size": formats.BLOCK, "version": VERSION, "shape": shape, **extra}
+
+
+def _check_metadata(owner: str, mine: dict, state: object) -> None:
+    """Loading a state dict: its metadata must describe the same stored layout (else a ValueError naming both)."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner}: expected MX metadata (a dict) in the state dict, got {type(state).__name__}")
+    if state.get("version") != VERSION:
+        raise ValueError(f"{owner}: MX state of version {state.get('version')!r}; this code reads version {VERSION}")
+    for key in ("format", "mode", "block_size", "shape"):
+        if state.get(key) != mine[key]:
+            raise ValueError(
+                f"{owner}: the state dict holds {key}={state.get(key)!r}, this module {key}={mine[key]!r}; "
+                "convert the model with the config the state was saved from"
+            )
+
+
+class _FrozenMXFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_MK: Tensor, data_NK: Tensor, scale_NK: Tensor, spec: MXSpec) -> Tensor:
+        ctx.save_for_backward(data_NK, scale_NK)  # the MX bytes, not a dequantised weight
+        ctx.spec = spec
+        b, b_scale = typed(data_NK, scale_NK, spec.weight)
+        if spec.activation is None:
+            return mx_scaled_mm(x_MK, b, b_scale, spec.weight, out_dtype=x_MK.dtype)
+        a, a_scale = mx_cast(x_MK, spec.activation, spec.mode)
+        return mx_scaled_mm(a, b, b_scale, spec.weight, a_scale=a_scale, a_fmt=spec.activation, out_dtype=x_MK.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_MN: Tensor):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        data, scale = ctx.saved_tensors
+        w_NK = dequantize_rows(data, scale, ctx.spec.weight, grad_MN.dtype)  # straight through the activation cast
+        return grad_MN @ w_NK, None, None, None
+
+
+class FlyMXFrozenLinear(nn.Module):
+    """A frozen ``nn.Linear`` stored in MX (see the module docstring); ``in_features % 32 == 0``.
+
+    Buffers ``weight_data`` / ``weight_scale`` (``uint8``), the ``bias`` parameter (or None); ``dtype`` is the
+    original weight's (the compute dtype outside autocast; ``module.to(dtype)`` changes it).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        spec: MXSpec | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        spec = spec or MXSpec()
+        if in_features % formats.BLOCK:
+            raise ValueError(f"FlyMXFrozenLinear: in_features must be a multiple of 32 (MX blocks), got {in_features}")
+        f = formats.as_format(spec.weight)
+        if spec.activation is not None:
+            formats.as_format(spec.activation)
+        spec = MXSpec(spec.weight, spec.activation, formats.as_mode(spec.mode).value)
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        u8 = dict(dtype=torch.uint8, device=device)
+        self.register_buffer("weight_data", torch.zeros(out_features, in_features // f.per_byte, **u8))
+        self.register_buffer("weight_scale", torch.full((out_features, in_features // formats.BLOCK), 127, **u8))
+        # an empty floating buffer: Module.to(dtype) converts it, so it tracks the model's dtype (not saved)
+        self.register_buffer("_dtype", torch.empty(0, dtype=dtype, device=device), persistent=False)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device))
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: MXSpec) -> FlyMXFrozenLinear:
+        """Quantise ``linear.weight`` (the new module keeps no reference to it) and share ``linear.bias``."""
+        new = cls(linear.in_features, linear.out_features, False, spec=spec, device=linear.weight.device,
+                  dtype=linear.weight.dtype)  # fmt: skip
+        data, scale = quantize_rows(linear.weight, spec.weight, new.spec.mode)
+        new.weight_data, new.weight_scale = data, scale
+        new.bias = linear.bias
+        new._forward_hooks, new._forward_pre_hooks = linear._forward_hooks, linear._forward_pre_hooks
+        return new
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype.dtype
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> Tensor:
+        """The weight the module multiplies by, ``[out, in]`` (a new tensor)."""
+        return dequantize_rows(self.weight_data, self.weight_scale, self.spec.weight, dtype or self.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        dtype = _compute_dtype(x.device, self.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            y = _FrozenMXFunction.apply(x2.to(dtype), self.weight_data, self.weight_scale, self.spec)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        if not torch.is_autocast_enabled(x.device.type) and self.dtype not in _COMPUTE:
+            y = y.to(self.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def get_extra_state(self) -> dict:
+        return _metadata(self.spec.weight, self.spec.mode, [self.out_features, self.in_features],
+                         activation=self.spec.activation)  # fmt: skip
+
+    def set_extra_state(self, state: object) -> None:
+        _check_metadata(type(self).__name__, self.get_extra_state(), state)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"weight={self.spec.weight} (frozen), activation={self.spec.activation}, mode={self.spec.mode}"
+        )
+
+
+class FlyMXFrozenExperts(nn.Module):
+    """A ``FlyMoE`` block's experts stored in MX (see the module docstring), in place of its expert container.
+
+    Projections: ``gate_up`` (``[E, H, 2I]``, gate columns first) or ``gate`` and ``up`` (``[E, H, I]`` each), and
+    ``down`` (``[E, I, H]``); each stored as ``{name}_data`` / ``{name}_scale`` over its ``[E, N, K]`` transpose.
+    """
+
+    def __init__(self, projections: dict[str, Tensor], spec: MXSpec) -> None:
+        super().__init__()
+        mode = formats.as_mode(spec.mode).value
+        self.spec = MXSpec(spec.weight, spec.activation, mode)
+        self.names = tuple(projections)
+        self.shapes = {}  # name -> [E, N, K]: the stored rows' logical shape
+        dtype = None
+        for name, w_EKN in projections.items():
+            rows = w_EKN.detach().transpose(1, 2)  # blocks run along K, the contraction dim
+            data, scale = quantize_rows(rows, spec.weight, mode)
+            self.register_buffer(f"{name}_data", data)
+            self.register_buffer(f"{name}_scale", scale)
+            self.shapes[name] = list(rows.shape)
+            dtype, device = w_EKN.dtype, w_EKN.device
+        self.register_buffer("_dtype", torch.empty(0, dtype=dtype, device=device), persistent=False)
+        self._live: dict[tuple, tuple[str, Tensor]] = {}  # dequantised operands of the running forward
+        self._hooks: list = []  # entered saved-tensor hook contexts (a block may run more than once per step)
+
+    @classmethod
+    def from_moe(cls, moe: FlyMoE, spec: MXSpec) -> FlyMXFrozenExperts:
+        gate_up, up, down = moe.experts.projections()
+        names = ("gate_up", "down") if up is None else ("gate", "up", "down")
+        ws = (gate_up, down) if up is None else (gate_up, up, down)
+        return cls(dict(zip(names, ws, strict=True)), spec)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype.dtype
+
+    def operand(self, name: str, dtype: torch.dtype) -> Tensor:
+        """Projection ``name`` dequantised: ``[E, K, N]`` in ``dtype`` (the transpose of a contiguous ``[E, N, K]``)."""
+        data, scale = getattr(self, f"{name}_data"), getattr(self, f"{name}_scale")
+        return dequantize_rows(data, scale, self.spec.weight, dtype).transpose(1, 2)
+
+    def projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The grouped GEMMs' operands, as every expert container gives them: ``(gate_up or gate, up or None,
+        down)``, dequantised (no gradient)."""
+        dtype = _compute_dtype(self._dtype.device, self.dtype)
+        ws = {name: self.operand(name, dtype) for name in self.names}
+        if self._hooks and torch.is_grad_enabled():
+            for name, w in ws.items():  # the pack hook recognises them by storage, shape and strides
+                self._live[_key(w)] = (name, w)
+        gate_up = ws.get("gate_up", ws.get("gate"))
+        return gate_up, ws.get("up"), ws["down"]
+
+    # saved-tensor hooks, entered and left by forward hooks on the block (``install_saved_tensor_hooks``)
+    def _pack(self, t: Tensor) -> object:
+        hit = self._live.get(_key(t)) if isinstance(t, Tensor) and not t.requires_grad else None
+        return ("fly_mx_frozen", hit[0], t.dtype) if hit is not None and hit[1].dtype == t.dtype else t
+
+    def _unpack(self, packed: object) -> Tensor:
+        if isinstance(packed, tuple) and packed and packed[0] == "fly_mx_frozen":
+            return self.operand(packed[1], packed[2])
+        return packed
+
+    def _enter(self) -> None:
+        if torch.compiler.is_compiling() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            self._hooks.append(None)  # not ours to intercept: everything is saved as usual
+            return
+        ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        ctx.__enter__()
+        self._hooks.append(ctx)
+
+    def _exit(self) -> None:
+        if not self._hooks:
+            return
+        ctx = self._hooks.pop()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+        if not self._hooks:
+            self._live.clear()
+
+    def get_extra_state(self) -> dict:
+        return _metadata(self.spec.weight, self.spec.mode, {n: self.shapes[n] for n in self.names},
+                         activation=self.spec.activation, projections=list(self.names))  # fmt: skip
+
+    def set_extra_state(self, state: object) -> None:
+        _check_metadata(type(self).__name__, self.get_extra_state(), state)
+
+    def extra_repr(self) -> str:
+        shapes = ", ".join(f"{n}={self.shapes[n]}" for n in self.names)
+        return f"{shapes}, weight={self.spec.weight} (frozen), mode={self.spec.mode}"
+
+
+def _key(t: Tensor) -> tuple:
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def _enter_block(moe: nn.Module, args: object) -> None:
+    experts = getattr(moe, "experts", None)
+    if isinstance(experts, FlyMXFrozenExperts):
+        experts._enter()
+
+
+def _exit_block(moe: nn.Module, args: object, output: object) -> None:
+    experts = getattr(moe, "experts", None)
+    if isinstance(experts, FlyMXFrozenExperts):
+        experts._exit()
+
+
+def install_saved_tensor_hooks(moe: FlyMoE) -> None:
+    """Forward hooks on the block that enter and leave its frozen experts' saved-tensor hooks (once per block; the
+    exit hook runs even when the forward raises)."""
+    if getattr(moe, "_fly_mx_saved_hooks", False):
+        return
+    moe.register_forward_pre_hook(_enter_block)
+    moe.register_forward_hook(_exit_block, always_call=True)
+    moe._fly_mx_saved_hooks = True

@@ -1,0 +1,237 @@
+"""``FlyMXConfig(frozen=True)``: weights stored in MX (uint8 data + E8M0 scales as buffers, no master, no weight
+gradient) for ``nn.Linear`` and ``FlyMoE`` experts; forward equal to the training mode's (the same MX operands),
+activation gradient through the dequantised weight, bytes per parameter, the master freed, state dict metadata."""
+
+import copy
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from fly_lightning import FlyMXConfig, mx_filter
+from fly_lightning.modules.moe import FlyMoE, moe_reference
+from fly_lightning.quant import FlyMXFrozenExperts, FlyMXFrozenLinear, FlyMXLinear, formats
+
+logging.getLogger("torchao").setLevel(logging.ERROR)
+quantize_ = pytest.importorskip("torchao.quantization").quantize_
+FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"]
+BYTES_PER_PARAM = {"mxfp8_e4m3": 1 + 1 / 32, "mxfp8_e5m2": 1 + 1 / 32, "mxfp4_e2m1": 0.5 + 1 / 32}
+
+
+def _dense() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 32))
+
+
+def _moe(layout: str = "hf") -> FlyMoE:
+    torch.manual_seed(0)
+    moe = FlyMoE(64, 32, 4, 2, layout=layout)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    return moe
+
+
+def _dequant_reference(w: torch.Tensor, fmt: str, mode: str) -> torch.Tensor:
+    """The weight as MX stores it, from the reference casts (``formats``), blocks along the last dim."""
+    return formats.from_mx(*formats.to_mx(w.detach(), fmt, mode), fmt, dtype=w.dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act", [None, "same"])
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_frozen_linear_matches_training_mode_and_dequantised_gradient(fmt, act, mode):
+    act = fmt if act == "same" else act
+    train, frozen = _dense(), _dense()
+    originals = [m.weight.detach().clone() for m in (frozen[0], frozen[2])]
+    quantize_(train, FlyMXConfig(fmt, act, mode))
+    quantize_(frozen, FlyMXConfig(fmt, act, mode, frozen=True))
+    assert [type(m) for m in frozen] == [FlyMXFrozenLinear, nn.ReLU, FlyMXFrozenLinear]
+    assert {n for n, _ in frozen.named_parameters()} == {"0.bias", "2.bias"}  # no weight parameter
+    assert all(not b.requires_grad and b.dtype == torch.uint8 for b in frozen.buffers() if b.numel())
+    x = torch.randn(2, 5, 64)
+    xf, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y_train = frozen(xf), train(xt)
+    assert torch.equal(y, y_train)  # the same MX operands through the same mx_scaled_mm
+    g = torch.randn_like(y)
+    y.backward(g)
+    # grad_x = grad_y @ dequant(W) layer by layer (straight through the activation cast), weights from the reference
+    w0, w2 = (_dequant_reference(w, fmt, mode) for w in originals)
+    h = frozen[0](x).detach()
+    grad_h = (g.reshape(-1, 32) @ w2).reshape(2, 5, 96) * (h > 0)
+    torch.testing.assert_close(xf.grad, (grad_h.reshape(-1, 96) @ w0).reshape(2, 5, 64))
+    torch.testing.assert_close(frozen[2].bias.grad, g.reshape(-1, 32).sum(0))
+    torch.testing.assert_close(frozen[0].dequantized_weight(), w0, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_bytes_per_parameter_and_the_master_is_freed(fmt):
+    model = _dense()
+    masters = [weakref.ref(model[0].weight), weakref.ref(model[2].weight)]
+    params = model[0].weight.numel() + model[2].weight.numel()
+    quantize_(model, FlyMXConfig(fmt, frozen=True))
+    gc.collect()
+    assert all(r() is None for r in masters)  # nothing (module, closure, hook) keeps the high-precision weight
+    state = model.state_dict()
+    mx_bytes = sum(v.numel() * v.element_size() for k, v in state.items() if k.endswith(("_data", "_scale")))
+    assert mx_bytes / params == BYTES_PER_PARAM[fmt]
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert buffer_bytes == mx_bytes  # the buffers are the MX bytes and nothing more
+    # after a training step the module still holds only uint8 MX bytes and the biases
+    model(torch.randn(3, 64, requires_grad=True)).sum().backward()
+    floats = [k for k, v in model.state_dict().items() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    assert floats == ["0.bias", "2.bias"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_frozen_experts_bytes_per_parameter_and_the_masters_are_freed(fmt):
+    moe = _moe()
+    expert_params = sum(p.numel() for p in moe.experts.parameters())
+    masters = [weakref.ref(p) for p in moe.experts.parameters()]
+    quantize_(moe, FlyMXConfig(fmt, frozen=True), filter_fn=mx_filter)
+    gc.collect()
+    assert isinstance(moe.experts, FlyMXFrozenExperts) and all(r() is None for r in masters)
+    assert [n for n, _ in moe.named_parameters()] == ["gate.weight"]  # the router stays trainable
+    mx_bytes = sum(b.numel() * b.element_size() for b in moe.experts.buffers())
+    assert mx_bytes / expert_params == BYTES_PER_PARAM[fmt]
+
+
+def test_state_dict_holds_mx_bytes_and_metadata_and_loads_checked():
+    model = _dense()
+    quantize_(model, FlyMXConfig("mxfp4_e2m1", None, "rceil", frozen=True))
+    state = model.state_dict()
+    assert set(state) == {f"{i}.{k}" for i in (0, 2) for k in ("bias", "weight_data", "weight_scale", "_extra_state")}
+    assert state["0.weight_data"].shape == (96, 32) and state["0.weight_scale"].shape == (96, 2)
+    assert state["0._extra_state"] == {"format": "mxfp4_e2m1", "mode": "rceil", "block_size": 32, "version": 1,
+                                       "shape": [96, 64], "activation": None}  # fmt: skip
+    fresh = copy.deepcopy(model)
+    with torch.no_grad():
+        for b in fresh.buffers():
+            b.zero_()
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.buffers(), model.buffers(), strict=True))
+    other = _dense()
+    quantize_(other, FlyMXConfig("mxfp4_e2m1", None, "floor", frozen=True))
+    with pytest.raises(ValueError, match="mode='rceil'.*mode='floor'"):
+        other.load_state_dict(state)
+    bad = dict(state, **{"0._extra_state": dict(state["0._extra_state"], version=99)})
+    with pytest.raises(ValueError, match="version 99"):
+        fresh.load_state_dict(bad)
+
+
+def test_dtype_follows_module_to_and_autocast():
+    model = _dense()
+    quantize_(model, FlyMXConfig(frozen=True))
+    model.to(torch.bfloat16)  # the uint8 buffers must survive a dtype conversion
+    assert model[0].weight_data.dtype == torch.uint8 and model[0].dtype == torch.bfloat16
+    x = torch.randn(4, 64)
+    assert model(x.bfloat16()).dtype == torch.bfloat16
+    model.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    assert y.dtype == torch.bfloat16
+    ref = x.bfloat16().float() @ model[0].dequantized_weight().t()  # e4m3 activations: compare loosely
+    torch.testing.assert_close(model[0](x.bfloat16().float()), ref + model[0].bias, rtol=0.1, atol=0.1)
+
+
+def test_a_training_module_freezes_and_a_frozen_one_stays():
+    model = _dense()
+    quantize_(model, FlyMXConfig())
+    assert type(model[0]) is FlyMXLinear
+    x = torch.randn(3, 64)
+    y = model(x)
+    quantize_(model, FlyMXConfig(frozen=True))
+    assert type(model[0]) is FlyMXFrozenLinear and torch.equal(model(x), y)
+    first = model[0]
+    quantize_(model, FlyMXConfig(frozen=True))
+    assert model[0] is first
+
+
+@pytest.mark.parametrize(
+    "layout, config",
+    [("hf", FlyMXConfig()), ("torchtitan", FlyMXConfig("mxfp4_e2m1", None, "rceil")),
+     ("mixtral", FlyMXConfig("mxfp8_e5m2", "mxfp8_e5m2", "rceil")), ("hf_transposed", FlyMXConfig(activation=None))],
+)  # fmt: skip
+def test_frozen_experts_match_training_mode_forward_and_input_gradient(layout, config):
+    train, frozen = _moe(layout), _moe(layout)
+    quantize_(train, config, filter_fn=mx_filter)
+    quantize_(frozen, FlyMXConfig(config.weight, config.activation, config.mode, frozen=True), filter_fn=mx_filter)
+    assert frozen.mx.frozen and "frozen" in repr(frozen)
+    x = torch.randn(24, 64)
+    xt, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_train, y = train(xt), frozen(xf)
+    assert torch.equal(y, y_train)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_train.backward(g)
+    torch.testing.assert_close(xf.grad, xt.grad, rtol=0, atol=0)
+    torch.testing.assert_close(frozen.router_weight.grad, train.router_weight.grad, rtol=0, atol=0)
+    # the reference (plain torch, the transform's oracle) reads the dequantised experts through projections():
+    # a high-precision block holding the training mode's cast weights computes the same
+    plain = _moe(layout)
+    with torch.no_grad():
+        for w in plain.experts.projections():
+            if w is not None:
+                w.copy_(train.mx.weight(w))
+    torch.testing.assert_close(moe_reference(frozen, x), moe_reference(plain, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_backward_dequantises_the_experts_again_instead_of_saving_them(path, monkeypatch):
+    moe = _moe()
+    moe.path = path
+    quantize_(moe, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    calls = []
+    operand = FlyMXFrozenExperts.operand
+    monkeypatch.setattr(FlyMXFrozenExperts, "operand", lambda s, n, d: calls.append(n) or operand(s, n, d))
+    x = torch.randn(24, 64, requires_grad=True)
+    y = moe(x)
+    assert sorted(calls) == ["down", "gate_up"]
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert sorted(calls[2:]) == ["down", "gate_up"]  # packed as MX by the saved-tensor hooks, rebuilt here
+    assert not moe.experts._live and not moe.experts._hooks
+    # under outer saved-tensor hooks (activation checkpointing's kind) ours stand aside: same gradient
+    grad = x.grad.clone()
+    x.grad = None
+    calls.clear()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        y2 = moe(x)
+    y2.backward(g)
+    assert len(calls) == 2 and torch.equal(x.grad, grad)
+
+
+def test_frozen_experts_under_activation_checkpointing():
+    moe = _moe()
+    quantize_(moe, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    x = torch.randn(24, 64, requires_grad=True)
+    y = moe(x)
+    (gx,) = torch.autograd.grad(y.sum(), x)
+    y_ckpt = torch.utils.checkpoint.checkpoint(moe, x, use_reentrant=False)
+    (gx_ckpt,) = torch.autograd.grad(y_ckpt.sum(), x)
+    assert torch.equal(y_ckpt, y) and torch.equal(gx_ckpt, gx)
+
+
+def test_quantize_a_tiny_model_with_a_moe_block_frozen():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.moe, self.lm_head = nn.Linear(64, 64), _moe(), nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.lm_head(self.moe(self.proj(x)))
+
+    net = Net()
+    quantize_(net, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    assert type(net.proj) is FlyMXFrozenLinear and type(net.lm_head) is nn.Linear
+    assert isinstance(net.moe.experts, FlyMXFrozenExperts)
+    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert trainable == {"proj.bias", "moe.gate.weight", "lm_head.weight", "lm_head.bias"}
+    net(torch.randn(2, 12, 64)).square().mean().backward()
+    assert all(net.get_parameter(n).grad is not None for n in trainable)
+    state = net.state_dict()
+    assert {"moe.experts.gate_up_data", "moe.experts.down_scale", "moe.experts._extra_state"} <= set(state)
+    assert state["moe.experts._extra_state"]["shape"] == {"gate_up": [4, 64, 64], "down": [4, 64, 32]}

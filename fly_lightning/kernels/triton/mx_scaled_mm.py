@@ -1,0 +1,209 @@
+"""Triton MX GEMM for Hopper, registered as the ``triton`` backend of ``mx_scaled_mm``.
+
+Hopper has no MX tensor cores, so each K step loads the MX bytes (fp8, or fp4 two per byte) and E8M0 scales of both
+tiles, dequantises them in registers to bf16 (``_mx_dequant``: bit placement and two power-of-two multiplies, exact)
+and feeds a bf16 ``tl.dot`` with fp32 accumulation. The weight-only form loads bf16 activations as they are. The
+conversion runs on data the software pipeline (``num_stages``) already prefetched, and each weight tile is converted
+once per output tile; a large ``BLOCK_K`` (128, the support boundary) amortises the scale loads.
+
+Small M (decode, weight-only at M <= 64) swaps the operands, ``out^T = dequant(b) @ a^T``, so that the weight tile
+fills the MMA's M side and the few tokens its N side, and splits K across programs (fp32 partials summed after) so
+that enough programs stream the weights. Result: fp32 accumulation of the exact dequantised values, so it matches
+``mx_scaled_mm_reference`` up to summation order (and underflow below 2^-126, where bf16 keeps 7 bits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
+from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
+from fly_lightning.kernels.triton._support import ON_HIP, device_reason, interpreting, on_device
+from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
+
+FMT_CODE = {None: 0, "mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
+K_ALIGN = 128  # the fast kernel's K granularity (BLOCK_K); the reference takes K % 32
+
+
+@dataclass(frozen=True)
+class MXMMConfig:
+    """One launch plan: tile sizes, warps, pipeline stages, ``swap`` (weights on the MMA's M side), ``split_k``."""
+
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+    group_m: int = 8
+    swap: bool = False
+    split_k: int = 1
+
+    def label(self) -> str:
+        s = f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}"
+        return s + ("-swap" if self.swap else "") + (f"-k{self.split_k}" if self.split_k > 1 else "")
+
+
+@triton.jit
+def _load_tile(P, S, rows, s_rows, k0, FMT: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows ``rows`` (element offsets) x K ``[k0, k0 + BLOCK_K)`` of one operand, dequantised: bf16 (fp32 when
+    interpreting, whose bf16 arithmetic and dot are unreliable)."""
+    if FMT == 0:  # bf16 activations
+        x = tl.load(P + rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
+        if INTERPRET:  # widened by hand: the interpreter's bf16 -> fp32 conversion flushes subnormals
+            x = ((x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    elif FMT == 3:
+        s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
+        x = tl.load(P + rows[:, None] + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+        x = dequant_fp4(x, s, INTERPRET)
+    else:
+        s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
+        x = tl.load(P + rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
+        x = dequant_fp8(x, s, FMT == 2, INTERPRET)
+    return x
+
+
+@triton.jit
+def _mx_mm_kernel(
+    A, A_SCALE, B, B_SCALE, OUT,
+    M, N, K,
+    stride_am, stride_asm, stride_bn, stride_bsn, stride_om, stride_split,
+    A_FMT: tl.constexpr, B_FMT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SWAP: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row tiles share each weight column tile while it is in L2
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group
+    pid_n = (pid % per_group) // group
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # rows past the end re-read valid rows (wrapped) so that loads need no mask; their results are not stored
+    am = (rm % M).to(tl.int64)
+    bn = (rn % N).to(tl.int64)
+    a_rows, as_rows = am * stride_am, am * stride_asm
+    b_rows, bs_rows = bn * stride_bn, bn * stride_bsn
+    k_len = K // SPLIT_K  # a multiple of BLOCK_K (the launcher's choice)
+    k_lo = tl.program_id(1) * k_len
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
+        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET)
+        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET)
+        if SWAP:
+            acc = tl.dot(b, tl.trans(a), acc)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if SWAP:
+        acc = tl.trans(acc)
+    OUT = OUT + tl.program_id(1).to(tl.int64) * stride_split
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    ptrs = OUT + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
+    tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def plan(
+    m: int, n: int, k: int, a_fmt: str | None, b_fmt: str, device: torch.device, sms: int | None = None
+) -> MXMMConfig:
+    """The launch plan for a shape: swapped, K-split tiles for few rows, wide tiles with deep pipelines otherwise
+    (``sms``: the GPU's multiprocessors, read from ``device`` when not given)."""
+    if interpreting() and device.type == "cpu":  # the interpreter's cost is per program: few, small programs
+        return MXMMConfig(min(64, max(16, next_pow2(m))), 64, K_ALIGN, swap=m <= 64)
+    if m <= 64:
+        bm = max(16, next_pow2(m))
+        bn = 64
+        tiles = cdiv(n, bn)
+        sms = sms or _sm_count(device)
+        split = 1
+        # split K until the weights are streamed by about two waves of programs, each keeping >= 4 K steps
+        while tiles * split * 2 <= 2 * sms and k % (K_ALIGN * split * 2) == 0 and k // (split * 2) >= 4 * K_ALIGN:
+            split *= 2
+        return MXMMConfig(bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=True, split_k=split)
+    if m <= 256:
+        return MXMMConfig(64, 128, K_ALIGN, num_warps=4, num_stages=4)
+    return MXMMConfig(128, 128, K_ALIGN, num_warps=8, num_stages=3)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]
+
+
+def _copy_reason(name: str, t: torch.Tensor) -> str | None:
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        return f"{name} last dim not contiguous (a layout copy of {t.numel() * t.element_size()} bytes would fit it)"
+    return None
+
+
+def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
+    if (reason := device_reason(a, a_scale, b, b_scale)) is not None:
+        return reason
+    if ON_HIP:
+        return "ROCm (the kernel's bf16 conversion and MMA plan are for Hopper; gfx950 has MX MFMAs)"
+    if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
+        return "GPU older than sm90 (bf16 multiplies and wgmma; tested on sm90)"
+    if a_fmt is None and a.dtype != torch.bfloat16:
+        return f"{a.dtype} activations (the kernel feeds bf16 MMAs; fp32 a runs on ATen)"
+    k = b_scale.shape[1] * 32
+    if k % K_ALIGN:
+        return f"K={k} not a multiple of {K_ALIGN} (the kernel's BLOCK_K)"
+    for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
+        if t is not None and (reason := _copy_reason(name, t)) is not None:
+            return reason
+    return True
+
+
+def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig | None = None) -> torch.Tensor:
+    m, n = a.shape[0], b.shape[0]
+    k = b_scale.shape[1] * 32
+    cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device)
+    if k % (cfg.block_k * cfg.split_k):
+        raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros(m, n, dtype=out_dtype, device=a.device)
+    split = cfg.split_k
+    out = outputs.empty(m, n, dtype=out_dtype, device=a.device)
+    dst = out if split == 1 else outputs.empty(split, m, n, dtype=torch.float32, device=a.device)
+    a_arg = a if a_fmt is None else a.view(torch.uint8)  # float8 / e8m0 tensors cannot be kernel arguments
+    a_s = (b_scale if a_scale is None else a_scale).view(torch.uint8)  # b's scales: a placeholder for bf16 a
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
+    with on_device(a):
+        _mx_mm_kernel[grid](
+            a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), dst, m, n, k,
+            a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n,
+            A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split,
+            INTERPRET=interpreting() and a.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    if split > 1:
+        torch.sum(dst, dim=0, out=out) if out_dtype == torch.float32 else out.copy_(dst.sum(0))
+    return out
+
+
+@MX_SCALED_MM.implement(
+    "triton",
+    supports=_supports,
+    constraints="sm90+ (CUDA; ROCm on ATen); MXFP8 (e4m3/e5m2) x MXFP8, MXFP4 x MXFP4, bf16 x MX (weight-only); "
+    "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
+    "bf16 MMAs with fp32 accumulation; few rows: operands swapped and K split",
+)
+def mx_scaled_mm_triton(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:
+    return launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)

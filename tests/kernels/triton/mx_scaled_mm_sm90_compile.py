@@ -1,0 +1,49 @@
+"""Compile the MX GEMM kernel for sm_90 without a GPU and report each variant as JSON (see ``_sm90.py``): every
+format pair the launcher runs, in the plans it picks for few, some and many rows."""
+
+from _sm90 import compile_sm90, report, sass_loop
+
+from fly_lightning.kernels.triton.mx_scaled_mm import FMT_CODE, MXMMConfig, _mx_mm_kernel
+
+PLANS = {
+    "small": MXMMConfig(16, 64, 128, num_warps=4, num_stages=4, swap=True, split_k=4),
+    "mid": MXMMConfig(64, 128, 128, num_warps=4, num_stages=4),
+    "large": MXMMConfig(128, 128, 128, num_warps=8, num_stages=3),
+}
+PAIRS = {
+    "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),
+    "e5m2": ("mxfp8_e5m2", "mxfp8_e5m2"),
+    "fp4": ("mxfp4_e2m1", "mxfp4_e2m1"),
+    "w-fp4": (None, "mxfp4_e2m1"),
+    "w-e4m3": (None, "mxfp8_e4m3"),
+}
+
+
+def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False) -> dict:
+    a_fmt, b_fmt = PAIRS[pair]
+    cfg = PLANS[plan]
+    fn = _mx_mm_kernel
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update(A="*bf16" if a_fmt is None else "*u8", A_SCALE="*u8", B="*u8", B_SCALE="*u8", OUT=f"*{out}")
+    const = dict(
+        A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False,
+    )  # fmt: skip
+    aligned = ("A", "A_SCALE", "B", "B_SCALE", "OUT", "K", "stride_am", "stride_asm", "stride_bn", "stride_bsn")
+    kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    r = dict(
+        spill_bytes=spill, registers=regs, shared=kernel.metadata.shared,
+        wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
+        async_copies=ttgir.count("ttg.async_copy_global_to_local"),
+    )  # fmt: skip
+    if loop:
+        r.update(sass_loop(kernel))
+    return r
+
+
+VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in PLANS}
+VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
+
+if __name__ == "__main__":
+    report(VARIANTS)

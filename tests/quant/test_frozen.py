@@ -235,3 +235,20 @@ def test_quantize_a_tiny_model_with_a_moe_block_frozen():
     state = net.state_dict()
     assert {"moe.experts.gate_up_data", "moe.experts.down_scale", "moe.experts._extra_state"} <= set(state)
     assert state["moe.experts._extra_state"]["shape"] == {"gate_up": [4, 64, 64], "down": [4, 64, 32]}
+
+
+def test_frozen_modules_under_torch_compile():
+    model = _dense()
+    quantize_(model, FlyMXConfig("mxfp4_e2m1", frozen=True))
+    moe = _moe()
+    quantize_(moe, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    for module, x, fullgraph in ((model, torch.randn(8, 64), True), (moe, torch.randn(16, 64), False)):
+        x = x.requires_grad_()
+        y = module(x)
+        g = torch.randn_like(y)
+        (gx,) = torch.autograd.grad(y, x, g)
+        compiled = torch.compile(module, backend="aot_eager", fullgraph=fullgraph)
+        yc = compiled(x)
+        (gxc,) = torch.autograd.grad(yc, x, g)
+        assert torch.equal(yc, y) and torch.equal(gxc, gx)
+    assert not moe.experts._hooks  # the compiled forward entered none (they stand aside under compile)

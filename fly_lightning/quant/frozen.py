@@ -242,7 +242,8 @@ class FlyMXFrozenExperts(nn.Module):
 
     # saved-tensor hooks, entered and left by forward hooks on the block (``install_saved_tensor_hooks``)
     def _pack(self, t: Tensor) -> object:
-        hit = self._live.get(_key(t)) if isinstance(t, Tensor) and not t.requires_grad else None
+        # plain tensors only: the operands are; subclasses (DTensor activations, say) may have no data pointer
+        hit = self._live.get(_key(t)) if self._live and type(t) is Tensor and not t.requires_grad else None
         return ("fly_mx_frozen", hit[0], t.dtype) if hit is not None and hit[1].dtype == t.dtype else t
 
     def _unpack(self, packed: object) -> Tensor:

@@ -1,0 +1,237 @@
+"""Triton MX grouped GEMM (Hopper: no MX tensor cores): the kernel, its configurations and its launcher.
+
+Design:
+- Tile schedule as the bf16 grouped GEMM's ``scan`` schedule (``_grouped_mm_kernel``): the grid depends on shapes only,
+  every program reads the int32 end offsets on the device, counts the tiles and walks its tiles ``pid, pid + P, ...``
+  with a group cursor (``_advance``); within a group, tiles in bands of ``GROUP_M`` row tiles (``_band_swizzle``). No
+  host sync: CUDA graphs and ``torch.compile`` see a fixed launch. Offsets are clamped on the device.
+- Operands stay MX in memory (1 or 1/2 byte per element plus 1/32 byte of scale) and are dequantised in registers,
+  one ``BLOCK_K`` slab at a time, by the shared helpers of ``_mx_dequant`` (bit placement and power-of-two multiplies:
+  exact in bf16), then a bf16 ``tl.dot`` with fp32 accumulation. High-precision activations (weight-only) are read as
+  they are (fp32 rounded to bf16, as the ATen path does).
+- The weights are ``[E, N, K / per_byte]``: each output column's K run is contiguous, read as ``[BLOCK_N, BLOCK_K]``
+  and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
+- ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
+- The interpreter's bf16 ``tl.dot`` and bf16 arithmetic are wrong: there the operands are dequantised to fp32 and
+  stay fp32 (``UPCAST``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
+from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
+from fly_lightning.kernels.triton._support import on_device
+from fly_lightning.quant import formats
+
+# element format codes (constexpr): 0 = high precision (bf16/fp32 activations)
+FMT_CODE = {None: 0, "mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
+
+
+@triton.jit
+def _operand(
+    row_ptrs,
+    scale_ptrs,
+    kk,
+    BLOCK_K: tl.constexpr,
+    FMT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """K slab ``kk`` of a tile's rows as the dot's operand ``[rows, BLOCK_K]`` (bf16, fp32 when ``UPCAST``).
+
+    ``row_ptrs`` ``[rows, 1]`` point at each row's first element (byte for MX), ``scale_ptrs`` at its first scale."""
+    # if/else, no early returns: Triton generates the code after a return in a constexpr branch too
+    if FMT == 0:
+        v = tl.load(row_ptrs + kk * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
+        if UPCAST:
+            v = v.to(tl.float32)
+        else:
+            v = v.to(tl.bfloat16)
+    else:
+        G: tl.constexpr = BLOCK_K // 32
+        s = tl.load(scale_ptrs + kk * G + tl.arange(0, G)[None, :])
+        if FMT == 3:
+            b = tl.load(row_ptrs + kk * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+            v = dequant_fp4(b, s, FP32=UPCAST)
+        else:
+            b = tl.load(row_ptrs + kk * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
+            v = dequant_fp8(b, s, E5M2=FMT == 2, FP32=UPCAST)
+    return v
+
+
+# fmt: off
+@triton.jit
+def _mx_tile(
+    tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
+    X_FMT: tl.constexpr, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """Compute and store output tile ``tile`` (of group g, whose rows are [g_start, g_start + g_size))."""
+    pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
+    rows = g_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < g_start + g_size
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    src = tl.where(row_ok, rows, 0).to(tl.int64)  # in bounds: such rows are read, never stored
+    col = tl.where(col_ok, cols, 0).to(tl.int64)
+    x_rows = X + src[:, None] * stride_xm
+    xs_rows = XS + src[:, None] * stride_xsm
+    g64 = g.to(tl.int64)
+    w_rows = W + g64 * stride_we + col[:, None] * stride_wn
+    ws_rows = WS + g64 * stride_wse + col[:, None] * stride_wsn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:  # the interpreter cannot range over a device value
+        kk = 0
+        while kk < k_tiles:
+            a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST)
+            b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST)
+            acc = tl.dot(a, tl.trans(b), acc)
+            kk += 1
+    else:
+        for kk in range(0, k_tiles):
+            a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST)
+            b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST)
+            acc = tl.dot(a, tl.trans(b), acc)
+    o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _mx_grouped_mm_kernel(
+    X, XS, W, WS, OUT, OFFS, M, N, K, E,
+    stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, NUM_PROGS,
+    X_FMT: tl.constexpr, W_FMT: tl.constexpr, E_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    UPCAST: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = K // BLOCK_K
+    # every group's tile count from the offsets, clamped to [0, M] as _advance clamps them
+    e_ids = tl.arange(0, E_POW2)
+    ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
+    total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
+    # a scalar group cursor carried across this program's (increasing) tiles
+    g = pid * 0
+    g_first = pid * 0
+    g_start = pid * 0
+    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
+    g_size = tl.maximum(g_end - g_start, 0)
+    g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    if INTERPRET:
+        tile = pid
+        while tile < total:
+            g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+                tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+            _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
+                     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET)
+            tile += NUM_PROGS
+    else:
+        for tile in range(pid, total, NUM_PROGS):
+            g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+                tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+            _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
+                     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET)
+# fmt: on
+
+
+@dataclass(frozen=True)
+class MXGroupedMMConfig:
+    """One launch configuration. ``block_k`` must divide K (the launcher checks); ``programs_per_sm = 0`` launches
+    one program per tile of the host-side upper bound ``(cdiv(M, block_m) + E) x cdiv(N, block_n)``."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 128
+    group_m: int = 8
+    num_stages: int = 3
+    num_warps: int = 8
+    programs_per_sm: int = 1
+
+    def label(self) -> str:
+        persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
+        return (
+            f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
+            f"_{persist}"
+        )
+
+
+# Starting points for Hopper, by rows per group (not yet swept on the H200: see benchmarks/bench_mx_grouped_mm.py).
+SMALL_GROUPS = MXGroupedMMConfig(64, 128, 128, 8, 3, 4)
+LARGE_GROUPS = MXGroupedMMConfig(128, 128, 128, 8, 3, 8)
+# The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
+INTERPRETER_CONFIG = MXGroupedMMConfig(32, 32, 64, 2, 1, 4)
+INTERPRETER_PROGRAMS = 3
+
+
+def choose_config(m: int, e: int, on_cpu: bool) -> MXGroupedMMConfig:
+    if on_cpu:
+        return INTERPRETER_CONFIG
+    return SMALL_GROUPS if m / max(1, e) < 96 else LARGE_GROUPS
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
+    """fp8 / E8M0 tensors as uint8 (torch's float8 dtypes cannot be passed to a kernel)."""
+    return None if t is None else t.view(torch.uint8)
+
+
+def launch(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    x_fmt: str | None,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_fmt: str,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    config: MXGroupedMMConfig | None = None,
+) -> torch.Tensor:
+    """``out[rows of e] = dequant(x)[rows of e] @ dequant(w[e]).T`` per group; rows past ``offs[-1]`` untouched.
+
+    ``x`` ``[M, K]`` (MX bytes with ``x_scale`` ``[M, K / 32]``, or bf16/fp32), ``w`` ``[E, N, K / per_byte]`` with
+    ``w_scale`` ``[E, N, K / 32]``; the last dim of every operand contiguous; ``config.block_k`` must divide K."""
+    e, n = w.shape[0], w.shape[1]
+    m, k = x.shape[0], w_scale.shape[2] * formats.BLOCK
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()  # rows past the last offset too: the product over an empty K is zero everywhere
+    interp = x.device.type == "cpu"
+    cfg = config or choose_config(m, e, interp)
+    if k % cfg.block_k:
+        raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
+    upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
+    if interp:
+        progs = min(INTERPRETER_PROGRAMS, upper)
+    elif cfg.programs_per_sm:
+        progs = min(cfg.programs_per_sm * _num_sms(x.device.index or 0), upper)
+    else:
+        progs = upper
+    xs = _bytes(x_scale) if x_scale is not None else x  # placeholder pointer, never read for high precision x
+    xb = x if x_fmt is None else _bytes(x)
+    with on_device(x):
+        _mx_grouped_mm_kernel[(progs,)](
+            xb, xs, _bytes(w), _bytes(w_scale), out, offs, m, n, k, e,
+            x.stride(0), xs.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+            progs, X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=max(1024, next_pow2(e)),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            UPCAST=interp, INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out

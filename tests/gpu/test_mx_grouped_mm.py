@@ -1,0 +1,97 @@
+"""The MX grouped GEMM on a real GPU: what the interpreter cannot show. The compiled kernel (hardware fp8 conversion,
+bf16 dots, the persistent schedule) in every format pair and configuration against the fp32 product of the dequantised
+operands, rows past the last offset unwritten, invalid device offsets clamped, NaN scales and element codes,
+CUDA-graph replay with new offsets (the schedule is read on the device), and ``torch.compile``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fly_lightning
+from fly_lightning import DISPATCH_LOG
+from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
+from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
+
+pytestmark = pytest.mark.gpu
+
+COUNTS = [0, 130, 7, 0, 1000, 64, 1, 333]  # empty groups, a tiny one, one spanning many tiles, sizes off 16
+PAIRS = [(None, "mxfp8_e4m3"), (None, "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"),
+         ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e5m2", "mxfp8_e4m3")]  # fmt: skip
+
+
+def _problem(counts, k, n, x_fmt, w_fmt, tail=0, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(sum(counts) + tail, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(len(counts), n, k, device="cuda", generator=gen) * k**-0.5
+    wd, ws = fly_lightning.mx_cast(w.reshape(-1, k), w_fmt)
+    xd, xs = (x, None) if x_fmt is None else fly_lightning.mx_cast(x, x_fmt)
+    return (xd, xs, x_fmt, wd.reshape(len(counts), n, -1), ws.reshape(len(counts), n, -1), w_fmt, offs)
+
+
+def _err(y, args) -> float:
+    end = int(args[-1][-1])
+    ref = mx_grouped_mm_reference(*args, torch.float32)[:end]
+    return ((y[:end].float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("x_fmt, w_fmt", PAIRS)
+def test_dispatched_call_runs_triton_and_matches_the_dequantised_product(x_fmt, w_fmt):
+    args = _problem(COUNTS, 512, 384, x_fmt, w_fmt, tail=9)
+    y = fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=args[1], x_fmt=x_fmt)
+    assert DISPATCH_LOG.records("mx_grouped_mm")[-1]["backend"] == "triton"
+    assert y.dtype == torch.bfloat16 and _err(y, args) < 1e-2  # bf16 output rounding only
+
+
+CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.LARGE_GROUPS, mk.MXGroupedMMConfig(128, 256, 64, 8, 3, 8),
+                                   mk.MXGroupedMMConfig(64, 64, 128, 4, 2, 4, programs_per_sm=0))}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("x_fmt, w_fmt", PAIRS[:3])
+def test_configurations_leave_rows_past_the_end_unwritten(name, x_fmt, w_fmt):
+    args = _problem(COUNTS, 768, 640, x_fmt, w_fmt, tail=5)
+    out = torch.full((args[0].shape[0], 640), float("nan"), device="cuda")
+    mk.launch(*args, out, config=CONFIGS[name])
+    assert _err(out, args) < 1e-5  # fp32 output: the bf16 products are exact, only the summation order differs
+    assert out[int(args[-1][-1]) :].isnan().all()
+
+
+def test_nan_scales_and_element_codes_give_nan_rows():
+    x_fmt = w_fmt = "mxfp8_e4m3"
+    xd, xs, _, wd, ws, _, offs = _problem([64, 64], 256, 128, x_fmt, w_fmt)
+    xs.view(torch.uint8)[3, 1] = 255  # a NaN scale: row 3 (group 0) is NaN in every column
+    xd.view(torch.uint8)[70, 5] = 0x7F  # an e4m3 NaN element: row 70 (group 1)
+    y = fly_lightning.mx_grouped_mm(xd, wd, ws, w_fmt, offs, x_scale=xs, x_fmt=x_fmt, out_dtype=torch.float32)
+    nan_rows = y.isnan().any(1).nonzero().flatten().tolist()
+    assert nan_rows == [3, 70] and y[[3, 70]].isnan().all()
+
+
+def test_invalid_device_offsets_stay_inside_the_tensors():
+    args = list(_problem([100, 50, 80], 256, 128, "mxfp8_e4m3", "mxfp8_e4m3"))
+    args[-1] = torch.tensor([-5, 10**9, 20], device="cuda", dtype=torch.int32)  # clamped: [0, 230, 230]
+    y = fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=args[1], x_fmt=args[2], out_dtype=torch.float32)
+    torch.cuda.synchronize()
+    clamped = list(args)
+    clamped[-1] = torch.tensor([0, 230, 230], device="cuda", dtype=torch.int32)
+    assert _err(y, clamped) < 1e-5
+
+
+def test_cuda_graph_replay_follows_new_offsets():
+    args = list(_problem([64, 64, 64, 64], 256, 256, None, "mxfp4_e2m1"))
+    offs = args[-1]
+    call = lambda: fly_lightning.mx_grouped_mm(args[0], *args[3:7], out_dtype=torch.float32)  # noqa: E731
+    call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call()
+    offs.copy_(torch.tensor([10, 200, 200, 256], device="cuda", dtype=torch.int32))
+    graph.replay()
+    assert _err(y, args) < 1e-5
+
+
+def test_torch_compile_runs_the_custom_op():
+    args = _problem([100, 0, 156], 256, 128, "mxfp8_e4m3", "mxfp8_e4m3")
+    fn = torch.compile(lambda *a: fly_lightning.mx_grouped_mm(a[0], *a[3:7], x_scale=a[1], x_fmt=a[2]), fullgraph=True)
+    assert _err(fn(*args), args) < 1e-2

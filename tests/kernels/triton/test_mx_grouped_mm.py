@@ -1,0 +1,124 @@
+"""The Triton MX grouped GEMM kernel through the interpreter (tiny shapes): every format pair against the fp32 product
+of the dequantised operands on uneven groups (empty, single-row, spanning several tiles), launch configurations,
+rows past the last offset never written, NaN scales, clamped invalid offsets, and the inputs it leaves to ATen."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import fly_lightning
+from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
+from fly_lightning.kernels.triton import _support
+from fly_lightning.kernels.triton.mx_grouped_mm import _supports, mx_grouped_mm_triton
+from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
+
+PAIRS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"), ("mxfp4_e2m1", "mxfp4_e2m1"),
+         ("mxfp8_e5m2", "mxfp8_e4m3"), (None, "mxfp8_e4m3"), (None, "mxfp4_e2m1")]  # fmt: skip
+COUNTS = [0, 3, 70, 0, 17, 1]  # empty groups, a group spanning several 32-row tiles, sizes off multiples of 16
+
+
+def _problem(x_fmt, w_fmt, counts=COUNTS, k=128, n=40, tail=5, x_dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    x = torch.randn(int(offs[-1]) + tail, k, generator=gen)
+    w = torch.randn(len(counts), n, k, generator=gen)
+    wd, ws = fly_lightning.mx_cast(w.reshape(-1, k), w_fmt)
+    xd, xs = (x.to(x_dtype), None) if x_fmt is None else fly_lightning.mx_cast(x, x_fmt)
+    return [xd, xs, x_fmt, wd.view(len(counts), n, -1), ws.view(len(counts), n, -1), w_fmt, offs]
+
+
+def _check(out, args, tol=1e-5):
+    end = int(args[-1][-1])
+    ref = mx_grouped_mm_reference(*args, torch.float32)[:end]
+    err = ((out[:end].float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert err < tol, err
+
+
+@pytest.mark.parametrize("x_fmt, w_fmt", PAIRS)
+def test_formats_on_uneven_groups(x_fmt, w_fmt):
+    args = _problem(x_fmt, w_fmt)
+    out = mx_grouped_mm_triton(*args, torch.float32)  # outputs are poisoned (NaN) in tests
+    _check(out, args)  # the interpreter multiplies in fp32: only the summation order differs from the oracle
+    assert out[int(args[-1][-1]) :].isnan().all()  # rows past the last offset are never written
+
+
+CONFIGS = {
+    "interpreter": mk.INTERPRETER_CONFIG,
+    "block_k128_m16": replace(mk.INTERPRETER_CONFIG, block_m=16, block_k=128, group_m=1),
+    "block_n64_k32": replace(mk.INTERPRETER_CONFIG, block_n=64, block_k=32, group_m=4),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_launch_configurations(name):
+    args = _problem("mxfp4_e2m1", "mxfp4_e2m1", k=256, n=72)
+    out = torch.full((args[0].shape[0], 72), float("nan"))
+    mk.launch(*args, out, config=CONFIGS[name])
+    _check(out, args)
+    assert out[int(args[-1][-1]) :].isnan().all()
+
+
+def test_bf16_output_and_bf16_activations():
+    args = _problem(None, "mxfp8_e4m3", x_dtype=torch.bfloat16)
+    out = mx_grouped_mm_triton(*args, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    _check(out, args, tol=1e-2)
+
+
+def test_dispatched_call_takes_triton():
+    args = _problem("mxfp8_e4m3", "mxfp8_e4m3", counts=[4, 0, 9])
+    xd, xs, x_fmt, wd, ws, w_fmt, offs = args
+    y = fly_lightning.mx_grouped_mm(xd, wd, ws, w_fmt, offs, x_scale=xs, x_fmt=x_fmt, out_dtype=torch.float32)
+    assert fly_lightning.DISPATCH_LOG.records("mx_grouped_mm")[-1]["backend"] == "triton"
+    _check(y, args)
+
+
+def test_nan_scale_gives_a_nan_row():
+    args = _problem("mxfp8_e4m3", "mxfp8_e4m3", counts=[10, 10])
+    args[1].view(torch.uint8)[12, 2] = 255  # row 12 (group 1): one NaN block
+    out = mx_grouped_mm_triton(*args, torch.float32)
+    assert out[:20].isnan().any(1).nonzero().flatten().tolist() == [12] and out[12].isnan().all()
+
+
+def test_invalid_device_offsets_are_clamped():
+    # the host never reads device offsets; the kernel clamps them to [0, M] and makes the groups non-negative
+    args = _problem("mxfp8_e4m3", "mxfp8_e4m3", counts=[6, 6, 6], tail=0)
+    bad = list(args)
+    bad[-1] = torch.tensor([-3, 500, 2], dtype=torch.int32)  # read as [0, 18, 18]
+    out = mk.launch(*bad, torch.full((18, 40), float("nan")))
+    good = list(args)
+    good[-1] = torch.tensor([0, 18, 18], dtype=torch.int32)
+    _check(out, good)
+
+
+def _reason(args) -> str | bool:
+    return _supports(*args, torch.bfloat16)
+
+
+def test_support_reasons():
+    args = _problem("mxfp8_e4m3", "mxfp8_e4m3")
+    assert _reason(args) is True
+    short = _problem("mxfp8_e4m3", "mxfp8_e4m3", k=96)
+    assert "K=96 not a multiple of 128" in _reason(short)
+    strided = list(args)
+    strided[3] = args[3].transpose(1, 2).contiguous().transpose(1, 2)
+    assert "w last dim not contiguous" in _reason(strided) and "bytes" in _reason(strided)
+    many = list(args)
+    many[3] = torch.zeros(4097, 8, 128, dtype=torch.float8_e4m3fn)
+    many[4] = torch.zeros(4097, 8, 4, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    many[6] = torch.arange(4097, dtype=torch.int32)
+    assert "4097 groups" in _reason(many)
+
+
+def test_rocm_is_left_to_aten_with_a_reason(monkeypatch):
+    from fly_lightning.kernels.triton import mx_grouped_mm as module
+
+    monkeypatch.setattr(module, "ON_HIP", True)
+    assert "ROCm" in _reason(_problem("mxfp8_e4m3", "mxfp8_e4m3"))
+
+
+def test_cpu_without_the_interpreter_is_refused(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert "CPU" in _reason(_problem("mxfp8_e4m3", "mxfp8_e4m3"))
+    assert _support.device_reason(torch.empty(1)) is not None

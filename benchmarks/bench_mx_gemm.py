@@ -1,0 +1,188 @@
+"""Dense MX GEMM suite (H200): fly-lightning's Triton ``mx_scaled_mm`` on 17 LLM projection shapes (M from 16 to
+16384) for MXFP8 (e4m3 x e4m3) and MXFP4 (e2m1 x e2m1), and weight-only MXFP4 (bf16 activations) at M <= 64.
+
+Columns per case (side by side in rotated rounds, ``harness.interleaved_ms``; inputs rotated through more than 3x the
+L2; every implementation checked against the fp32 reference first):
+
+- ``ours``: the Triton kernel through the dispatcher (operands already in MX: the GEMM only);
+- ``ours_q``: ours including the activation's quantisation (``mx_cast`` of bf16 activations, then the GEMM; the
+  weights are cast once, as a frozen or cached weight would be); weight-only has no activation cast;
+- ``bf16``: cuBLAS ``torch.mm`` of bf16 operands of the same shape;
+- ``emulated``: torchao's emulated path (``MXTensor`` dequantise to bf16, then ``torch.mm``), which is our ATen
+  backend; torchao's own ``MXTensor`` dequantise is used when torchao is installed.
+
+Goals (issue 27): geomean >= 0.9x bf16 cuBLAS on the cases with M >= 1024, >= 1.5x the emulated path over all 17
+(per format); weight-only MXFP4 at M <= 64 >= 2.5x bf16.
+
+    python -m benchmarks.bench_mx_gemm            # writes mx_gemm.{json,md}
+    python -m benchmarks.bench_mx_gemm --smoke    # tiny shapes, CPU (interpreter) or GPU: checks it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+
+import torch
+
+import fly_lightning
+from benchmarks.harness import Results, backend_of, geomean, interleaved_ms, rotation_count
+from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
+
+# (M, N, K): Llama-3-8B / 70B, Mistral, Qwen projections (qkv, o, gate/up, down) at prefill and decode token counts
+SHAPES = [
+    (16, 4096, 4096),
+    (16, 28672, 4096),
+    (32, 4096, 14336),
+    (64, 6144, 4096),
+    (64, 8192, 8192),
+    (128, 14336, 4096),
+    (256, 4096, 4096),
+    (512, 8192, 2048),
+    (1024, 4096, 4096),
+    (1024, 28672, 8192),
+    (2048, 6144, 4096),
+    (2048, 4096, 14336),
+    (4096, 4096, 4096),
+    (4096, 14336, 4096),
+    (8192, 8192, 8192),
+    (8192, 1024, 8192),
+    (16384, 4096, 4096),
+]
+SMOKE_SHAPES = [(16, 64, 128), (40, 96, 256), (130, 64, 128)]
+FORMATS = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1"}
+GOALS = {"vs_bf16_m1024": 0.9, "vs_emulated": 1.5, "w4_vs_bf16_m64": 2.5}
+LARGE_M = 1024  # the vs-bf16 goal's rows
+SMALL_M = 64  # weight-only cases
+
+
+def _emulated_dequant() -> tuple[str, Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]]:
+    """torchao's ``MXTensor`` dequantisation to bf16 when torchao is there; else ours (the same arithmetic)."""
+    from fly_lightning.quant import formats
+
+    try:
+        logging.getLogger("torchao").setLevel(logging.ERROR)
+        from torchao.prototype.mx_formats.mx_tensor import MXTensor
+
+        def torchao_dequant(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+            elem = formats.FORMATS[fmt].torch_dtype
+            t = MXTensor(data, scale, elem, 32, torch.bfloat16, None, None, False)
+            return t.dequantize(torch.bfloat16)
+
+        return "torchao MXTensor.dequantize", torchao_dequant
+    except Exception:  # noqa: BLE001 (torchao missing or its constructor changed: the same math in plain torch)
+        return "formats.from_mx (torchao missing)", lambda data, scale, fmt: formats.from_mx(
+            data, scale, fmt, torch.bfloat16
+        )
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+
+
+def run_case(res: Results, m: int, n: int, k: int, kind: str, device: str, reps: int, dequant, rounds: int = 4) -> None:
+    b_fmt = FORMATS["mxfp4" if kind == "w4" else kind]
+    a_fmt = None if kind == "w4" else b_fmt
+    cast = lambda x, fmt: fly_lightning.mx_cast(x, fmt, "floor")  # noqa: E731
+    op_bytes = m * k * 2 + n * k * (2 if a_fmt is None else 1)
+    sets = rotation_count(op_bytes, max_sets=8) if device == "cuda" else 1
+    inputs = []
+    for _ in range(sets):
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        b, bs = cast(w, b_fmt)
+        a, a_s = (x, None) if a_fmt is None else cast(x, a_fmt)
+        inputs.append((x, w, a, a_s, b, bs))
+    x, w, a, a_s, b, bs = inputs[0]
+    ref = mx_scaled_mm_reference(a, a_s, a_fmt, b, bs, b_fmt, torch.float32)
+
+    def ours(x, w, a, a_s, b, bs):
+        return fly_lightning.mx_scaled_mm(a, b, bs, b_fmt, a_scale=a_s, a_fmt=a_fmt)
+
+    def ours_q(x, w, a, a_s, b, bs):
+        if a_fmt is None:
+            return fly_lightning.mx_scaled_mm(x, b, bs, b_fmt)
+        qa, qs = cast(x, a_fmt)
+        return fly_lightning.mx_scaled_mm(qa, b, bs, b_fmt, a_scale=qs, a_fmt=a_fmt)
+
+    def bf16(x, w, a, a_s, b, bs):
+        return torch.mm(x, w.t())
+
+    def emulated(x, w, a, a_s, b, bs):
+        da = x if a_fmt is None else dequant(a, a_s, a_fmt)
+        return torch.mm(da, dequant(b, bs, b_fmt).t())
+
+    fns = {"ours": ours, "ours_q": ours_q, "bf16": bf16, "emulated": emulated}
+    row = dict(case=f"{kind} {m}x{n}x{k}", kind=kind, m=m, n=n, k=k)
+    for name in ("ours", "ours_q", "emulated"):
+        row[f"{name}_err"] = float(f"{rel_err(fns[name](*inputs[0]), ref):.3g}")
+    row["backend"] = backend_of("mx_scaled_mm", a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16)
+    ms = interleaved_ms(fns, inputs, reps=reps, rounds=rounds)
+    row.update({f"{name}_ms": float(f"{t:.4g}") for name, t in ms.items()})
+    row["tflops"] = round(2 * m * n * k / ms["ours"] / 1e9, 1)
+    for name in ("bf16", "emulated"):
+        row[f"x_vs_{name}"] = float(f"{ms[name] / ms['ours']:.4g}")
+        row[f"q_x_vs_{name}"] = float(f"{ms[name] / ms['ours_q']:.4g}")
+    res.add(**row)
+
+
+def summarise(res: Results) -> None:
+    s: dict = {}
+    for kind in ("mxfp8", "mxfp4"):
+        rows = [r for r in res.rows if r["kind"] == kind]
+        big = [r for r in rows if r["m"] >= LARGE_M]
+        for pre in ("", "q_"):
+            s[f"{kind}_{pre}geomean_vs_bf16_m1024"] = geomean([r[f"{pre}x_vs_bf16"] for r in big]) if big else None
+            s[f"{kind}_{pre}geomean_vs_emulated"] = geomean([r[f"{pre}x_vs_emulated"] for r in rows]) if rows else None
+        s[f"{kind}_meets_vs_bf16"] = bool(big) and s[f"{kind}_geomean_vs_bf16_m1024"] >= GOALS["vs_bf16_m1024"]
+        s[f"{kind}_meets_vs_emulated"] = bool(rows) and s[f"{kind}_geomean_vs_emulated"] >= GOALS["vs_emulated"]
+    w4 = [r for r in res.rows if r["kind"] == "w4"]
+    s["w4_geomean_vs_bf16_m64"] = geomean([r["x_vs_bf16"] for r in w4]) if w4 else None
+    s["w4_meets_vs_bf16"] = bool(w4) and s["w4_geomean_vs_bf16_m64"] >= GOALS["w4_vs_bf16_m64"]
+    s["max_err"] = max(max(r["ours_err"], r["ours_q_err"]) for r in res.rows)
+    s["goals"] = GOALS
+    res.summary = s
+
+
+def suite(
+    smoke: bool = False,
+    device: str | None = None,
+    reps: int = 40,
+    shapes: list[tuple[int, int, int]] | None = None,
+    rounds: int = 4,
+) -> Results:
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = shapes or (SMOKE_SHAPES if smoke else SHAPES)
+    res = Results("mx_gemm")
+    emulated_impl, dequant = _emulated_dequant()
+    for kind in ("mxfp8", "mxfp4", "w4"):
+        for m, n, k in shapes:
+            if kind == "w4" and m > SMALL_M:
+                continue
+            run_case(res, m, n, k, kind, device, reps, dequant, rounds)
+    summarise(res)
+    res.summary["emulated_impl"] = emulated_impl
+    res.notes += [
+        "ours: the Triton mx_scaled_mm (operands already MX); ours_q: plus mx_cast of the bf16 activation (floor)",
+        "bf16: cuBLAS torch.mm; emulated: torchao MXTensor dequantise to bf16 + torch.mm (torchao's Hopper path)",
+        "x_vs_*: baseline time / ours (above 1: ours faster); q_x_vs_*: the same with quantisation included",
+        "geomeans: vs bf16 over M >= 1024, vs emulated over all 17; w4 (weight-only MXFP4) over M <= 64",
+    ]
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, few repetitions (CPU interpreter or GPU)")
+    args = p.parse_args()
+    res = suite(smoke=args.smoke, reps=2 if args.smoke else 40, rounds=1 if args.smoke else 4)
+    if args.smoke:
+        print(res.markdown())
+        return
+    print(res.save())
+    print(res.markdown())
+
+
+if __name__ == "__main__":
+    main()

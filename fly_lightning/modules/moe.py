@@ -30,7 +30,7 @@ from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import group_reason, moe_route, moe_route_reference
 from fly_lightning.ops.mx_cast import mx_round_trip
 from fly_lightning.ops.permutation import inverse_permutation
-from fly_lightning.ops.swiglu import split_gate_up, swiglu, swiglu_reference
+from fly_lightning.ops.swiglu import ACTIVATIONS, split_gate_up, swiglu, swiglu_reference
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "fused"
@@ -41,18 +41,25 @@ fused vs plain 0.98-1.18x in the forward, 0.95-1.12x in forward+backward over th
 
 def _route(moe: FlyMoE, logits: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The single routing call site: the dispatched ``moe_route`` op."""
+    own_renorm = moe.renorm_eps is not None and moe.norm_topk_prob  # another epsilon than the op's: renormalised here
     r = moe_route(
         logits,
         moe.top_k,
         score=moe.score_func,
-        renormalize=moe.norm_topk_prob,
+        renormalize=moe.norm_topk_prob and not own_renorm,
         bias_E=moe.selection_bias(),
-        route_scale=moe.route_scale,
+        route_scale=1.0 if own_renorm else moe.route_scale,
         n_groups=moe.n_groups,
         topk_groups=moe.topk_groups,
         return_permutation=True,
     )
-    return r.weights_TK, r.ids_TK, r.counts_E, r.offsets_E, r.sorted_slots_S
+    weights = _renormalize(moe, r.weights_TK) if own_renorm else r.weights_TK
+    return weights, r.ids_TK, r.counts_E, r.offsets_E, r.sorted_slots_S
+
+
+def _renormalize(moe: FlyMoE, weights_TK: Tensor) -> Tensor:
+    """``w / (sum(w) + renorm_eps) * route_scale`` in fp32, the family's own formula (``renorm_eps``)."""
+    return weights_TK / (weights_TK.sum(-1, keepdim=True) + moe.renorm_eps) * moe.route_scale
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -84,8 +91,10 @@ def experts_forward(
     fused: bool,
     score_before_experts: bool = False,
     mx: MXExperts | None = None,
+    activation: str = "silu",
 ) -> Tensor:
-    """Routed SwiGLU experts and the deterministic combine: ``[T, H]``.
+    """Routed SwiGLU (``activation="silu"``) or GeGLU (``"gelu"``, ``"gelu_tanh"``) experts and the deterministic
+    combine: ``[T, H]``.
 
     ``gate_up_EHN`` is ``[E, H, 2I]`` (gate columns first) when ``up_EHI`` is None, else the ``[E, H, I]`` gate.
     ``mx``: the GEMM operands go through MX casts (``MXExperts``).
@@ -107,7 +116,7 @@ def experts_forward(
         s = weights_Tk.reshape(-1).index_select(0, perm_M.long()).unsqueeze(1).to(gate.dtype)
         gate_up, up = gate * s, up * s
         weights_Tk = torch.ones_like(weights_Tk)  # the combine is then a plain sum (still in fp32)
-    h = swiglu(gate_up, up)
+    h = swiglu(gate_up, up, activation)
     rows = grouped_mm(h if mx is None else mx.act(h), down_EIH, offs_E)  # expert order
     return moe_combine(rows, weights_Tk, inv, out_dtype=x_TH.dtype)
 
@@ -118,10 +127,12 @@ def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
     dtype, the combine in fp32 (as ``moe_combine``)."""
     x = hidden_states.reshape(-1, moe.hidden_size)
     bias = moe.selection_bias()
+    own_renorm = moe.renorm_eps is not None and moe.norm_topk_prob
     weights, ids, *_ = moe_route_reference(
-        moe.router_logits(x), moe.top_k, moe.score_func, moe.norm_topk_prob, bias, moe.route_scale, moe.n_groups,
-        moe.topk_groups,
+        moe.router_logits(x), moe.top_k, moe.score_func, moe.norm_topk_prob and not own_renorm, bias,
+        1.0 if own_renorm else moe.route_scale, moe.n_groups, moe.topk_groups,
     )  # fmt: skip
+    weights = _renormalize(moe, weights) if own_renorm else weights
     gate_up, up, down = moe.experts.projections()
     acc = torch.promote_types(x.dtype, torch.float32)
     y = torch.zeros(x.shape, dtype=acc, device=x.device)
@@ -133,7 +144,7 @@ def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
         if moe.score_before_experts:
             gate, u = gate * w.to(gate.dtype), u * w.to(u.dtype)
             w = torch.ones_like(w)
-        rows = swiglu_reference(gate, u) @ down[e]
+        rows = swiglu_reference(gate, u, moe.activation) @ down[e]
         y.index_add_(0, tok, rows.to(acc) * w.to(acc))
     return moe.add_shared(x, y.to(x.dtype)).reshape(hidden_states.shape)
 
@@ -195,6 +206,10 @@ class FlyMoE(nn.Module):
             ``router_path``; ``router_logits_index``: which output of it holds the logits when it returns a tuple
             (Llama-4: 1); ``router_bias_arg``: it takes the selection bias as second argument (MiniMax-M2).
         return_router_logits: ``forward`` returns ``(output, router_logits)``, as Llama-4's block does.
+        activation: the experts' gated activation: ``"silu"`` (SwiGLU), ``"gelu"`` (GeGLU, erf) or ``"gelu_tanh"``
+            (GeGLU, tanh approximation).
+        renorm_eps: renormalise as ``w / (sum(w) + renorm_eps)`` (then scale), the family's own epsilon (LFM2-MoE
+            1e-6, MiniMax-M2 and Laguna 0); None: ``moe_route``'s (1e-20, DeepSeek-V3's), fused in the routing op.
     """
 
     def __init__(
@@ -220,6 +235,8 @@ class FlyMoE(nn.Module):
         router_logits_index: int = 0,
         router_bias_arg: bool = False,
         return_router_logits: bool = False,
+        activation: str = "silu",
+        renorm_eps: float | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -236,6 +253,12 @@ class FlyMoE(nn.Module):
             raise ValueError(reason)
         if path not in ("plain", "fused", "auto"):
             raise ValueError(f"path must be 'plain', 'fused' or 'auto', got {path!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if renorm_eps is not None and not renorm_eps >= 0.0:
+            raise ValueError(f"renorm_eps must be >= 0 or None, got {renorm_eps!r}")
+        self.activation = activation
+        self.renorm_eps = None if renorm_eps is None else float(renorm_eps)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k, self.layout = num_experts, top_k, layout
         self.score_func, self.norm_topk_prob, self.route_scale = score_func, norm_topk_prob, float(route_scale)
@@ -271,10 +294,13 @@ class FlyMoE(nn.Module):
 
     def selection_bias(self) -> Tensor | None:
         """The selection-only bias: torchtitan's (or AFMoE's) ``expert_bias``, DeepSeek-V3's
-        ``gate.e_score_correction_bias``, or one the block holds itself (MiniMax-M2's ``e_score_correction_bias``)."""
+        ``gate.e_score_correction_bias``, one the block holds itself (MiniMax-M2's ``e_score_correction_bias``), or
+        Ernie 4.5's ``gate.moe_statics.e_score_correction_bias``."""
         bias = getattr(self, "expert_bias", None)
         if bias is None and "e_score_correction_bias" in self._buffers:
             return self._buffers["e_score_correction_bias"]
+        if bias is None and (statics := getattr(self.router_module, "moe_statics", None)) is not None:
+            return statics.e_score_correction_bias.view(-1)  # Ernie 4.5: a [1, E] parameter (a view: writes through)
         return bias if bias is not None else getattr(self.router_module, "e_score_correction_bias", None)
 
     def _walk(self, path: tuple[str, ...]) -> nn.Module:
@@ -352,6 +378,7 @@ class FlyMoE(nn.Module):
             fused=self.resolved_path() == "fused",
             score_before_experts=self.score_before_experts,
             mx=self.mx,
+            activation=self.activation,
         )
         out = self.add_shared(x, y).reshape(shape)
         return (out, logits) if self.return_router_logits else out
@@ -374,5 +401,8 @@ class FlyMoE(nn.Module):
         return (
             f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, experts={self.num_experts}, "
             f"top_k={self.top_k}, layout={self.layout}, score={self.score_func}, norm={self.norm_topk_prob}, "
-            f"path={self.path}" + (f", mx={self.mx}" if self.mx is not None else "")
+            f"path={self.path}"
+            + (f", activation={self.activation}" if self.activation != "silu" else "")
+            + (f", renorm_eps={self.renorm_eps}" if self.renorm_eps is not None else "")
+            + (f", mx={self.mx}" if self.mx is not None else "")
         )

@@ -2,7 +2,8 @@
 
 Recognised blocks:
 - transformers v5 sparse MoE blocks (``gate`` top-k router with ``weight`` [E, H]; ``experts`` with
-  ``gate_up_proj``/``down_proj`` and a SiLU ``act_fn``): Mixtral, Qwen2/3-MoE without shared expert, OLMoE, ...;
+  ``gate_up_proj``/``down_proj`` and a SiLU or GELU ``act_fn``: SwiGLU or GeGLU): Mixtral, Qwen2/3-MoE without
+  shared expert, OLMoE, ...;
 - per-expert ``nn.ModuleList`` blocks (transformers 4 style): ``gate`` ``nn.Linear(H, E)``, experts with
   ``w1``/``w3``/``w2`` or ``gate_proj``/``up_proj``/``down_proj`` Linear layers;
 - torchtitan ``MoE`` (``router.gate``, ``experts.w1/w2/w3``, optional ``shared_experts`` and ``expert_bias``);
@@ -13,8 +14,9 @@ Recognised blocks:
   outputs on random tokens, in training and in eval mode, and must match one of the forms ``moe_route`` computes.
 
 DeepSeek-V3-style routers (sigmoid scores, correction bias, node-limited groups) map to ``FlyMoE``'s options.
-Anything else (biases, non-SiLU activations, router state it does not model, router jitter) raises ``ValueError``
-naming what is not supported. transformers v5 blocks keep their router module (``gate``), so hooks on it still fire.
+Anything else (biases, activations other than SiLU and GELU, router state it does not model, router jitter) raises
+``ValueError`` naming what is not supported. transformers v5 blocks keep their router module (``gate``), so hooks on
+it still fire.
 """
 
 from __future__ import annotations
@@ -32,13 +34,28 @@ from fly_lightning.modules.moe_layout import ExpertList
 FlyMoEType = TypeVar("FlyMoEType", bound=nn.Module)
 
 
-def _is_silu(act: Any) -> bool:
-    return (
-        act is None
-        or isinstance(act, nn.SiLU)
-        or type(act).__name__ in ("SiLUActivation", "SiLU")
-        or act in (torch.nn.functional.silu,)
-    )
+# transformers' activation classes by the function they compute (same function, formulas that round alike to ~1e-7):
+# ``gelu`` / ``gelu_python`` (erf); ``gelu_pytorch_tanh``, ``gelu_new``, ``gelu_fast``, ``gelu_accurate`` (tanh form)
+_GELU_CLASSES = {"GELUActivation": "gelu", "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh",
+                 "NewGELUActivation": "gelu_tanh", "FastGELUActivation": "gelu_tanh",
+                 "AccurateGELUActivation": "gelu_tanh"}  # fmt: skip
+
+
+def _activation(act: Any) -> str | None:
+    """The ``FlyMoE`` activation (``swiglu``'s) computing what ``act`` computes on the gate, or None."""
+    if act is None or isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU"):
+        return "silu"
+    if act is torch.nn.functional.silu:
+        return "silu"
+    if act is torch.nn.functional.gelu:
+        return "gelu"
+    if type(act) is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(act.approximate)
+    return _GELU_CLASSES.get(type(act).__name__)
+
+
+def _act_name(act: Any) -> str:
+    return getattr(act, "__name__", None) or type(act).__name__
 
 
 def _reject(module: nn.Module, why: str) -> None:
@@ -98,20 +115,26 @@ def _hf_v5(cls: type[FlyMoEType], module: nn.Module, options: dict) -> FlyMoETyp
     if getattr(experts, "is_transposed", False) or not getattr(experts, "has_gate", True):
         _reject(module, "transposed or gate-less expert weights are not supported")
     _check_clamped_swiglu(module, experts)
-    if not _is_silu(getattr(experts, "act_fn", None)):
-        _reject(module, f"expert activation {type(experts.act_fn).__name__} is not SiLU")
+    activation = _activation(getattr(experts, "act_fn", None))
+    if activation is None:
+        _reject(module, f"expert activation {_act_name(experts.act_fn)} is not SiLU or GELU (erf or tanh)")
     e, two_i, h = experts.gate_up_proj.shape
     k = int(getattr(router, "top_k", getattr(module, "top_k", 0)))
     norm = bool(getattr(router, "norm_topk_prob", getattr(module, "norm_topk_prob", True)))  # Mixtral: always
     _check_router_state(module, router)
-    kw = dict(layout="hf", norm_topk_prob=norm, router_fp32=_router_computes_fp32(router))
+    kw = dict(layout="hf", norm_topk_prob=norm, router_fp32=_router_computes_fp32(router), activation=activation)
     block_bias = _block_bias(module)
-    if block_bias is not None or (
-        getattr(router, "e_score_correction_bias", None) is not None
-        and not all(hasattr(router, a) for a in ("num_group", "topk_group", "routed_scaling_factor"))
+    if (
+        block_bias is not None
+        or _statics_bias(router) is not None
+        or (
+            getattr(router, "e_score_correction_bias", None) is not None
+            and not all(hasattr(router, a) for a in ("num_group", "topk_group", "routed_scaling_factor"))
+        )
     ):  # a bias ranked without DeepSeek-V3's groups: the routing is read off the router's outputs
         if getattr(router, "bias", None) is not None:
             _reject(module, "router has a bias")
+        _check_norm_min(module, router, k, e)
         kw |= _inferred_routing(module, router, k, e, h)
     else:
         kw |= _deepseek_router_options(module, router)
@@ -126,16 +149,37 @@ def _hf_v5(cls: type[FlyMoEType], module: nn.Module, options: dict) -> FlyMoETyp
     return moe
 
 
-_ROUTER_STATE = {"weight", "e_score_correction_bias"}
+_ROUTER_STATE = {"weight", "e_score_correction_bias", "moe_statics.e_score_correction_bias"}
+
+
+def _statics_bias(router: nn.Module) -> torch.Tensor | None:
+    """Ernie 4.5's selection bias: ``moe_statics.e_score_correction_bias``, ``[1, E]`` (as ``[E]``, a view)."""
+    bias = getattr(getattr(router, "moe_statics", None), "e_score_correction_bias", None)
+    return bias.view(-1) if isinstance(bias, torch.Tensor) and bias.dim() == 2 and bias.shape[0] == 1 else None
+
+
+def _check_norm_min(module: nn.Module, router: nn.Module, k: int, e: int) -> None:
+    """Ernie 4.5 renormalises by ``clamp(sum, min=norm_min)``: the plain sum wherever it is at least ``norm_min``,
+    which a softmax's top-k sum (at least k / E) always is when ``norm_min <= k / E`` (the routing form itself is
+    read off the router's outputs). A larger ``norm_min`` would act: not modelled."""
+    norm_min = getattr(router, "norm_min", None)
+    if norm_min is not None and not float(norm_min) <= k / e:
+        _reject(module, f"router clamps the renormalising sum at norm_min={norm_min} > top_k / experts = {k / e}: "
+                        "not modelled")  # fmt: skip
 
 
 def _check_router_state(module: nn.Module, router: nn.Module) -> None:
     """Routers whose state we do not model (e.g. Ernie 4.5's ``moe_statics`` correction bias) are left: their state
     would drop out of the state_dict and out of the routing."""
     extra = {n for n, _ in router.named_parameters()} | {n for n, _ in router.named_buffers()}
-    extra -= _ROUTER_STATE
-    if extra or next(router.children(), None) is not None:
-        names = sorted(extra) or [n for n, _ in router.named_children()]
+    extra -= (
+        _ROUTER_STATE if _statics_bias(router) is not None else _ROUTER_STATE - {"moe_statics.e_score_correction_bias"}
+    )
+    children = {n for n, _ in router.named_children()} - (
+        {"moe_statics"} if _statics_bias(router) is not None else set()
+    )
+    if extra or children:
+        names = sorted(extra) or sorted(children)
         _reject(module, f"router has state this block does not model: {', '.join(names)}")
 
 
@@ -228,6 +272,8 @@ def _attach_block_bias(moe: nn.Module, module: nn.Module) -> None:
 
 def _selection_bias(module: nn.Module, router: nn.Module) -> torch.Tensor | None:
     bias = _block_bias(module)
+    if bias is None:
+        bias = _statics_bias(router)
     return bias if bias is not None else getattr(router, "e_score_correction_bias", None)
 
 
@@ -296,6 +342,7 @@ def _inferred_routing(
     x = torch.randn(64, h, generator=g).to(device=w.device, dtype=w.dtype)
     devices = [w.device.index or 0] if w.is_cuda else []
     seen: set = set()
+    renorm_eps = None
     try:
         for m, _, _ in hooks:
             m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
@@ -309,6 +356,9 @@ def _inferred_routing(
                     _reject(module, f"router logits of shape {tuple(logits.shape)}, not [tokens, {e} experts]")
                 seen.add((_match_routing((call, router, module), logits, dense, k, bias, moe_route_reference), index,
                           bias_arg))  # fmt: skip
+            if len(seen) == 1 and next(iter(seen))[0][1]:  # renormalised: which epsilon, with the bias still random
+                score, _, scale = next(iter(seen))[0]
+                renorm_eps = _renorm_eps(module, call, router, k, e, bias, score, scale, moe_route_reference)
     finally:
         for m, forward, pre in hooks:
             m._forward_hooks, m._forward_pre_hooks = forward, pre
@@ -326,7 +376,40 @@ def _inferred_routing(
         # up to rounding, as a route scale (the probe checks it)
         scale = float(block_scale)
     kw = dict(score_func=score, norm_topk_prob=norm, route_scale=scale)
+    kw |= {"renorm_eps": renorm_eps} if renorm_eps is not None else {}
     return kw | ({"router_logits_index": index} if index else {}) | ({"router_bias_arg": True} if bias_arg else {})
+
+
+# renormalisation epsilons of transformers' routers: moe_route's (DeepSeek-V3, AFMoE: 1e-20), none (MiniMax-M2,
+# Laguna: w / sum(w)), LFM2-MoE's 1e-6
+_RENORM_EPS = (1e-20, 0.0, 1e-6)
+
+
+def _renorm_eps(module, call, router, k, e, bias, score, scale, reference) -> float | None:
+    """The epsilon of a renormalising router, ``w / (sum(w) + eps) * scale``, read off its outputs on tokens whose
+    selected scores sum from ~1 down to ~1e-28 (logits driven to 0 ... -64 through the router weight's
+    pseudo-inverse), where the candidates ``_RENORM_EPS`` give different sums. None: ``moe_route``'s own (1e-20), or
+    no candidate told apart from it on these tokens (a softmax's top-k sum never falls below k / E). Rejects a router
+    that none reproduces: the block would differ from it on tokens whose selected scores are small."""
+    w = router.weight.detach()
+    v = torch.linalg.pinv(w.double().cpu()) @ torch.ones(e, dtype=torch.float64)  # x with w @ x = 1 (least squares)
+    levels = torch.tensor([0.0, 4.0, 8.0, 16.0, 24.0, 32.0, 40.0, 48.0, 56.0, 64.0], dtype=torch.float64)
+    x = (-levels[:, None] * v[None, :]).to(device=w.device, dtype=w.dtype)
+    logits, dense, _, _ = _call_router(module, call, x, e, bias)
+    raw, *_ = reference(logits.float(), k, score, False, bias)
+    total, got = raw.double().sum(-1), dense.double().sum(-1)
+    tol = 1e-4 if logits.dtype in (torch.float32, torch.float64) else 2e-2
+    fits = []
+    for eps in _RENORM_EPS:
+        want = total * scale / (total + eps)
+        err = (got - want).abs() / want.abs().clamp_min(1e-30)
+        both_nan = got.isnan() & want.isnan()  # 0 / 0 at an exactly zero sum without epsilon, as the router gives
+        if bool(((err <= tol) | both_nan).all()):
+            fits.append(eps)
+    if not fits:
+        _reject(module, f"router renormalises with an epsilon none of {_RENORM_EPS} reproduces (w / (sum + eps), on "
+                        "tokens whose selected scores are small)")  # fmt: skip
+    return None if _RENORM_EPS[0] in fits else fits[0]
 
 
 def _match_routing(owners, logits, dense, k, bias, reference) -> tuple[str, bool, float]:
@@ -363,8 +446,9 @@ def _router_place(module: nn.Module) -> tuple[str, nn.Module]:
     raise AssertionError  # unreachable
 
 
-def _fused_layout(module: nn.Module, experts: nn.Module, e: int, h: int) -> tuple[str, int]:
-    """(layout, intermediate size) of fused or DBRX expert weights, after the checks that they are plain SwiGLU."""
+def _fused_layout(module: nn.Module, experts: nn.Module, e: int, h: int) -> tuple[str, int, str]:
+    """(layout, intermediate size, activation) of fused or DBRX expert weights, after the checks that they are plain
+    SwiGLU or GeGLU."""
     if getattr(experts, "gate_up_proj_bias", None) is not None or getattr(experts, "has_bias", False):
         extra = ""
         if hasattr(experts, "limit") or hasattr(experts, "alpha"):  # gpt-oss
@@ -375,21 +459,21 @@ def _fused_layout(module: nn.Module, experts: nn.Module, e: int, h: int) -> tupl
     mlp = getattr(experts, "mlp", None)
     if mlp is not None and all(isinstance(getattr(mlp, n, None), torch.Tensor) for n in ("w1", "v1", "w2")):
         act = getattr(mlp, "activation_fn", None)
-        if not _is_silu(act):
-            _reject(module, f"expert activation {type(act).__name__} is not SiLU")
-        return "dbrx", mlp.w1.shape[0] // e
+        if (activation := _activation(act)) is None:
+            _reject(module, f"expert activation {_act_name(act)} is not SiLU or GELU (erf or tanh)")
+        return "dbrx", mlp.w1.shape[0] // e, activation
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor) or gate_up.dim() != 3:
         _reject(module, f"unrecognised experts container {type(experts).__name__}")
     _check_clamped_swiglu(module, experts)
     if not hasattr(experts, "act_fn"):
         _reject(module, "experts have no act_fn (an activation other than SiLU SwiGLU)")
-    if not _is_silu(experts.act_fn):
-        _reject(module, f"expert activation {type(experts.act_fn).__name__} is not SiLU")
+    if (activation := _activation(experts.act_fn)) is None:
+        _reject(module, f"expert activation {_act_name(experts.act_fn)} is not SiLU or GELU (erf or tanh)")
     if gate_up.shape[2] == h and down.shape[1] == h and not getattr(experts, "is_transposed", False):
-        return "hf", gate_up.shape[1] // 2
+        return "hf", gate_up.shape[1] // 2, activation
     if gate_up.shape[1] == h and down.shape[2] == h:
-        return "hf_transposed", gate_up.shape[2] // 2
+        return "hf_transposed", gate_up.shape[2] // 2, activation
     _reject(module, f"expert weights of shapes {tuple(gate_up.shape)}, {tuple(down.shape)} fit no layout")
     raise AssertionError  # unreachable
 
@@ -406,7 +490,7 @@ def _hf_router(cls: type[FlyMoEType], module: nn.Module, options: dict) -> FlyMo
         _reject(module, "router has a bias")
     path, holder = _router_place(module)
     e, h = holder.weight.shape
-    layout, i = _fused_layout(module, module.experts, e, h)
+    layout, i, activation = _fused_layout(module, module.experts, e, h)
     k = int(getattr(router, "top_k", getattr(module, "top_k", 0)) or 0)
     if not 1 <= k <= e:
         _reject(module, f"top_k={k} for {e} experts")
@@ -415,7 +499,7 @@ def _hf_router(cls: type[FlyMoEType], module: nn.Module, options: dict) -> FlyMo
     if extra:
         _reject(module, f"router has state this block does not model: {', '.join(sorted(extra))}")
     call = holder if path == "router.gate" else router  # AFMoE's router needs the block's bias and [B, S, H] tokens
-    kw = dict(layout=layout, router_path=path, router_fp32=_router_computes_fp32(holder))
+    kw = dict(layout=layout, router_path=path, router_fp32=_router_computes_fp32(holder), activation=activation)
     kw |= _inferred_routing(module, holder, k, e, h, call=router)
     for name in ("router_jitter_noise", "input_jitter_noise", "moe_jitter_eps"):
         if getattr(router, name, None):  # jitter a training run would draw (after the routing form: its reason first)
@@ -454,16 +538,20 @@ def _expert_list(cls: type[FlyMoEType], module: nn.Module, options: dict) -> Fly
     if layout is None:
         _reject(module, "experts have neither w1/w3/w2 nor gate_proj/up_proj/down_proj")
     gate_n, up_n, down_n = _LIST_NAMES[layout]
+    activations = set()
     for ex in experts:
         if any(getattr(ex, n).bias is not None for n in (gate_n, up_n, down_n)):
             _reject(module, "expert Linear layers have biases")
         act = getattr(ex, "act_fn", getattr(ex, "act", None))
-        if not _is_silu(act):
-            _reject(module, f"expert activation {type(act).__name__} is not SiLU")
+        if (activation := _activation(act)) is None:
+            _reject(module, f"expert activation {_act_name(act)} is not SiLU or GELU (erf or tanh)")
+        activations.add(activation)
+    if len(activations) > 1:
+        _reject(module, f"experts mix activations {sorted(activations)} (one per block)")
     i, h = getattr(first, gate_n).weight.shape
     k = int(getattr(module, "top_k", getattr(router, "top_k", 0)))
     norm = bool(getattr(module, "norm_topk_prob", True))
-    kw = dict(layout=layout, norm_topk_prob=norm) | options
+    kw = dict(layout=layout, norm_topk_prob=norm, activation=activations.pop()) | options
     moe = _new(cls, getattr(first, gate_n).weight, h, i, len(experts), k, True, **kw)
     moe.gate.weight = router.weight
     assert isinstance(moe.experts, ExpertList)

@@ -10,7 +10,8 @@ before the activation, an extra norm), so two checks follow:
 - probe: a block class not in ``_KNOWN`` (whose conversion the tests check) must, with real weights, reproduce its
   output with ``moe_reference`` of the replacement on 64 random tokens (half of them at 30x scale, so clamps show;
   tokens whose k-th and next expert tie are skipped: tie order is not the block's math; so are tokens whose selected
-  sigmoid scores sum below 1e-12, where a renormalisation's epsilon decides). With weights on the meta
+  sigmoid scores sum to exactly 0, where a router without epsilon gives 0 / 0; the block renormalises with the
+  family's own epsilon, ``FlyMoE.renorm_eps``, so smaller sums are compared). With weights on the meta
   device or sharded, or a block that outputs zeros, the probe cannot tell and such a class is left. Known classes
   skip it (it runs the block and a per-expert loop: for a Mixtral-sized block on a CPU, an estimated ~90 GFLOP, not
   measured).
@@ -31,6 +32,8 @@ from torch import nn
 
 from fly_lightning.dtensor import is_dtensor
 from fly_lightning.modules.moe import FlyMoE, moe_reference
+from fly_lightning.modules.moe_experts import FlyExperts
+from fly_lightning.modules.moe_layout import FusedExperts
 from fly_lightning.ops.moe_route import moe_route_reference, ranked_values
 from fly_lightning.ops.swiglu import split_gate_up, swiglu_reference
 from fly_lightning.transform.core import Matcher, Unsupported, register_matcher
@@ -47,9 +50,21 @@ _KNOWN = {
 _PROBE_TOKENS = 64
 
 
+def _is_v5_experts(module: nn.Module) -> bool:
+    """A transformers v5 experts container: ``...Experts`` with 3-D ``gate_up_proj`` and ``down_proj``."""
+    return type(module).__name__.endswith("Experts") and all(
+        isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).dim() == 3
+        for n in ("gate_up_proj", "down_proj")
+    )
+
+
 def _match(module: nn.Module) -> str | None:
-    if isinstance(module, FlyMoE):
+    if isinstance(module, (FlyMoE, FlyExperts)):
         return None
+    if isinstance(getattr(module, "self_attn", None), nn.Module):
+        return None  # a decoder layer with its MoE inlined (Gemma 4): not a block; its experts are matched alone
+    if _is_v5_experts(module) and not isinstance(module, FusedExperts):
+        return "hf_experts"  # reached only when no enclosing block was recognised
     experts = getattr(module, "experts", None)
     router = getattr(module, "router", None)
     if experts is None:
@@ -123,15 +138,16 @@ def _boundary_ties(moe: FlyMoE, x_TH: torch.Tensor) -> torch.Tensor:
 
 
 def _renorm_degenerate(moe: FlyMoE, x_TH: torch.Tensor) -> torch.Tensor:
-    """Tokens whose selected sigmoid scores sum below 1e-12 (every chosen logit below about -28, as the 30x probe
-    tokens reach): there the renormalisation's epsilon (``moe_route``'s, DeepSeek-V3's 1e-20) decides the weights, and
-    a router without one (MiniMax-M2) divides ~0 by ~0 (NaN at exact 0). Not the block's math either."""
+    """Tokens whose selected sigmoid scores sum to exactly 0 (every chosen fp32 sigmoid underflowed: logits below
+    about -104, as the 30x probe tokens can reach): a router without epsilon (MiniMax-M2, Laguna) gives 0 / 0 = NaN
+    there, and so does the block with its ``renorm_eps`` 0; the probe compares finite outputs. Smaller but nonzero
+    sums are compared: the block renormalises with the family's epsilon (read off the router: ``renorm_eps``)."""
     if not moe.norm_topk_prob or moe.score_func != "sigmoid":
         return torch.zeros(x_TH.shape[0], dtype=torch.bool, device=x_TH.device)
     logits = moe.router_logits(x_TH).float()
     raw, *_ = moe_route_reference(logits, moe.top_k, moe.score_func, False, moe.selection_bias(), 1.0, moe.n_groups,
                                   moe.topk_groups)  # fmt: skip
-    return raw.sum(-1) < 1e-12
+    return raw.sum(-1) == 0
 
 
 def _probe(module: nn.Module, new: FlyMoE) -> bool:
@@ -186,7 +202,8 @@ def _experts_reference(new: FlyMoE, x_TH: torch.Tensor, ids_TK: torch.Tensor, w_
         tok, slot = torch.where(ids_TK == e)
         xe = x_TH[tok].to(down.dtype)
         gate, u = split_gate_up(xe @ gate_up[e], None if up is None else xe @ up[e])
-        y.index_add_(0, tok, (swiglu_reference(gate, u) @ down[e]).float() * w_TK[tok, slot].unsqueeze(1).float())
+        rows = swiglu_reference(gate, u, new.activation) @ down[e]
+        y.index_add_(0, tok, rows.float() * w_TK[tok, slot].unsqueeze(1).float())
     return y
 
 
@@ -256,7 +273,54 @@ def _probeable(module: nn.Module) -> bool:
     return not any(t.is_meta or is_dtensor(t) for t in tensors)
 
 
+def _probe_experts_alone(module: nn.Module, new: FlyExperts) -> None:
+    """Raise ``Unsupported`` unless ``new`` reproduces the experts container on random tokens (half of them scaled so
+    that the pre-activations reach ~1e3: clamps show), routed to every expert with random weights."""
+    cols = new.gate_up_proj.detach().float().norm(dim=2)  # [E, 2I]: pre-activation std per row for unit tokens
+    big = 1e3 / cols.max().clamp_min(1e-30).item()
+    t, e = 32, new.num_experts
+    k = min(2, e)
+    g = torch.Generator().manual_seed(1)
+    scale = torch.ones(t, 1).index_fill_(0, torch.arange(1, t, 2), big)
+    device, dtype = new.gate_up_proj.device, new.gate_up_proj.dtype
+    x = (torch.randn(t, new.hidden_size, generator=g) * scale).to(device=device, dtype=dtype)
+    ids = torch.stack([(torch.arange(k) + i) % e for i in range(t)]).to(device)
+    w = torch.rand(t, k, generator=g).to(device=device, dtype=dtype)
+    try:
+        with torch.no_grad(), _unobserved(module):
+            want = module(x.clone(), ids, w)
+    except Exception as exc:  # noqa: BLE001 - experts that cannot be called so cannot be checked
+        raise Unsupported(f"probe: the experts could not be run alone ({type(exc).__name__})") from None
+    with torch.no_grad():
+        got = new(x, ids, w).float()
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+        raise Unsupported("probe: the experts' output is not a tensor of their input's shape")
+    want = want.float()
+    if not torch.isfinite(want).all() or not want.any():
+        raise Unsupported("probe: the experts give non-finite or zero outputs on random tokens, so it cannot tell")
+    err = ((got - want).norm() / want.norm()).item()
+    tol = 5e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+    if not err <= tol:
+        raise Unsupported(f"probe: the experts compute something else (relative error {err:.1e} > {tol:.0e})")
+
+
+def _build_experts(module: nn.Module) -> nn.Module:
+    """A transformers v5 experts container whose block is not swapped (the router stays stock): ``FlyExperts``."""
+    try:
+        new = FlyExperts.from_module(module)
+    except ValueError as exc:
+        raise Unsupported(str(exc).removeprefix(f"{type(module).__name__}: ")) from None
+    if not _probeable(module):
+        raise Unsupported("weights on meta / sharded: experts swapped alone need a probe on real weights")
+    _check_state(module, new)
+    _probe_experts_alone(module, new)
+    new.train(module.training)
+    return new
+
+
 def _build(module: nn.Module, variant: str, root: nn.Module) -> nn.Module:
+    if variant == "hf_experts":
+        return _build_experts(module)
     if variant != "hf_v5":  # only transformers v5 blocks keep their router module, so only their router's hooks fire
         router = module.router.gate if variant == "torchtitan" else module.gate
         if router._forward_hooks or router._forward_pre_hooks:

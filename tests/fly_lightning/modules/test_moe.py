@@ -466,11 +466,15 @@ def test_from_module_rejects_what_it_does_not_compute():
     qwen2.shared_expert_gate = None
     with pytest.raises(ValueError, match="shared expert without its gate"):
         FlyMoE.from_module(qwen2)
-    gelu = MixtralSparseMoeBlock(
-        MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E, hidden_act="gelu")
+    relu = MixtralSparseMoeBlock(
+        MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E, hidden_act="relu")
     )
-    with pytest.raises(ValueError, match="not SiLU"):
-        FlyMoE.from_module(gelu)
+    with pytest.raises(ValueError, match="ReLU is not SiLU or GELU"):
+        FlyMoE.from_module(relu)
+    block = _ListBlock(LIST_NAMES["mixtral"])
+    block.experts[1].act_fn = nn.GELU()  # one expert's activation differs from the others'
+    with pytest.raises(ValueError, match="mix activations"):
+        FlyMoE.from_module(block)
     with pytest.raises(ValueError, match="no `experts`"):
         FlyMoE.from_module(nn.Linear(4, 4))
 
@@ -492,3 +496,83 @@ def test_constructor_checks():
         FlyMoE(H, INTER, E, E // 2 + 1, n_groups=2, topk_groups=1)
     with pytest.raises(ValueError, match="last dim"):
         FlyMoE(H, INTER, E, 2)(torch.randn(3, H + 1))
+    with pytest.raises(ValueError, match="activation must be one of"):
+        FlyMoE(H, INTER, E, 2, activation="relu")
+    with pytest.raises(ValueError, match="renorm_eps"):
+        FlyMoE(H, INTER, E, 2, renorm_eps=-1.0)
+
+
+@pytest.mark.parametrize("hidden_act, activation", [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh"),
+                                                    ("gelu_new", "gelu_tanh")])  # fmt: skip
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_geglu_experts_equal_the_stock_block_forward_and_gradients(hidden_act, activation, path):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    torch.manual_seed(0)
+    config = MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E, hidden_act=hidden_act)
+    block = MixtralSparseMoeBlock(config)
+    for p in block.parameters():
+        nn.init.normal_(p, std=0.3)
+    moe = FlyMoE.from_module(block, path=path)
+    assert moe.activation == activation and f"activation={activation}" in repr(moe)
+    ref = MixtralSparseMoeBlock(config)
+    ref.load_state_dict(block.state_dict())
+    x = torch.randn(2, 5, H) * 2
+    x_ref = x.clone().requires_grad_()
+    x = x.requires_grad_()
+    y, y_ref = moe(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    silu = MixtralSparseMoeBlock(MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E))
+    silu.load_state_dict(block.state_dict())
+    assert _rel(FlyMoE.from_module(silu)(x.detach()), y.detach()) > 1e-2  # the activation matters here
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (y_ref * g).sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), p_ref in zip(block.named_parameters(), ref.parameters(), strict=True):
+        if hidden_act == "gelu_new":  # the same function by another formula (tanh of a cubic): autograd rounds apart
+            assert _rel(p.grad, p_ref.grad) < 1e-6, name
+        else:
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("act", [nn.GELU(), nn.GELU(approximate="tanh")])
+def test_geglu_per_expert_list_block(act):
+    torch.manual_seed(1)
+    block = _ListBlock(LIST_NAMES["qwen"])
+    for expert in block.experts:
+        expert.act_fn = act
+    for p in block.parameters():
+        nn.init.normal_(p, std=0.3)
+    moe = FlyMoE.from_module(block)
+    assert moe.activation == {"none": "gelu", "tanh": "gelu_tanh"}[act.approximate]
+    x = torch.randn(9, H)
+    torch.testing.assert_close(moe(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("eps", [0.0, 1e-6])
+@pytest.mark.parametrize("path", ["plain", "fused"])
+def test_renorm_eps_is_the_family_formula_forward_and_gradients(eps, path):
+    moe = _fresh(path=path, score_func="sigmoid", route_scale=2.5, renorm_eps=eps)
+    x = (torch.randn(12, H) * torch.tensor([1.0, 40.0]).repeat(6).unsqueeze(1)).requires_grad_()  # tiny sums too
+    y = moe(x)
+    xd = x.detach().clone().requires_grad_()  # fp32 as the block: the sigmoid's fp32 tail is what is renormalised
+    logits = F.linear(xd, moe.router_weight.detach())
+    ids = logits.topk(2, -1).indices  # ranked by logit (saturated sigmoids tie in fp32)
+    w = torch.sigmoid(logits).gather(1, ids)
+    w = w / (w.sum(-1, keepdim=True) + eps) * 2.5
+    gu, down = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
+    ref = torch.zeros_like(xd)
+    for e in range(E):
+        tok, slot = torch.where(ids == e)
+        h = F.silu(xd[tok] @ gu[e, :INTER].t()) * (xd[tok] @ gu[e, INTER:].t())
+        ref = ref.index_add(0, tok, (h @ down[e].t()) * w[tok, slot, None])
+    assert _rel(y, ref) < 1e-5
+    g = torch.randn_like(y)
+    (y * g).sum().backward()
+    (ref * g).sum().backward()
+    assert _rel(x.grad, xd.grad) < 1e-5
+    if eps == 1e-6:  # the epsilon decides the weights of tokens whose selected scores are tiny: not the op's 1e-20
+        default = _fresh(path=path, score_func="sigmoid", route_scale=2.5)
+        assert _rel(default(x.detach()), y.detach()) > 1e-3

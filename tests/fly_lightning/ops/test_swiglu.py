@@ -74,3 +74,40 @@ def test_compiles_fullgraph():
     hid = torch.randn(8, 12)
     fn = torch.compile(fl.swiglu, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(fn(hid), swiglu_reference(hid, None))
+
+
+@pytest.mark.parametrize("activation, approximate", [("gelu", "none"), ("gelu_tanh", "tanh")])
+@pytest.mark.parametrize("fused", [True, False])
+def test_geglu_forward_and_backward_equal_stock(activation, approximate, fused):
+    hid = torch.randn(30, 2 * 16) * 3
+    grad = torch.randn(30, 16)
+    ref_in = hid.clone().requires_grad_()
+    want = F.gelu(ref_in[:, :16], approximate=approximate) * ref_in[:, 16:]
+    want.backward(grad)
+    assert torch.equal(_swiglu_aten(hid, None, activation), want.detach())
+    x = hid.clone().requires_grad_()
+    y = fl.swiglu(x, None, activation) if fused else fl.swiglu(x[:, :16], x[:, 16:], activation)
+    torch.testing.assert_close(y, want.detach(), rtol=1e-5, atol=1e-5)  # the Triton interpreter: its own erf
+    y.backward(grad)
+    assert torch.equal(x.grad, ref_in.grad)  # stock's ATen backward: bit-equal
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_geglu_gradcheck_double_backward_and_opcheck(activation):
+    from fly_lightning.ops.swiglu import swiglu_backward_op, swiglu_op
+
+    g = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    u = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    fn = lambda a, b: fl.swiglu(a, b, activation)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (g, u))
+    assert torch.autograd.gradgradcheck(fn, (g, u))
+    torch.library.opcheck(swiglu_op, (torch.randn(5, 8), None, activation))
+    torch.library.opcheck(swiglu_backward_op, (torch.randn(5, 4), torch.randn(5, 8), None, activation))
+    compiled = torch.compile(lambda h: fl.swiglu(h, None, activation), fullgraph=True, backend="aot_eager")
+    hid = torch.randn(8, 12)
+    torch.testing.assert_close(compiled(hid), swiglu_reference(hid, None, activation))
+
+
+def test_unknown_activation_raises():
+    with pytest.raises(ValueError, match="activation must be one of"):
+        fl.swiglu(torch.randn(4, 6), None, "relu")

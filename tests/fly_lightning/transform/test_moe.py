@@ -152,9 +152,6 @@ def test_moe_reference_is_the_modules_math(list_moe_model):
 def test_transformers_blocks_with_state_or_math_not_modelled_are_left():
     transformers = pytest.importorskip("transformers")
     cases = {
-        # its routing is read off the router, and the probe still finds another function (not yet modelled)
-        "Lfm2MoeConfig": ("lfm2_moe", "Lfm2MoeSparseMoeBlock", dict(num_experts=4, moe_intermediate_size=24),
-                          "probe: the swapped block computes something else"),
         "AXK1Config": ("axk1", "AXK1MoE", dict(n_routed_experts=4, num_local_experts=4, moe_intermediate_size=24,
                                                n_group=1, topk_group=1),
                        "state the swapped block does not model: post_mlp_layernorm.weight"),
@@ -359,3 +356,175 @@ def test_router_bias_is_probed_at_random_values_not_at_its_zero_init(rank_logits
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
     for (name, p), p_ref in zip(model.mlp.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "cfg_name, module_name, cls_name, kw, eps",
+    [
+        # LFM2-MoE: w / (sum + 1e-6); MiniMax-M2: w / sum. Read off the router on tokens with tiny selected scores
+        ("Lfm2MoeConfig", "lfm2_moe", "Lfm2MoeSparseMoeBlock", dict(num_experts=4, moe_intermediate_size=24), 1e-6),
+        ("MiniMaxM2Config", "minimax_m2", "MiniMaxM2SparseMoeBlock", dict(num_local_experts=4), 0.0),
+    ],
+)
+def test_renormalisation_epsilon_is_the_familys_even_where_it_decides(cfg_name, module_name, cls_name, kw, eps):
+    import importlib
+
+    transformers = pytest.importorskip("transformers")
+    cfg = getattr(transformers, cfg_name)(hidden_size=32, intermediate_size=48, num_experts_per_tok=2, **kw)
+    mod = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    torch.manual_seed(0)
+    block = getattr(mod, cls_name)(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+        bias = block.expert_bias if hasattr(block, "expert_bias") else block.e_score_correction_bias
+        bias.copy_(torch.tensor([0.3, -0.2, 0.1, -0.4]))
+    ref = copy.deepcopy(block)
+    model = nn.ModuleDict({"mlp": block})
+    summary = fly_lightning.transform(model)
+    assert [m for _, _, m in summary.swapped] == ["moe:hf_v5"], summary.left
+    assert model.mlp.renorm_eps == eps
+    # random tokens, and tokens whose logits are all about -10 .. -60 (selected sigmoid scores summing to ~1e-4 ..
+    # 1e-26): there the epsilon decides the weights
+    v = torch.linalg.pinv(block.gate.weight.detach().double()) @ torch.ones(4, dtype=torch.float64)
+    low = -torch.arange(10.0, 61.0, 50 / 7).double()[:, None] * v
+    x = torch.cat([torch.randn(8, 32), low.float()]).reshape(2, 8, 32)
+    x_ref = x.clone().requires_grad_()
+    x.requires_grad_()
+    y, y_ref = model.mlp(x), ref(x_ref)
+    assert torch.isfinite(y_ref).all()
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    model.mlp.renorm_eps = None  # moe_route's 1e-20 instead: another function on these tokens
+    assert not torch.allclose(model.mlp(x.detach()), y_ref.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_router_with_an_epsilon_not_known_is_left():
+    import transformers.models.lfm2_moe.modeling_lfm2_moe as lfm2
+
+    class OtherEpsRouter(lfm2.Lfm2MoeTopKRouter):
+        def forward(self, hidden_states, expert_bias=None):
+            logits = F.linear(hidden_states, self.weight)
+            scores = logits.sigmoid()
+            _, ids = torch.topk(scores + expert_bias, k=self.top_k, dim=-1)
+            w = scores.gather(1, ids)
+            return logits, w / (w.sum(-1, keepdim=True) + 1e-5), ids  # within the form tolerance on unit tokens
+
+    from transformers import Lfm2MoeConfig
+
+    cfg = Lfm2MoeConfig(hidden_size=32, intermediate_size=48, num_experts_per_tok=2, num_experts=4,
+                        moe_intermediate_size=24)  # fmt: skip
+    block = lfm2.Lfm2MoeSparseMoeBlock(cfg)
+    block.gate = OtherEpsRouter(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    (reason,) = _left(nn.ModuleDict({"mlp": block}))
+    assert "renormalises with an epsilon none of" in reason, reason
+
+
+def test_ernie_statics_bias_is_the_selection_bias():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.ernie4_5_moe.modeling_ernie4_5_moe import Ernie4_5_MoeSparseMoeBlock
+
+    cfg = transformers.Ernie4_5_MoeConfig(hidden_size=32, moe_intermediate_size=24, moe_num_experts=4,
+                                          moe_k=2, moe_num_shared_experts=1)  # fmt: skip
+    torch.manual_seed(0)
+    block = Ernie4_5_MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    ref = copy.deepcopy(block)
+    model = nn.ModuleDict({"mlp": block})
+    summary = fly_lightning.transform(model)
+    assert [m for _, _, m in summary.swapped] == ["moe:hf_v5"], summary.left
+    statics = model.mlp.gate.moe_statics.e_score_correction_bias
+    assert model.mlp.selection_bias().data_ptr() == statics.data_ptr()  # the [1, E] parameter itself
+    assert set(model.mlp.state_dict()) == set(ref.state_dict())
+    with torch.no_grad():  # a bias that moves the selection (softmax scores + bias), in both
+        for b in (statics, ref.gate.moe_statics.e_score_correction_bias):
+            b.copy_(torch.tensor([[0.3, -0.2, 0.25, -0.4]]))
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(model.mlp(x), ref(x), rtol=1e-5, atol=1e-5)
+    block2 = Ernie4_5_MoeSparseMoeBlock(cfg)
+    block2.gate.norm_min = 0.9  # the clamp would act on a top-2-of-4 softmax sum (at least 0.5)
+    with torch.no_grad():
+        for p in block2.parameters():
+            p.normal_(0, 0.3)
+    (reason,) = [r for _, _, r in fly_lightning.transform(nn.ModuleDict({"mlp": block2})).left]
+    assert "norm_min=0.9" in reason, reason
+
+
+class _GemmaLikeLayer(nn.Module):
+    """A decoder layer with the MoE inlined (as Gemma 4): a router whose weights FlyMoE cannot express (a softmax over
+    a normalised input, scaled per expert), the experts called with its routing."""
+
+    def __init__(self, act: str):
+        super().__init__()
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+        cfg = MixtralConfig(hidden_size=H, intermediate_size=24, num_local_experts=E, hidden_act=act)
+        self.self_attn = nn.Identity()
+        self.router = nn.Linear(H, E, bias=False)
+        self.scale = nn.Parameter(torch.rand(E) + 0.5)
+        self.experts = MixtralExperts(cfg)
+
+    def forward(self, x):
+        flat = x.reshape(-1, H)
+        w, ids = torch.softmax(self.router(F.normalize(flat, dim=-1)), -1).topk(2, -1)
+        w = w * self.scale[ids]
+        return x + self.experts(flat, ids, w).reshape(x.shape)
+
+
+@pytest.mark.parametrize("act, activation", [("silu", "silu"), ("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh")])
+def test_experts_of_an_inlined_moe_are_swapped_alone(act, activation):
+    from fly_lightning.modules import FlyExperts
+
+    torch.manual_seed(0)
+    layer = _GemmaLikeLayer(act)
+    with torch.no_grad():
+        for p in layer.experts.parameters():
+            p.normal_(0, 0.3)
+    ref, stock = copy.deepcopy(layer), layer.experts
+    model = nn.ModuleDict({"layer": layer})
+    summary = fly_lightning.transform(model)
+    assert [(p, m) for p, _, m in summary.swapped] == [("layer.experts", "moe:hf_experts")], summary
+    assert isinstance(layer.experts, FlyExperts) and layer.experts.activation == activation
+    assert layer.experts.gate_up_proj is stock.gate_up_proj and layer.experts.down_proj is stock.down_proj  # shared
+    x = torch.randn(2, 5, H, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y, y_ref = layer(x), ref(x_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    y.square().sum().backward()
+    y_ref.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    for (name, p), p_ref in zip(layer.named_parameters(), ref.parameters(), strict=True):  # router and scale too
+        torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    # an index E is transformers' "no expert" slot: nothing added, no gradient to its weight
+    ids = torch.tensor([[0, E], [E, 1]])
+    w = torch.rand(2, 2, requires_grad=True)
+    w_ref = w.detach().clone().requires_grad_()
+    xs = torch.randn(2, H)
+    got, want = layer.experts(xs, ids, w), ref.experts(xs, ids, w_ref)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(w.grad, w_ref.grad, rtol=1e-5, atol=1e-5)
+    assert w.grad[0, 1] == 0 and w.grad[1, 0] == 0
+
+
+def test_experts_alone_that_compute_something_else_are_left():
+    torch.manual_seed(0)
+    layer = _GemmaLikeLayer("silu")
+    experts = layer.experts
+    experts.forward = lambda x, ids, w: type(experts).forward(experts, x.clamp(-1, 1), ids, w)  # a clamp: other math
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.3)
+    summary = fly_lightning.transform(nn.ModuleDict({"layer": layer}))
+    assert not summary.swapped
+    ((path, _, reason),) = summary.left
+    assert path == "layer.experts" and reason.startswith("probe: the experts compute something else"), reason

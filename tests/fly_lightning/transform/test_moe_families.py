@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fly_lightning
+from fly_lightning.modules import FlyExperts
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,7 +46,14 @@ _SIZES = dict(
     expert_capacity=64,
 )  # fmt: skip
 # per-family values the generic sizes break (the family's own config validation says so)
-_OVERRIDES = {"zaya": dict(num_experts_per_tok=1)}  # ZAYA supports top-1 routing only
+_OVERRIDES = {
+    "zaya": dict(num_experts_per_tok=1),  # ZAYA supports top-1 routing only
+    # LFM2-MoE's config leaves its layer pattern None (a checkpoint's sets it): a conv and an attention layer, both MoE
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
+    # Gemma 4's text config has its MoE off and per-layer entries keyed by the full depth's layer indices
+    "gemma4": dict(enable_moe_block=True, num_experts=E, top_k_experts=K, moe_intermediate_size=24, per_layer_config={},
+                   vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
+}  # fmt: skip
 # per-family fields set (also where absent) in the config and its nested sub-config dicts: DBRX names its sizes
 # differently (n_layers, n_heads, ffn_config.ffn_hidden_size / moe_top_k), and transformers 5.24-5.25's DBRX reads
 # attn_config.rope_theta, which DbrxAttentionConfig does not define, and clamps by clip_qkv even when it is None
@@ -64,7 +72,6 @@ NOT_BUILT = {
     "dots1": "config/weight init fails on the shrunk sizes (empty() called with a shape tuple)",
     "dots3_note": "per_layer_config keyed by layer indices beyond the shrunk depth",
     "ernie4_5_vl_moe": "moe_intermediate_size is a per-modality list (text, vision)",
-    "gemma4": "per_layer_config keyed by layer indices beyond the shrunk depth",
     "glm4v_moe": "mrope sections sized for the full head dim",
     "kolibri1_1": "index_layers (indexed-attention layer indices) beyond the shrunk depth (transformers 5.25)",
     "glm5_next": "DSA attention layers require NoPE (qk_rope_head_dim 0), which the generic MLA sizes set",
@@ -72,7 +79,6 @@ NOT_BUILT = {
     "hunyuan_v1_moe": "rope scaling field left None by the shrunk config (None ** float)",
     "hy_v4_vl": "mrope_section must sum to the shrunk head dim",
     "kimi_linear": "linear-attention head/rope sizes inconsistent with the shrunk sizes (top-k index out of range)",
-    "lfm2_moe": "layer pattern fields (full_attn_idxs/layer_types) left None by the shrunk config",
     "longcat_flash": "MLA split sizes fixed independently of the shrunk head dims",
     "mimo_v2_flash": "per-layer attention head counts inconsistent with the shrunk sizes",
     "mistral4": "MLA rope head dim inconsistent with head_dim after the shrink",
@@ -91,11 +97,15 @@ NO_MOE_BLOCK = {
 # families whose blocks the transform must swap (at least one block of the tiny model; the rest left with a reason):
 # a regression that leaves one of these fails here rather than passing as "left"
 MUST_SWAP = {
-    "afmoe", "aria", "axk2", "cohere2_moe", "dbrx", "deepseek_v3", "exaone_moe", "flex_olmo", "glm4_moe",
-    "glm4_moe_lite", "glm4v_moe", "granitemoe", "granitemoe_swa", "granitemoeshared", "jamba", "laguna", "llama4",
-    "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "mixtral", "olmoe", "qwen2_moe",
-    "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open",
+    "afmoe", "aria", "axk2", "cohere2_moe", "dbrx", "deepseek_v3", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+    "gemma4", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "granitemoe", "granitemoe_swa", "granitemoeshared", "jamba",
+    "laguna", "lfm2_moe", "llama4", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "mixtral",
+    "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp",
+    "solar_open",
 }  # fmt: skip
+# of those, families whose experts are swapped alone (FlyExperts; the router stays stock): Gemma 4 inlines its MoE in
+# the decoder layer, with a router that normalises and scales its own input and each expert's weight
+EXPERTS_ONLY = {"gemma4"}
 
 
 def discover() -> dict[str, list[str]]:
@@ -154,13 +164,15 @@ def _model_class(family: str) -> tuple[str, str]:
     raise LookupError(f"{family}: no causal LM or base model class for model types {types}")
 
 
-def build(family: str, seed: int = 0) -> torch.nn.Module:
+def build(family: str, seed: int = 0, fields_set: dict | None = None) -> torch.nn.Module:
+    """The family's tiny model; ``fields_set``: config fields set after the shrink (nested dicts merged)."""
     from transformers.models.auto import configuration_auto
 
     model_type, model_cls = _model_class(family)
     config_cls = getattr(transformers, configuration_auto.CONFIG_MAPPING_NAMES[model_type])
     fields = _shrink(config_cls().to_dict(), family)
     _set_nested(fields, _NESTED.get(family, {}))
+    _set_nested(fields, fields_set or {})
     config = config_cls(**fields)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -203,19 +215,46 @@ def test_family_swapped_with_equal_numerics_or_left_with_reason(family):
         assert not blocks, f"{family} has MoE blocks now: remove it from NO_MOE_BLOCK"
         pytest.skip(f"no MoE block: {NO_MOE_BLOCK[family]}")
     assert blocks, f"{family}: tiny model has no {sorted(moe_classes)} module"
+    _check_transformed(family, model)
+
+
+# families whose experts take the config's activation (``ACT2FN[hidden_act]``), one per conversion path (a known
+# block, DeepSeek-V3's groups, a router module with the experts probe, a routing read off the router): built with GELU
+# experts instead, they swap with GeGLU experts and equal numerics too
+GELU_FAMILIES = ("mixtral", "deepseek_v3", "granitemoe", "minimax_m2")
+
+
+@pytest.mark.parametrize("hidden_act, activation", [("gelu", "gelu"), ("gelu_pytorch_tanh", "gelu_tanh")])
+@pytest.mark.parametrize("family", GELU_FAMILIES)
+def test_gelu_experts_swapped_with_equal_numerics(family, hidden_act, activation):
+    model = build(family, fields_set=dict(hidden_act=hidden_act))
+    summary = _check_transformed(family, model)
+    assert summary.swapped and not [r for _, c, r in summary.left if "RMSNorm" not in c], summary
+    assert {model.get_submodule(p).activation for p, _, _ in summary.swapped} == {activation}
+
+
+def _check_transformed(family: str, model: torch.nn.Module):
+    """Transform ``model`` (MoE only) and compare it with an untouched copy: logits, loss and every gradient."""
     ref = copy.deepcopy(model)
     summary = fly_lightning.transform(model, ops=["moe"])
     for path, _, reason in summary.left:
         assert reason, path
-    for path, _, matcher in summary.swapped:
-        assert isinstance(model.get_submodule(path), fly_lightning.FlyMoE) and matcher.startswith("moe:"), path
+    blocks = [p for p, _, m in summary.swapped if m != "moe:hf_experts"]
+    alone = [p for p, _, m in summary.swapped if m == "moe:hf_experts"]
+    for path in blocks:
+        assert isinstance(model.get_submodule(path), fly_lightning.FlyMoE), path
+    for path in alone:
+        assert isinstance(model.get_submodule(path), FlyExperts), path
+    assert bool(alone) == (family in EXPERTS_ONLY), summary.swapped
     if family in MUST_SWAP:
         assert summary.swapped, f"{family}: no block swapped ({summary.left})"
     ids = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
     fly_lightning.DISPATCH_LOG.reset()
     got, loss = _run(model, ids)
-    routed = sum(r["calls"] for r in fly_lightning.DISPATCH_LOG.records() if r["op"] == "moe_route")
-    assert routed == len(summary.swapped)  # every swapped block ran, through the dispatcher
+    calls = {op: sum(r["calls"] for r in fly_lightning.DISPATCH_LOG.records() if r["op"] == op)
+             for op in ("moe_route", "swiglu")}  # fmt: skip
+    assert calls["moe_route"] == len(blocks)  # every swapped block ran, through the dispatcher
+    assert calls["swiglu"] == len(summary.swapped)  # and every swapped experts container
     want, loss_ref = _run(ref, ids)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-5)
@@ -228,3 +267,4 @@ def test_family_swapped_with_equal_numerics_or_left_with_reason(family):
         assert (p.grad is None) == (p_ref.grad is None), name
         if p_ref.grad is not None:
             torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    return summary

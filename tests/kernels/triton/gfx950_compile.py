@@ -33,11 +33,11 @@ def rms_norm_unaligned(h: int) -> dict:
     return compile_gfx950(rms_norm._rms_norm_unaligned, sig, const, ("X", "W", "Y", "RSTD"), num_warps=4)
 
 
-def swiglu_fwd(i: int) -> dict:
+def swiglu_fwd(i: int, act: int = 0) -> dict:
     bt, bi = swiglu._plan(i)
     sig = dict(G="*bf16", stride_g="i32", U="*bf16", stride_u="i32", Y="*bf16", S="i32", N="i32")
     aligned = ("G", "U", "Y", "stride_g", "stride_u", "N")
-    return compile_gfx950(swiglu._swiglu_fwd, sig, dict(BT=bt, BI=bi), aligned, num_warps=4)
+    return compile_gfx950(swiglu._swiglu_fwd, sig, dict(BT=bt, BI=bi, ACT=act), aligned, num_warps=4)
 
 
 def combine(h: int, k: int) -> dict:
@@ -97,6 +97,8 @@ VARIANTS = {
     "rms_norm-unaligned-4097": lambda: rms_norm_unaligned(4097),
     "swiglu-768": lambda: swiglu_fwd(768),
     "swiglu-14336": lambda: swiglu_fwd(14336),
+    "swiglu-1536-gelu": lambda: swiglu_fwd(1536, act=1),
+    "swiglu-1536-gelu_tanh": lambda: swiglu_fwd(1536, act=2),
     "moe_combine-h2048-k8": lambda: combine(2048, 8),
     "moe_dispatch-h2048-k8": lambda: dispatch(2048, 8),
     "topk-128-k8-fp32": lambda: topk_fwd(128, 8, torch.float32),

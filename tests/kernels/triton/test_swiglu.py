@@ -43,3 +43,33 @@ def test_fallback_on_non_contiguous_last_dim():
     torch.testing.assert_close(fl.swiglu(hid), swiglu_reference(hid, None))
     reasons = fl.DISPATCH_LOG.summary()["swiglu"]["fallback_reasons"]
     assert any("last dim not contiguous" in r for r in reasons), reasons
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_geglu_matches_reference(activation, dtype):
+    hid = (torch.randn(33, 2 * 96) * 4).to(dtype)
+    y = swiglu_triton(hid, None, activation)
+    ref = swiglu_reference(hid, None, activation)
+    assert not torch.equal(ref, swiglu_reference(hid, None))  # another function than SiLU
+    if dtype == torch.float32:  # 1 + erf(x) cancels for x << 0: each erf's last-place error shows there, absolutely
+        torch.testing.assert_close(y, ref, rtol=2e-6, atol=1e-5)
+    else:  # the interpreter truncates where a GPU rounds: one unit in the last place
+        torch.testing.assert_close(y.float(), ref.float(), rtol=8e-3, atol=1e-3)
+    g, u = hid[:, :96].contiguous(), hid[:, 96:].contiguous()
+    assert torch.equal(swiglu_triton(g, u, activation), y)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_geglu_extremes(activation):
+    g = torch.tensor([[-1e4, -88.0, -5.0, 0.0, 5.0, 88.0, 1e4, float("inf"), float("nan"), -0.0]])
+    u = torch.full_like(g, 2.0)
+    torch.testing.assert_close(_run_act(g, u, activation), swiglu_reference(g, u, activation), equal_nan=True)
+
+
+def _run_act(gate, up, activation):
+    torch.use_deterministic_algorithms(True)
+    try:
+        return swiglu_triton(gate, up, activation)
+    finally:
+        torch.use_deterministic_algorithms(False)

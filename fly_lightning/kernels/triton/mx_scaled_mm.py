@@ -157,7 +157,8 @@ def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
     if (reason := device_reason(a, a_scale, b, b_scale)) is not None:
         return reason
     if ON_HIP:
-        return "ROCm (the kernel's bf16 conversion and MMA plan are for Hopper; gfx950 has MX MFMAs)"
+        # it builds for gfx950, but with SGPR spills in the wide plan (checked 2026-12-03): not compile-clean there
+        return "ROCm (plans tuned for Hopper; gfx950 builds spill SGPRs, and gfx950 has MX MFMAs of its own)"
     if a.is_cuda and torch.cuda.get_device_capability(a.device) < (9, 0):
         return "GPU older than sm90 (bf16 multiplies and wgmma; tested on sm90)"
     if a_fmt is None and a.dtype != torch.bfloat16:

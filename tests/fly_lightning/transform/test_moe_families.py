@@ -50,7 +50,9 @@ _OVERRIDES = {
     "zaya": dict(num_experts_per_tok=1),  # ZAYA supports top-1 routing only
     # LFM2-MoE's config leaves its layer pattern None (a checkpoint's sets it): a conv and an attention layer, both MoE
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=0),
-    # Gemma 4's text config has its MoE off and per-layer entries keyed by the full depth's layer indices
+    # Gemma 4's (and DiffusionGemma's) text config has its MoE off / unsized and per-layer entries keyed by the full
+    # depth's layer indices
+    "diffusion_gemma": dict(num_experts=E, top_k_experts=K, moe_intermediate_size=24, per_layer_config={}),
     "gemma4": dict(enable_moe_block=True, num_experts=E, top_k_experts=K, moe_intermediate_size=24, per_layer_config={},
                    vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8),
 }  # fmt: skip
@@ -68,7 +70,6 @@ _NESTED = {
 NOT_BUILT = {
     "deepseek_ocr2": "OCR model: the base model needs image inputs (fails on input_ids only)",
     "deepseek_v2": "routing needs topk_method/group fields the generic shrink leaves inconsistent (top-k None)",
-    "diffusion_gemma": "per_layer_config keyed by layer indices beyond the shrunk depth",
     "dots1": "config/weight init fails on the shrunk sizes (empty() called with a shape tuple)",
     "dots3_note": "per_layer_config keyed by layer indices beyond the shrunk depth",
     "ernie4_5_vl_moe": "moe_intermediate_size is a per-modality list (text, vision)",
@@ -97,15 +98,15 @@ NO_MOE_BLOCK = {
 # families whose blocks the transform must swap (at least one block of the tiny model; the rest left with a reason):
 # a regression that leaves one of these fails here rather than passing as "left"
 MUST_SWAP = {
-    "afmoe", "aria", "axk2", "cohere2_moe", "dbrx", "deepseek_v3", "ernie4_5_moe", "exaone_moe", "flex_olmo",
-    "gemma4", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "granitemoe", "granitemoe_swa", "granitemoeshared", "jamba",
-    "laguna", "lfm2_moe", "llama4", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "mixtral",
-    "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp",
-    "solar_open",
+    "afmoe", "aria", "axk2", "cohere2_moe", "dbrx", "deepseek_v3", "diffusion_gemma", "ernie4_5_moe", "exaone_moe",
+    "flex_olmo", "gemma4", "glm4_moe", "glm4_moe_lite", "glm4v_moe", "granitemoe", "granitemoe_swa", "granitemoeshared",
+    "jamba", "laguna", "lfm2_moe", "llama4", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2",
+    "mixtral", "olmoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe", "qwen3_next", "qwen3_omni_moe", "qwen3_vl_moe",
+    "qwen4_exp", "solar_open",
 }  # fmt: skip
-# of those, families whose experts are swapped alone (FlyExperts; the router stays stock): Gemma 4 inlines its MoE in
-# the decoder layer, with a router that normalises and scales its own input and each expert's weight
-EXPERTS_ONLY = {"gemma4"}
+# of those, families whose experts are swapped alone (FlyExperts; the router stays stock): Gemma 4 and DiffusionGemma
+# inline the MoE in the decoder layer, with a router that normalises and scales its own input and each expert's weight
+EXPERTS_ONLY = {"diffusion_gemma", "gemma4"}
 
 
 def discover() -> dict[str, list[str]]:

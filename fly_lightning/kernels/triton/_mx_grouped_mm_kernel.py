@@ -168,18 +168,32 @@ class MXGroupedMMConfig:
         )
 
 
-# Starting points for Hopper, by rows per group (not yet swept on the H200: see benchmarks/bench_mx_grouped_mm.py).
-SMALL_GROUPS = MXGroupedMMConfig(64, 128, 128, 8, 3, 4)
-LARGE_GROUPS = MXGroupedMMConfig(128, 128, 128, 8, 3, 8)
+# Hopper. From one sweep on the H200 (Triton 3.6; Qwen3-30B-A3B gate/up, Mixtral-8x7B down, OLMoE down with one expert
+# taking every row: 512 to 16384 rows per expert), TFLOP/s of the best configuration against 128x128x128 s3 w8:
+# MXFP8 x MXFP8 128x256x64 s3 171-175 (130), MXFP4 x MXFP4 128x256x128 s2 271-288, bf16 x MX (weight-only)
+# 256x128x64 s3 304-323 (fp8) and 391-401 (fp4). ptxas spills 8 bytes in the first two (e4m3 and e2m1, bf16 output),
+# which the sweep timed anyway. Groups of fewer than 96 rows (untimed): a 64-row tile.
+SMALL_GROUPS = MXGroupedMMConfig(64, 128, 64, 8, 4, 4)
+MX_MX = MXGroupedMMConfig(128, 256, 64, 8, 3, 8)
+MXFP4_MXFP4 = MXGroupedMMConfig(128, 256, 128, 8, 2, 8)
+WEIGHT_ONLY = MXGroupedMMConfig(256, 128, 64, 8, 3, 8)
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
 INTERPRETER_CONFIG = MXGroupedMMConfig(32, 32, 64, 2, 1, 4)
 INTERPRETER_PROGRAMS = 3
 
 
-def choose_config(m: int, e: int, on_cpu: bool) -> MXGroupedMMConfig:
+def choose_config(m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt: str = "") -> MXGroupedMMConfig:
+    """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats."""
     if on_cpu:
         return INTERPRETER_CONFIG
-    return SMALL_GROUPS if m / max(1, e) < 96 else LARGE_GROUPS
+    rows = m / max(1, e)
+    if rows < 96:
+        return SMALL_GROUPS
+    if x_fmt is None:
+        return WEIGHT_ONLY if rows >= 256 else MX_MX  # a 256-row tile wastes much of a smaller group
+    if x_fmt == w_fmt == "mxfp4_e2m1":
+        return MXFP4_MXFP4
+    return MX_MX
 
 
 @functools.cache
@@ -214,7 +228,7 @@ def launch(
     if k == 0:
         return out.zero_()  # rows past the last offset too: the product over an empty K is zero everywhere
     interp = x.device.type == "cpu"
-    cfg = config or choose_config(m, e, interp)
+    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt)
     if k % cfg.block_k:
         raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
     upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)

@@ -1,0 +1,48 @@
+"""Compile the MX grouped GEMM kernel for sm_90 without a GPU and report each variant as JSON (see ``_sm90.py``): every
+format pair in the configurations the launcher picks (few and many rows per group)."""
+
+from _sm90 import compile_sm90, report
+
+from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
+    FMT_CODE,
+    _mx_grouped_mm_kernel,
+    choose_config,
+)
+
+ROWS = {"small": 64, "large": 4096}  # rows per group: the launcher picks the plan from these and the formats
+PAIRS = {
+    "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),
+    "e5m2": ("mxfp8_e5m2", "mxfp8_e5m2"),
+    "fp4": ("mxfp4_e2m1", "mxfp4_e2m1"),
+    "w-e4m3": (None, "mxfp8_e4m3"),
+    "w-fp4": (None, "mxfp4_e2m1"),
+}
+
+
+def variant(pair: str, plan: str, out: str = "bf16") -> dict:
+    x_fmt, w_fmt = PAIRS[pair]
+    cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt)
+    fn = _mx_grouped_mm_kernel
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update(X="*bf16" if x_fmt is None else "*u8", XS="*bf16" if x_fmt is None else "*u8", W="*u8", WS="*u8",
+               OUT=f"*{out}", OFFS="*i32")  # fmt: skip
+    const = dict(
+        X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=1024, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, INTERPRET=False,
+    )  # fmt: skip
+    aligned = ("X", "XS", "W", "WS", "OUT", "OFFS", "N", "K", "stride_xm", "stride_xsm", "stride_we", "stride_wn",
+               "stride_wse", "stride_wsn", "stride_om")  # fmt: skip
+    kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    return dict(
+        spill_bytes=spill, registers=regs, shared=kernel.metadata.shared,
+        wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
+        async_copies=ttgir.count("ttg.async_copy_global_to_local"),
+    )  # fmt: skip
+
+
+VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in ROWS}
+VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
+
+if __name__ == "__main__":
+    report(VARIANTS)

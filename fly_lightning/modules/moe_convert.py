@@ -11,7 +11,9 @@ Recognised blocks:
   ``router.gate``, DBRX's ``router.layer``) over fused (``[E, 2I, H]``), transposed (Llama-4's ``[E, H, 2I]``) or DBRX
   experts, and ``gate`` routers with a score-correction bias but no DeepSeek-V3 group fields (MiniMax-M2, ...): their
   routing (softmax or sigmoid scores, renormalised or not, scaled, ranked with the bias) is read off the router's own
-  outputs on random tokens, in training and in eval mode, and must match one of the forms ``moe_route`` computes.
+  outputs on random tokens, in training and in eval mode, and must match one of the forms ``moe_route`` computes;
+  a renormalising router's epsilon (``w / (sum + eps)``: 1e-20, none, LFM2-MoE's 1e-6) is read off it on tokens with
+  tiny selected scores (``FlyMoE.renorm_eps``). Ernie 4.5's ``moe_statics`` correction bias is such a selection bias.
 
 DeepSeek-V3-style routers (sigmoid scores, correction bias, node-limited groups) map to ``FlyMoE``'s options.
 Anything else (biases, activations other than SiLU and GELU, router state it does not model, router jitter) raises

@@ -19,6 +19,12 @@ before the activation, an extra norm), so two checks follow:
   tokens scaled so that the expert pre-activations reach ~1e3 whatever the weights' scale, must match the
   replacement's SwiGLU experts: a clamp (HY-V4's at 10) that a freshly initialised model's activations never reach in
   the block probe would otherwise be swapped and give other numbers once training grows the weights.
+
+Experts alone: a transformers v5 experts container (``...Experts`` with 3-D ``gate_up_proj`` / ``down_proj``) that
+no recognised block encloses becomes ``FlyExperts`` (the router stays stock), after the same state check and a probe
+of the container on random tokens (half at pre-activations ~1e3) routed to every expert. Decoder layers (with a
+``self_attn``) are never blocks: Gemma 4 and DiffusionGemma inline their MoE there, with routers ``FlyMoE`` does not
+compute (a normalised, scaled router input and per-expert weight scales), so their experts are swapped alone.
 """
 
 from __future__ import annotations
@@ -306,6 +312,8 @@ def _probe_experts_alone(module: nn.Module, new: FlyExperts) -> None:
 
 def _build_experts(module: nn.Module) -> nn.Module:
     """A transformers v5 experts container whose block is not swapped (the router stays stock): ``FlyExperts``."""
+    if module._forward_hooks or module._forward_pre_hooks:
+        raise Unsupported("experts have forward hooks, which the swapped container would not fire")
     try:
         new = FlyExperts.from_module(module)
     except ValueError as exc:

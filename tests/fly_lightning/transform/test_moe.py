@@ -528,3 +528,7 @@ def test_experts_alone_that_compute_something_else_are_left():
     assert not summary.swapped
     ((path, _, reason),) = summary.left
     assert path == "layer.experts" and reason.startswith("probe: the experts compute something else"), reason
+    hooked = _GemmaLikeLayer("silu")
+    hooked.experts.register_forward_hook(lambda *args: None)
+    ((_, _, reason),) = fly_lightning.transform(nn.ModuleDict({"layer": hooked})).left
+    assert reason == "experts have forward hooks, which the swapped container would not fire", reason

@@ -253,6 +253,12 @@ def test_router_with_state_we_do_not_model_is_left_with_reason():
         num_attention_heads=2, num_key_value_heads=1, moe_num_experts=4, moe_k=2,
     )  # fmt: skip
     model = transformers.Ernie4_5_MoeForCausalLM(cfg)
+    for layer in model.model.layers:  # state the block does not model, beside the statics bias (which it does)
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.register_buffer("expert_usage", torch.zeros(4))
     summary = fly_lightning.transform(model)
     left = [why for _, cls, why in summary.left if cls == "Ernie4_5_MoeSparseMoeBlock"]
-    assert left and "moe_statics.e_score_correction_bias" in left[0]
+    assert left and left[0] == "router has state this block does not model: expert_usage", left
+    plain = transformers.Ernie4_5_MoeForCausalLM(cfg)  # Ernie 4.5's moe_statics bias alone: modelled, swapped
+    swapped = [p for p, cls, _ in fly_lightning.transform(plain).swapped if cls == "Ernie4_5_MoeSparseMoeBlock"]
+    assert swapped and "gate.moe_statics.e_score_correction_bias" in plain.get_submodule(swapped[0]).state_dict()

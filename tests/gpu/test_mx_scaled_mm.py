@@ -69,3 +69,32 @@ def test_zero_extreme_and_nan_scales(a_fmt, b_fmt):
     scale = want[finite].abs().amax()
     assert ((y - want)[finite].abs() <= 2e-5 * scale).all()
     assert torch.isfinite(y[:, 1]).all() and (y[:, 1].abs() > 1e20).any()
+
+
+@pytest.mark.parametrize("fp8_cvt", ["bits", "hw"])
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
+@pytest.mark.parametrize("m", [16, 300])
+def test_fp8_conversions_agree_on_every_code(fmt, m, fp8_cvt):
+    """Both fp8 conversions (bit placement, the default; float8 -> f16 instructions, the benchmark's alternative) on
+    data holding every code, NaN and inf included, in the plan the launcher picks for these rows."""
+    from dataclasses import replace
+
+    from fly_lightning.kernels.triton.mx_scaled_mm import launch, plan
+
+    n, k = 256, 512
+    codes = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8)
+    a = codes.repeat(m, k // 256).roll(1, 0)  # rows shifted so NaN codes do not line up everywhere
+    b = codes.repeat(n, k // 256)
+    a[:, :] = torch.where(torch.rand(m, k, device="cuda") < 0.999, a.roll(7, 1) & 0x7B, a)  # mostly finite codes
+    b = torch.where(torch.rand(n, k, device="cuda") < 0.999, b & 0x7B, b)
+    a_s = torch.randint(110, 140, (m, k // 32), device="cuda", dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    bs = torch.randint(110, 140, (n, k // 32), device="cuda", dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    dt = formats.FORMATS[fmt].torch_dtype
+    a, b = a.view(dt), b.view(dt)
+    cfg = replace(plan(m, n, k, fmt, fmt, a.device), fp8_cvt=fp8_cvt)
+    y = launch(a, a_s, fmt, b, bs, fmt, torch.float32, cfg)
+    want = mx_scaled_mm_reference(a, a_s, fmt, b, bs, fmt, torch.float32)
+    assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.isinf(), want.isinf())
+    finite = torch.isfinite(want)
+    assert finite.any()
+    assert ((y - want)[finite].abs() <= 2e-5 * want[finite].abs().amax()).all()

@@ -28,6 +28,9 @@ from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
 FMT_CODE = {None: 0, "mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
 K_ALIGN = 128  # the fast kernel's K granularity (BLOCK_K); the reference takes K % 32
+FP8_CVT = "bits"
+"""How ``plan`` converts fp8 elements: "bits" (integer bit placement, the tested default) or "hw" (the float8 -> f16
+conversion instructions; fewer instructions, lower issue rate: the benchmark's ``--fp8-cvt hw`` times it)."""
 
 
 @dataclass(frozen=True)
@@ -42,14 +45,18 @@ class MXMMConfig:
     group_m: int = 8
     swap: bool = False
     split_k: int = 1
+    fp8_cvt: str = "bits"  # "bits": integer bit placement; "hw": float8 -> f16 conversion instructions (GPU)
 
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}"
-        return s + ("-swap" if self.swap else "") + (f"-k{self.split_k}" if self.split_k > 1 else "")
+        s += ("-swap" if self.swap else "") + (f"-k{self.split_k}" if self.split_k > 1 else "")
+        return s + ("-hwcvt" if self.fp8_cvt == "hw" else "")
 
 
 @triton.jit
-def _load_tile(P, S, rows, s_rows, k0, FMT: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+def _load_tile(
+    P, S, rows, s_rows, k0, FMT: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, HW_CVT: tl.constexpr
+):
     """Rows ``rows`` (element offsets) x K ``[k0, k0 + BLOCK_K)`` of one operand, dequantised: bf16 (fp32 when
     interpreting, whose bf16 arithmetic and dot are unreliable)."""
     if FMT == 0:  # bf16 activations
@@ -63,7 +70,7 @@ def _load_tile(P, S, rows, s_rows, k0, FMT: tl.constexpr, BLOCK_K: tl.constexpr,
     else:
         s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
         x = tl.load(P + rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
-        x = dequant_fp8(x, s, FMT == 2, INTERPRET)
+        x = dequant_fp8(x, s, FMT == 2, INTERPRET, HW_CVT)
     return x
 
 
@@ -74,7 +81,7 @@ def _mx_mm_kernel(
     stride_am, stride_asm, stride_bn, stride_bsn, stride_om, stride_split,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SWAP: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr,
+    SWAP: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -99,8 +106,8 @@ def _mx_mm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET)
-        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET)
+        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT)
+        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT)
         if SWAP:
             acc = tl.dot(b, tl.trans(a), acc)
         else:
@@ -129,10 +136,10 @@ def plan(
         # split K until the weights are streamed by about two waves of programs, each keeping >= 4 K steps
         while tiles * split * 2 <= 2 * sms and k % (K_ALIGN * split * 2) == 0 and k // (split * 2) >= 4 * K_ALIGN:
             split *= 2
-        return MXMMConfig(bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=True, split_k=split)
+        return MXMMConfig(bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=True, split_k=split, fp8_cvt=FP8_CVT)
     if m <= 256:
-        return MXMMConfig(64, 128, K_ALIGN, num_warps=4, num_stages=4)
-    return MXMMConfig(128, 128, K_ALIGN, num_warps=8, num_stages=3)
+        return MXMMConfig(64, 128, K_ALIGN, num_warps=4, num_stages=4, fp8_cvt=FP8_CVT)
+    return MXMMConfig(128, 128, K_ALIGN, num_warps=8, num_stages=3, fp8_cvt=FP8_CVT)
 
 
 _SMS: dict[int, int] = {}
@@ -191,7 +198,7 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
             a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), dst, m, n, k,
             a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n,
             A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split, HW_CVT=cfg.fp8_cvt == "hw",
             INTERPRET=interpreting() and a.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if split > 1:

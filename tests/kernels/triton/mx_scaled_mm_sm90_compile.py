@@ -19,7 +19,7 @@ PAIRS = {
 }
 
 
-def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False) -> dict:
+def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt: bool = False) -> dict:
     a_fmt, b_fmt = PAIRS[pair]
     cfg = PLANS[plan]
     fn = _mx_mm_kernel
@@ -27,7 +27,7 @@ def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False) -> dict
     sig.update(A="*bf16" if a_fmt is None else "*u8", A_SCALE="*u8", B="*u8", B_SCALE="*u8", OUT=f"*{out}")
     const = dict(
         A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False,
+        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt,
     )  # fmt: skip
     aligned = ("A", "A_SCALE", "B", "B_SCALE", "OUT", "K", "stride_am", "stride_asm", "stride_bn", "stride_bsn")
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -44,6 +44,10 @@ def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False) -> dict
 
 VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in PLANS}
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
+# the fp8 conversion's two forms, with the static instruction count of the main loop (per thread and K step)
+for _pair in ("e4m3", "e5m2"):
+    VARIANTS[f"{_pair}-large-bits-loop"] = lambda p=_pair: variant(p, "large", loop=True)
+    VARIANTS[f"{_pair}-large-hwcvt-loop"] = lambda p=_pair: variant(p, "large", loop=True, hw_cvt=True)
 
 if __name__ == "__main__":
     report(VARIANTS)

@@ -6,10 +6,14 @@ interpreter."""
 
 def test_compiles_for_sm90(compiled_variants):
     results = compiled_variants("mx_scaled_mm_sm90_compile.py")
-    assert len(results) == 16
+    assert len(results) == 20
     for name, r in results.items():
         assert r["spill_bytes"] == 0, (name, r)
         assert r["wgmma"] > 0, (name, r)
         assert r["shared"] <= 232448, (name, r)  # H100/H200: 227 KB of shared memory per block
-        if name.endswith(("mid", "large", "fp32out")):
+        if "mid" in name or "large" in name:
             assert r["async_copies"] > 0, (name, r)
+    for pair in ("e4m3", "e5m2"):  # the conversion instructions take a third of the bit path's loop or less
+        bits, hw = results[f"{pair}-large-bits-loop"], results[f"{pair}-large-hwcvt-loop"]
+        assert 0 < hw["loop_instructions"] < bits["loop_instructions"] / 2, (bits, hw)
+        assert hw["loop_opcodes"].get("HMUL2", 0) > 0 and bits["loop_opcodes"].get("HMUL2", 0) > 0

@@ -35,7 +35,9 @@ def test_product_of_the_dequantised_operands(a_fmt, b_fmt):
     a, a_scale = (x, None) if a_fmt is None else fly_lightning.mx_cast(x, a_fmt)
     y = fly_lightning.mx_scaled_mm(a, b, b_scale, b_fmt, a_scale=a_scale, a_fmt=a_fmt, out_dtype=torch.float32)
     ref = mx_scaled_mm_reference(a, a_scale, a_fmt, b, b_scale, b_fmt, torch.float32)
-    assert y.shape == (40, 24) and torch.equal(y, ref)  # CPU: the ATen path multiplies in fp32, as the reference
+    # CPU: the ATen path (fp32, as the reference) or the Triton kernel in the interpreter (exact products, fp32 sums):
+    # the reference up to summation order
+    assert y.shape == (40, 24) and torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
     exact = x @ w.t()
     rel = ((y - exact).norm() / exact.norm()).item()
     # the element formats' rounding: 3 (e4m3), 2 (e5m2) or 1 (e2m1) mantissa bits

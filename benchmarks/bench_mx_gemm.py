@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 import fly_lightning
-from benchmarks.harness import Results, backend_of, geomean, interleaved_ms, rotation_count
+from benchmarks.harness import Results, backend_of, geomean, interleaved_ms, rotation_count, time_ms
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
 
 # (M, N, K): Llama-3-8B / 70B, Mistral, Qwen projections (qkv, o, gate/up, down) at prefill and decode token counts
@@ -53,6 +53,12 @@ SHAPES = [
 SMOKE_SHAPES = [(16, 64, 128), (40, 96, 256), (130, 64, 128)]
 FORMATS = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1"}
 GOALS = {"vs_bf16_m1024": 0.9, "vs_emulated": 1.5, "w4_vs_bf16_m64": 2.5}
+ALT_PLANS = [  # (block_m, block_n, block_k, warps, stages, swap): timed beside the plan at M >= LARGE_M (JSON details)
+    (128, 256, 128, 8, 3, False),
+    (128, 128, 128, 8, 4, True),
+    (128, 128, 64, 8, 4, False),
+    (64, 256, 128, 4, 3, True),
+]
 LARGE_M = 1024  # the vs-bf16 goal's rows
 SMALL_M = 64  # weight-only cases
 
@@ -134,6 +140,36 @@ def run_case(res: Results, m: int, n: int, k: int, kind: str, device: str, reps:
         row[f"x_vs_{name}"] = float(f"{ms[name] / ms['ours']:.4g}")
         row[f"q_x_vs_{name}"] = float(f"{ms[name] / ms['ours_q']:.4g}")
     res.add(**row)
+    if m >= LARGE_M and kind != "w4":
+        res.details.setdefault("plans", {})[row["case"]] = alt_plans(m, n, k, a_fmt, b_fmt, inputs, ms["ours"], ref)
+
+
+def alt_plans(m, n, k, a_fmt, b_fmt, inputs, ours_ms, ref) -> dict:
+    """Milliseconds of other launch plans on this case (and of each with the fp8 hardware conversion), for tuning
+    ``plan``; a plan that fails or disagrees with the reference is recorded as such."""
+    from dataclasses import replace
+
+    from fly_lightning.kernels.triton import mx_scaled_mm as kernel
+
+    base = kernel.plan(m, n, k, a_fmt, b_fmt, inputs[0][2].device)
+    out = {"plan": base.label(), "plan_ms": ours_ms}
+    cvts = ("bits", "hw") if a_fmt and a_fmt.startswith("mxfp8") else ("bits",)
+    for bm, bn, bk, warps, stages, swap in ALT_PLANS:
+        for cvt in cvts:
+            cfg = replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, swap=swap)
+            cfg = replace(cfg, fp8_cvt=cvt)
+
+            def fn(x, w, a, a_s, b, bs, cfg=cfg):
+                return kernel.launch(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, cfg)
+
+            try:
+                err = rel_err(fn(*inputs[0]), ref)
+                out[cfg.label()] = float(f"{time_ms(fn, inputs, warmup=3, reps=20)['median_ms']:.4g}")
+                if err > 1e-2:
+                    out[cfg.label()] = f"error {err:.3g}"
+            except Exception as exc:  # noqa: BLE001 (a plan that does not compile or fit is recorded, not fatal)
+                out[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    return out
 
 
 def summarise(res: Results) -> None:
@@ -179,6 +215,7 @@ def suite(
         "bf16: cuBLAS torch.mm; emulated: torchao MXTensor dequantise to bf16 + torch.mm (torchao's Hopper path)",
         "x_vs_*: baseline time / ours (above 1: ours faster); q_x_vs_*: the same with quantisation included",
         "geomeans: vs bf16 over M >= 1024, vs emulated over all 17; w4 (weight-only MXFP4) over M <= 64",
+        "details.plans (JSON): other launch plans timed at M >= 1024, for tuning the kernel's plan",
         "ours_hwcvt (MXFP8): the same plan, fp8 converted by float8 -> f16 instructions; hwcvt_x_vs_ours > 1: faster",
     ]
     return res

@@ -27,4 +27,8 @@ def test_suite_runs(monkeypatch):
     s = res.summary
     for key in ("mxfp8_geomean_vs_bf16_m1024", "mxfp4_geomean_vs_emulated", "mxfp8_q_geomean_vs_bf16_m1024"):
         assert s[key] > 0, key
+    plans = res.details["plans"]  # the alternative plans at "large" M (both MX kinds), each timed or its error named
+    assert set(plans) == {"mxfp8 40x16x128", "mxfp4 40x16x128"}
+    assert all(isinstance(v, float) and v > 0 for p in plans.values() for key, v in p.items() if key != "plan"), plans
+    assert len(plans["mxfp8 40x16x128"]) == 2 + 2 * len(bench_mx_gemm.ALT_PLANS)
     assert s["w4_geomean_vs_bf16_m64"] > 0 and s["max_err"] < 1e-2 and s["mxfp8_hwcvt_geomean_vs_ours"] > 0

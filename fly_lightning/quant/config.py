@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
@@ -54,6 +55,18 @@ class FlyMXConfig(AOBaseConfig):
         return MXSpec(self.weight, self.activation, self.mode)
 
 
+def torchao_quantized(module: nn.Module) -> str | None:
+    """What torchao converted ``module`` to (its module class, or its weight's tensor subclass, e.g. ``MXTensor`` from
+    ``MXDynamicActivationMXWeightConfig``), or None: such a layer already has its own quantized GEMM, and casting its
+    weight again would quantize twice."""
+    if type(module).__module__.startswith("torchao."):
+        return type(module).__name__
+    weight = getattr(module, "weight", None)
+    if isinstance(weight, torch.Tensor) and type(weight).__module__.startswith("torchao."):
+        return type(weight).__name__
+    return None
+
+
 def mx_filter(module: nn.Module, fqn: str) -> bool:
     """``quantize_``'s ``filter_fn`` for ``FlyMXConfig``: every ``nn.Linear`` and swapped MoE block, except the output
     head (``lm_head``) and routers (``gate``/``router``), which published MX recipes keep in high precision."""
@@ -68,6 +81,13 @@ def _swap_linear(module: nn.Module, config: FlyMXConfig) -> nn.Module:
     if isinstance(module, FlyMoE):
         return _mx_experts(module, config)
     if isinstance(module, FlyMXFrozenLinear) or not isinstance(module, nn.Linear):
+        return module
+    if (owner := torchao_quantized(module)) is not None:
+        warnings.warn(
+            f"FlyMXConfig: Linear({module.in_features}, {module.out_features}) left as it is: already quantized by "
+            f"torchao ({owner})",
+            stacklevel=2,
+        )
         return module
     if isinstance(module, FlyMXLinear) and not config.frozen:
         return module

@@ -32,6 +32,7 @@ SUITES = {
     "goal_bounds": "goal_bounds",
     "train_step": "bench_train_step",
     "cold_start": "bench_cold_start",
+    "mx_quality": "bench_mx_quality",
 }
 
 

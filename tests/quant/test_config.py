@@ -67,3 +67,15 @@ def test_invalid_config_is_named():
         FlyMXConfig(mode="even")
     with pytest.raises(ValueError, match="multiple of 32"):
         FlyMXLinear(40, 8)
+
+
+def test_layers_torchao_already_quantized_are_recognised_and_left():
+    mx = pytest.importorskip("torchao.prototype.mx_formats")
+    model = nn.Sequential(nn.Linear(64, 64, dtype=torch.bfloat16), nn.Linear(64, 32, dtype=torch.bfloat16))
+    quantize_(model, mx.MXDynamicActivationMXWeightConfig(), filter_fn=lambda m, fqn: fqn == "0")
+    converted = model[0].weight
+    with pytest.warns(UserWarning, match=r"Linear\(64, 64\) left as it is: already quantized by torchao \(MXTensor\)"):
+        quantize_(model, FlyMXConfig())
+    assert type(model[0]) is nn.Linear and model[0].weight is converted  # untouched: no second quantization
+    assert type(model[1]) is FlyMXLinear
+    assert fly_lightning.quant.config.torchao_quantized(model[1]) is None

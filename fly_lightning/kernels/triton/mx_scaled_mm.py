@@ -23,7 +23,7 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
-from fly_lightning.kernels.triton._support import ON_HIP, device_reason, interpreting, on_device
+from fly_lightning.kernels.triton._support import ON_HIP, device_reason, interpreting, on_device, opt_in_reason
 from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
 FMT_CODE = {None: 0, "mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
@@ -176,7 +176,7 @@ def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
         if t is not None and (reason := _copy_reason(name, t)) is not None:
             return reason
-    return True
+    return opt_in_reason("mx_scaled_mm", a) or True
 
 
 def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig | None = None) -> torch.Tensor:
@@ -209,7 +209,8 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
 @MX_SCALED_MM.implement(
     "triton",
     supports=_supports,
-    constraints="sm90+ (CUDA; ROCm on ATen); MXFP8 (e4m3/e5m2) x MXFP8, MXFP4 x MXFP4, bf16 x MX (weight-only); "
+    constraints="opt-in (select='measure' or op_backends); sm90+ (CUDA; ROCm on ATen); "
+    "MXFP8 (e4m3/e5m2) x MXFP8, MXFP4 x MXFP4, bf16 x MX (weight-only); "
     "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
     "bf16 MMAs with fp32 accumulation; few rows: operands swapped and K split",
 )

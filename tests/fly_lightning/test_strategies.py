@@ -105,6 +105,16 @@ def test_fsdp2_two_processes_gloo(tmp_path):
     torch.testing.assert_close(ours["val_losses"], stock["val_losses"], rtol=1e-4, atol=1e-5)
 
 
+def test_mx_training_converted_before_fsdp2_sharding_matches_ddp(tmp_path):
+    # FlyMXConfig through the strategy: Linears become FlyMXLinear before FSDP2 shards them; each forward casts the
+    # gathered weight, so the losses equal DDP's (which never shards) on the same data split
+    fsdp2, ddp = _run("flydsl_fsdp2", 2, tmp_path, "mx"), _run("flydsl_ddp", 2, tmp_path, "mx")
+    assert "FlyMXLinear" in fsdp2["modules"] and "FlyMXLinear" in ddp["modules"]
+    for out in (fsdp2, ddp):
+        assert out["dispatch"]["mx_scaled_mm"]["calls"] > 0 and out["dispatch"]["mx_cast"]["calls"] > 0
+    torch.testing.assert_close(fsdp2["losses"], ddp["losses"], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("flavour", ["ddp", "fsdp2"])
 def test_moe_model_two_processes_gloo_matches_stock(flavour, tmp_path):
     # a transformers Qwen3-MoE: 4 norms and a MoE block per layer plus the final norm swapped, then wrapped (DDP) or

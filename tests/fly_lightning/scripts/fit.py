@@ -1,9 +1,11 @@
 """A short Lightning fit used by the strategy tests, run as a subprocess (multi-process Lightning re-executes argv).
 
-    python fit.py STRATEGY DEVICES OUT.json [moe]
+    python fit.py STRATEGY DEVICES OUT.json [moe] [mx]
 
 STRATEGY is a registered name, ``stock_fsdp2``, or ``flydsl_tp`` / ``stock_tp`` (tensor parallel over all devices,
 sequence-parallel norms as in torchtitan, the plan applied by the user in ``configure_model``).
+
+``mx``: a ``flydsl*`` strategy gets ``quantization=FlyMXConfig()`` (converted before DDP wraps or FSDP2 shards).
 
 Writes the per-step losses, the strategy class, the dispatch summary and the transform summary of rank 0 to OUT.json.
 """
@@ -107,9 +109,9 @@ class TinyMoELM(TinyLM):
 
 def main() -> None:
     strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    name = strategy
+    name, extras = strategy, sys.argv[4:]
     torch.manual_seed(0)
-    model = TinyMoELM() if sys.argv[4:] == ["moe"] else TinyLM()
+    model = TinyMoELM() if "moe" in extras else TinyLM()
     data = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8, shuffle=False)
     if strategy == "stock_fsdp2":
@@ -119,6 +121,9 @@ def main() -> None:
         from fly_lightning.strategies import _auto_fully_shard
 
         model.configure_model = lambda: _auto_fully_shard(trainer.strategy, model)
+    elif "mx" in extras and strategy.startswith("flydsl"):
+        cls = L.strategies.StrategyRegistry[strategy]["strategy"]
+        strategy = cls(quantization=fly_lightning.FlyMXConfig(), report=False)
     elif strategy in ("flydsl_tp", "stock_tp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -150,6 +155,7 @@ def main() -> None:
                 "dispatch": fly_lightning.DISPATCH_LOG.summary(),
                 "swapped": [] if s is None else s.swapped,
                 "left": [] if s is None else s.left,
+                "modules": sorted({type(m).__name__ for m in model.modules()}),
             },
             open(out, "w"),
         )

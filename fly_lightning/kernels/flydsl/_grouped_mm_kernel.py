@@ -34,15 +34,17 @@ under 2**31 bytes.
 Only compiled here (no AMD GPU): ``compile_grouped_mm`` runs in a subprocess.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 try:  # inside the package
     from .. import outputs
+    from . import _batch
     from . import _toolchain as compile_check
 except ImportError:  # loaded by file path in the compile child (keeps the child free of fly_lightning imports)
+    import _batch
     import _toolchain as compile_check
 
     outputs = compile_check.outputs_module()
@@ -393,52 +395,24 @@ def _example_args(plan: Plan, device: str = "cpu", rows: int = 300) -> tuple:
 
 def _compile_here(plan: dict, export: bool) -> dict[str, Any]:
     """Runs inside compile_check's child process."""
-    p = Plan(**plan)
-    facts = compile_check.compile_and_collect(
-        build_grouped_mm(p), _example_args(p), export_name=KERNEL_NAME if export else None
+    return _batch.compile_plan_here(
+        build_grouped_mm, _example_args, Plan(**plan), export_name=KERNEL_NAME if export else None
     )
-    facts["plan"] = asdict(p)
-    return facts
 
 
-def _compile_many_here(plans: list[dict]) -> dict[str, Any]:
-    """Runs inside compile_check's child: several specializations in one process (one import of torch + FlyDSL).
-
-    Every compile dumps into the same kernel folder, so each one starts from an empty dump folder and its ``.s`` is
-    moved to ``<cwd>/<index>.s`` before the next.
-    """
-    import os
-    import shutil
-    from pathlib import Path
-
-    dump_dir = Path(os.environ["FLYDSL_DUMP_DIR"])
-    results = []
-    for i, plan in enumerate(plans):
-        shutil.rmtree(dump_dir, ignore_errors=True)
-        try:
-            facts = _compile_here(plan, export=False)
-        except Exception as exc:  # noqa: BLE001 - one failed plan is a result, not a crash of the batch
-            facts = {"ok": False, "reason": f"{type(exc).__name__}: {exc}", "plan": plan}
-        if facts.get("asm_path"):
-            kept = Path(os.getcwd()) / f"{i}.s"
-            shutil.move(facts["asm_path"], kept)
-            facts["asm_path"] = str(kept)
-        results.append(facts)
-    return {"ok": all(r["ok"] for r in results), "results": results}
+def _spec_plan(spec: dict[str, Any]) -> Plan:
+    s = {"out_dtype": None, "k_major": True, "tile": "128x128", **spec}
+    ok, reason = supports(s["K"], s["N"], s["E"], s["dtype"], s["out_dtype"], s["k_major"])
+    if not ok:
+        raise ValueError(reason)
+    return make_plan(s["K"], s["N"], s["E"], s["dtype"], s["out_dtype"], s["k_major"], s["tile"])
 
 
 def compile_grouped_mm_many(specs: list[dict[str, Any]], out_dir: str | None = None) -> dict[str, Any]:
     """Compile several specializations in one child process; ``specs`` hold ``compile_grouped_mm``'s arguments
     (``K``, ``N``, ``E``, ``dtype``, optional ``out_dtype``, ``k_major``, ``tile``). Returns ``{"ok", "results"}``,
     one facts dict per spec, in order; an unsupported spec raises ``ValueError``."""
-    plans = []
-    for spec in specs:
-        s = {"out_dtype": None, "k_major": True, "tile": "128x128", **spec}
-        ok, reason = supports(s["K"], s["N"], s["E"], s["dtype"], s["out_dtype"], s["k_major"])
-        if not ok:
-            raise ValueError(reason)
-        plans.append(asdict(make_plan(s["K"], s["N"], s["E"], s["dtype"], s["out_dtype"], s["k_major"], s["tile"])))
-    return compile_check.run_compile_in_subprocess(__file__, "_compile_many_here", {"plans": plans}, out_dir=out_dir)
+    return _batch.compile_many(__file__, _spec_plan, specs, out_dir)
 
 
 def compile_grouped_mm(
@@ -464,11 +438,7 @@ def compile_grouped_mm(
     if tile not in TILES:
         return {"ok": False, "supported": False, "reason": f"tile {tile!r} not in {sorted(TILES)}"}
     plan = make_plan(K, N, E, dtype, out_dtype, k_major, tile)
-    facts = compile_check.run_compile_in_subprocess(
-        __file__, "_compile_here", {"plan": asdict(plan), "export": export}, out_dir=out_dir, all_stages=all_stages
-    )
-    facts["supported"] = True
-    return facts
+    return _batch.compile_one(__file__, plan, out_dir=out_dir, export=export, all_stages=all_stages)
 
 
 def weight_layout(w: torch.Tensor) -> bool | None:

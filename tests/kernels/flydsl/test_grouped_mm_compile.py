@@ -10,16 +10,22 @@ tests skip with the reason.
 """
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from benchmarks.grouped_mm_cases import cases
 from fly_lightning.kernels.flydsl import _grouped_mm_kernel as gmm
-from fly_lightning.kernels.flydsl import _toolchain as compile_check
-
-GFX950_TARGET = re.compile(r'^\s*\.amdgcn_target\s+"amdgcn-amd-amdhsa-[a-z]*-gfx950"', re.MULTILINE)
+from tests.kernels.flydsl._compile_util import (
+    OnRocm,
+    backward_branches,
+    check_gfx950_facts,
+    check_refuses_other_amd_arch,
+    compile_cases,
+    print_isa_summary,
+    trace_launches,
+)
+from tests.kernels.flydsl._compile_util import ops as _all_ops
 
 
 def _suite_specs() -> list[dict]:
@@ -59,34 +65,20 @@ def test_suite_specialisations_are_the_distinct_kernel_keys():
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    problem = compile_check.toolchain_problem()
-    if problem:
-        pytest.skip(f"FlyDSL compile checks cannot run: {problem}")
-    specs = [{k: v for k, v in s.items() if k != "case"} for s in ALL]
-    facts = gmm.compile_grouped_mm_many(specs, out_dir=str(tmp_path_factory.mktemp("grouped_mm")))
-    assert "results" in facts, facts.get("reason", "") + facts.get("stderr_tail", "")
-    assert len(facts["results"]) == len(ALL)
-    return facts["results"]
+    return compile_cases(gmm.compile_grouped_mm_many, ALL, tmp_path_factory.mktemp("grouped_mm"))
 
 
 def _ops(asm: str, prefix: str) -> set[str]:
-    return set(re.findall(rf"^\s+({prefix}\S*)", asm, re.MULTILINE))
+    return set(_all_ops(asm, prefix))
 
 
 @pytest.mark.parametrize("i", range(len(ALL)), ids=[s["case"] for s in ALL])
 def test_grouped_mm_compiles_for_gfx950(compiled, i):
     spec, facts = ALL[i], compiled[i]
-    assert facts["ok"], facts.get("reason", "")
+    # Also registers: nothing spilled, no scratch; accumulators + prefetch fit the 512-register budget of a lane.
+    asm = check_gfx950_facts(facts, gmm.KERNEL_NAME)
     plan = facts["plan"]
     assert (plan["K"], plan["N"], plan["E"], plan["k_major"]) == (spec["K"], spec["N"], spec["E"], spec["k_major"])
-    asm = Path(facts["asm_path"]).read_text()
-    assert GFX950_TARGET.search(asm) and "gfx942" not in asm
-    assert facts["kernel_name"].startswith(gmm.KERNEL_NAME)
-    assert facts["wavefront_size"] == 64 and facts["max_flat_workgroup_size"] == 256
-
-    # Registers: nothing spilled, no scratch; accumulators + prefetch fit the 512-register budget of a lane.
-    assert facts["scratch_bytes"] == 0 and facts["vgpr_spill_count"] == 0 and facts["sgpr_spill_count"] == 0
-    assert facts["vgpr_count"] + facts["agpr_count"] <= 256
 
     # The MFMA: only the gfx950 16x16x32 16-bit one, at least one K tile's worth (2 K steps x MI x NI per wave).
     mfma = "v_mfma_f32_16x16x32_bf16" if spec["dtype"] == torch.bfloat16 else "v_mfma_f32_16x16x32_f16"
@@ -114,11 +106,7 @@ def test_grouped_mm_compiles_for_gfx950(compiled, i):
         assert cvt in asm
 
     # A runtime K loop (a backward branch; code size independent of K) with the two barriers of one LDS stage.
-    labels = {m.group(1): m.start() for m in re.finditer(r"^(\.LBB\d+_\d+):", asm, re.MULTILINE)}
-    back = [
-        m for m in re.finditer(r"s_cbranch_\w+\s+(\.LBB\d+_\d+)", asm) if labels.get(m.group(1), 1 << 62) < m.start()
-    ]
-    assert back, "no backward branch: the K loop was unrolled or is missing"
+    assert backward_branches(asm), "no backward branch: the K loop was unrolled or is missing"
     assert asm.count("s_barrier") >= 2
     assert facts["num_instructions"] < 2500
     # The K tail is zeroed with selects only when K % 64 != 0.
@@ -127,14 +115,7 @@ def test_grouped_mm_compiles_for_gfx950(compiled, i):
 
 def test_isa_facts_summary(compiled):
     """One line per specialisation (shown with -s): the numbers the report quotes."""
-    for spec, f in zip(ALL, compiled, strict=True):
-        assert f["ok"]
-        asm = Path(f["asm_path"]).read_text()
-        print(
-            f"{spec['case']:<32} vgpr={f['vgpr_count']} agpr={f['agpr_count']} sgpr={f['sgpr_count']} "
-            f"lds={f['lds_bytes']} scratch={f['scratch_bytes']} mfma={len(re.findall(r'v_mfma_f32_16x16x32', asm))} "
-            f"compile_s={f['compile_s']}"
-        )
+    print_isa_summary(ALL, compiled, lambda f, asm: f"mfma={len(re.findall(r'v_mfma_f32_16x16x32', asm))}")
 
 
 # ------------------------------------------------------------------ unsupported inputs and the support predicate
@@ -164,17 +145,6 @@ def test_size_limit_and_tile_choice():
     assert gmm.constraints()["arch"] == "gfx950"
 
 
-class _OnRocm:
-    """A CPU tensor standing in for one on a ROCm GPU (none here): what the registered predicate reads."""
-
-    def __init__(self, t):
-        self._t = t
-        self.device = torch.device("cuda", 0)
-
-    def __getattr__(self, name):
-        return getattr(self._t, name)
-
-
 def _operands(m=64, k=256, n=128, e=4, dtype=torch.bfloat16, k_major=True):
     x = torch.empty(m, k, dtype=dtype)
     w = torch.empty(e, n, k, dtype=dtype).transpose(1, 2) if k_major else torch.empty(e, k, n, dtype=dtype)
@@ -182,7 +152,7 @@ def _operands(m=64, k=256, n=128, e=4, dtype=torch.bfloat16, k_major=True):
 
 
 def _rocm(x, w, offs):
-    return _OnRocm(x), _OnRocm(w), _OnRocm(offs)
+    return OnRocm(x), OnRocm(w), OnRocm(offs)
 
 
 @pytest.mark.parametrize(
@@ -214,11 +184,7 @@ def test_registered_support_predicate(monkeypatch, make, out_dtype, expect):
 def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):
     from fly_lightning.kernels.flydsl import grouped_mm as backend
 
-    monkeypatch.setattr(torch.version, "hip", "7.0")
-    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx942")
-    assert "gfx942" in backend._supports(*_rocm(*_operands()), None)
-    monkeypatch.setattr(torch.version, "hip", None)  # a CUDA build: refused before the arch is looked at
-    assert backend._supports(*_rocm(*_operands()), None) == "tensor not on a ROCm device"
+    check_refuses_other_amd_arch(monkeypatch, backend, (*_rocm(*_operands()), None))
 
 
 def test_registered_as_compile_only():
@@ -260,14 +226,7 @@ def trace_launches():
 
 
 def test_launch_function_traces_and_compiles(tmp_path):
-    problem = compile_check.toolchain_problem()
-    if problem:
-        pytest.skip(f"FlyDSL compile checks cannot run: {problem}")
-    (tmp_path / "launch_mod.py").write_text(LAUNCH_MODULE)
-    facts = compile_check.run_compile_in_subprocess(
-        str(tmp_path / "launch_mod.py"), "trace_launches", {}, out_dir=str(tmp_path)
-    )
-    assert facts["ok"], facts.get("reason", "") + facts.get("stderr_tail", "")
+    facts = trace_launches(tmp_path, LAUNCH_MODULE)
     assert facts["keys"] == [
         "(256, 128, 4, torch.bfloat16, torch.bfloat16, True, '64x128')",
         "(256, 128, 4, torch.float16, torch.float32, False, '64x128')",

@@ -12,15 +12,22 @@ ld.lld the compile tests skip with the reason.
 """
 
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as mxk
-from fly_lightning.kernels.flydsl import _toolchain as compile_check
+from tests.kernels.flydsl._compile_util import (
+    OnRocm,
+    backward_branches,
+    check_gfx950_facts,
+    check_refuses_other_amd_arch,
+    compile_cases,
+    print_isa_summary,
+    trace_launches,
+)
+from tests.kernels.flydsl._compile_util import ops as _ops
 
-GFX950_TARGET = re.compile(r'^\s*\.amdgcn_target\s+"amdgcn-amd-amdhsa-[a-z]*-gfx950"', re.MULTILINE)
 F8, F8E5, F4 = "mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"
 
 # (name, N, K): projections of [tokens, K] activations by an [N, K] weight
@@ -45,34 +52,15 @@ SPECS += [
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    problem = compile_check.toolchain_problem()
-    if problem:
-        pytest.skip(f"FlyDSL compile checks cannot run: {problem}")
-    specs = [{k: v for k, v in s.items() if k != "case"} for s in SPECS]
-    facts = mxk.compile_mx_scaled_mm_many(specs, out_dir=str(tmp_path_factory.mktemp("mx_scaled_mm")))
-    assert "results" in facts, facts.get("reason", "") + facts.get("stderr_tail", "")
-    assert len(facts["results"]) == len(SPECS)
-    return facts["results"]
-
-
-def _ops(asm: str, prefix: str) -> list[str]:
-    return re.findall(rf"^\s+({prefix}\S*)", asm, re.MULTILINE)
+    return compile_cases(mxk.compile_mx_scaled_mm_many, SPECS, tmp_path_factory.mktemp("mx_scaled_mm"))
 
 
 @pytest.mark.parametrize("i", range(len(SPECS)), ids=[s["case"] for s in SPECS])
 def test_mx_scaled_mm_compiles_for_gfx950(compiled, i):
     spec, facts = SPECS[i], compiled[i]
-    assert facts["ok"], facts.get("reason", "")
+    asm = check_gfx950_facts(facts, mxk.KERNEL_NAME)  # also: nothing spilled, no scratch
     plan = facts["plan"]
     assert (plan["N"], plan["K"], plan["a_fmt"], plan["b_fmt"]) == (spec["N"], spec["K"], spec["a_fmt"], spec["b_fmt"])
-    asm = Path(facts["asm_path"]).read_text()
-    assert GFX950_TARGET.search(asm) and "gfx942" not in asm
-    assert facts["kernel_name"].startswith(mxk.KERNEL_NAME)
-    assert facts["wavefront_size"] == 64 and facts["max_flat_workgroup_size"] == 256
-
-    # Registers: nothing spilled, no scratch.
-    assert facts["scratch_bytes"] == 0 and facts["vgpr_spill_count"] == 0 and facts["sgpr_spill_count"] == 0
-    assert facts["vgpr_count"] + facts["agpr_count"] <= 256
 
     # Only the scaled MFMA, A operand = b (cbsz), B operand = a (blgp), each with its format code; both scale
     # operands are VGPRs (an omitted scale would be a constant or the data register) with op_sel 0 (the low byte).
@@ -122,11 +110,7 @@ def test_mx_scaled_mm_compiles_for_gfx950(compiled, i):
 
     # A runtime K loop (a backward branch; code size independent of K), or, for a few K stages, LLVM's full unroll
     # (exactly one MFMA step per K step then), with the two barriers of one LDS stage.
-    labels = {m.group(1): m.start() for m in re.finditer(r"^(\.LBB\d+_\d+):", asm, re.MULTILINE)}
-    back = [
-        m for m in re.finditer(r"s_cbranch_\w+\s+(\.LBB\d+_\d+)", asm) if labels.get(m.group(1), 1 << 62) < m.start()
-    ]
-    if not back:
+    if not backward_branches(asm):
         assert plan["k_tiles"] <= 8 and steps == plan["k_tiles"] * plan["k_steps"], "K loop missing or mangled"
     assert asm.count("s_barrier") >= 2
     assert facts["num_instructions"] < 2000
@@ -134,14 +118,7 @@ def test_mx_scaled_mm_compiles_for_gfx950(compiled, i):
 
 def test_isa_facts_summary(compiled):
     """One line per specialisation (shown with -s): the numbers the notes quote."""
-    for spec, f in zip(SPECS, compiled, strict=True):
-        assert f["ok"]
-        asm = Path(f["asm_path"]).read_text()
-        print(
-            f"{spec['case']:<34} vgpr={f['vgpr_count']} agpr={f['agpr_count']} sgpr={f['sgpr_count']} "
-            f"lds={f['lds_bytes']} scratch={f['scratch_bytes']} mfma={asm.count(mxk.MFMA)} "
-            f"steps/stage={f['plan']['k_steps']} compile_s={f['compile_s']}"
-        )
+    print_isa_summary(SPECS, compiled, lambda f, asm: f"mfma={asm.count(mxk.MFMA)} steps/stage={f['plan']['k_steps']}")
 
 
 # ------------------------------------------------------------------ unsupported inputs and the support predicate
@@ -175,17 +152,6 @@ def test_size_limit_tile_choice_and_stages():
     assert mxk.constraints()["arch"] == "gfx950"
 
 
-class _OnRocm:
-    """A CPU tensor standing in for one on a ROCm GPU (none here): what the registered predicate reads."""
-
-    def __init__(self, t):
-        self._t = t
-        self.device = torch.device("cuda", 0)
-
-    def __getattr__(self, name):
-        return getattr(self._t, name)
-
-
 def _mx(rows, k, fmt):
     data = (
         torch.zeros(rows, k // 2, dtype=torch.uint8)
@@ -199,7 +165,7 @@ def _operands(m=64, n=256, k=512, a_fmt=F8, b_fmt=F8, out_dtype=torch.bfloat16, 
     a, a_s = _mx(m, k, a_fmt) if a_fmt else (torch.zeros(m, k, dtype=torch.bfloat16), None)
     b, b_s = _mx(n, k, b_fmt)
     if rocm:
-        a, b = _OnRocm(a), _OnRocm(b)
+        a, b = OnRocm(a), OnRocm(b)
     return a, a_s, a_fmt, b, b_s, b_fmt, out_dtype
 
 
@@ -219,13 +185,13 @@ def _replace(ops, i, t):
         (lambda: _operands(a_fmt=None), "weight-only"),
         (lambda: _operands(k=480), "K=480"),
         (lambda: _operands(n=250), "N=250"),
-        (lambda: _replace(_operands(), 0, _OnRocm(_mx(64, 1024, F8)[0][:, ::2])), "a not contiguous"),
+        (lambda: _replace(_operands(), 0, OnRocm(_mx(64, 1024, F8)[0][:, ::2])), "a not contiguous"),
         (lambda: _replace(_operands(), 4, _mx(512, 512, F8)[1][::2]), "b_scale not contiguous"),
         (
             lambda: _replace(
                 _operands(),
                 3,
-                _OnRocm(torch.zeros(256 * 512 + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(256, 512)),
+                OnRocm(torch.zeros(256 * 512 + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(256, 512)),
             ),
             "b not 16-byte aligned",
         ),
@@ -243,11 +209,7 @@ def test_registered_support_predicate(monkeypatch, make, expect):
 def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):
     from fly_lightning.kernels.flydsl import mx_scaled_mm as backend
 
-    monkeypatch.setattr(torch.version, "hip", "7.0")
-    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx942")
-    assert "gfx942" in backend._supports(*_operands())
-    monkeypatch.setattr(torch.version, "hip", None)  # a CUDA build: refused before the arch is looked at
-    assert backend._supports(*_operands()) == "tensor not on a ROCm device"
+    check_refuses_other_amd_arch(monkeypatch, backend, _operands())
 
 
 def test_registered_as_compile_only():
@@ -299,14 +261,7 @@ def trace_launches():
 
 
 def test_launch_function_traces_and_compiles(tmp_path):
-    problem = compile_check.toolchain_problem()
-    if problem:
-        pytest.skip(f"FlyDSL compile checks cannot run: {problem}")
-    (tmp_path / "launch_mod.py").write_text(LAUNCH_MODULE)
-    facts = compile_check.run_compile_in_subprocess(
-        str(tmp_path / "launch_mod.py"), "trace_launches", {}, out_dir=str(tmp_path)
-    )
-    assert facts["ok"], facts.get("reason", "") + facts.get("stderr_tail", "")
+    facts = trace_launches(tmp_path, LAUNCH_MODULE)
     assert facts["keys"] == [
         "(256, 512, 'mxfp8_e4m3', 'mxfp8_e4m3', torch.bfloat16, '128x128')",
         "(132, 512, 'mxfp4_e2m1', 'mxfp4_e2m1', torch.float32, '64x128')",

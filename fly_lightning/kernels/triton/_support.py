@@ -32,8 +32,9 @@ def device_reason(*tensors: torch.Tensor | None) -> str | None:
 def opt_in_reason(op: str, t: torch.Tensor) -> str | None:
     """Why a GPU kernel not measured faster than ATen's path yet is passed over, or None when the policy asks for it:
     ``select="measure"`` (timed against ATen per shape) or an ``op_backends`` entry for ``op``. The MX GEMMs
-    dequantise in registers: the grouped one ran at 0.25-0.4x the bf16 grouped GEMM's rate on the H200, below ATen's
-    dequantise-then-cuBLAS path on compute-bound shapes. The CPU interpreter (tests) always runs the kernel."""
+    dequantise in registers, which a probe on the H200 (not a committed suite: ``bench_mx_gemm``,
+    ``bench_mx_grouped_mm``) put at 0.25-0.4x the bf16 GEMM rate, below ATen's dequantise-then-cuBLAS path on
+    compute-bound shapes. The CPU interpreter (tests) always runs the kernel."""
     if t.device.type == "cpu":
         return None
     config = get_dispatch_config()

@@ -81,6 +81,7 @@ class MXTarget:
     dtype: torch.dtype  # the original (or master) weights' dtype
     get: Callable[[], tuple[Tensor, Tensor]] = field(repr=False)  # -> (data, scale), uint8
     set: Callable[[Tensor, Tensor], None] = field(repr=False)  # (data, scale) uint8 -> model
+    tensors: tuple[Tensor, ...] = field(default=(), repr=False)  # the model's tensors behind it (sharding check)
 
     def tensor_shapes(self) -> tuple[list[int], list[int]]:
         *lead, k = self.shape
@@ -135,18 +136,18 @@ def _linear_target(fqn: str, m: nn.Module) -> MXTarget:
             m.weight_scale.copy_(scale)
 
         get = lambda: (m.weight_data, m.weight_scale)  # noqa: E731
-        return MXTarget(key, "linear", m.spec.weight, m.spec.mode, [m.out_features, m.in_features], m.dtype, get, put)
+        shape = [m.out_features, m.in_features]
+        return MXTarget(key, "linear", m.spec.weight, m.spec.mode, shape, m.dtype, get, put, get())
     w = m.weight
 
     def put_master(data: Tensor, scale: Tensor) -> None:
-        _refuse_sharded(key, w)
         w.copy_(master_values(data.to(w.device), scale.to(w.device), m.spec.weight, m.spec.mode))
 
     def cast() -> tuple[Tensor, Tensor]:
         _refuse_sharded(key, w)
         return quantize_rows(w, m.spec.weight, m.spec.mode)
 
-    return MXTarget(key, "linear", m.spec.weight, m.spec.mode, list(w.shape), w.dtype, cast, put_master)
+    return MXTarget(key, "linear", m.spec.weight, m.spec.mode, list(w.shape), w.dtype, cast, put_master, (w,))
 
 
 def _expert_targets(fqn: str, moe: FlyMoE) -> list[MXTarget]:
@@ -164,7 +165,7 @@ def _expert_targets(fqn: str, moe: FlyMoE) -> list[MXTarget]:
             get = lambda data=data, scale=scale: (data, scale)  # noqa: E731
             spec = experts.spec
             out.append(MXTarget(f"{base}.{name}", "experts", spec.weight, spec.mode, experts.shapes[name],
-                                experts.dtype, get, put))  # fmt: skip
+                                experts.dtype, get, put, (data, scale)))  # fmt: skip
         return out
     mx = moe.mx
     gate_up, up, down = experts.projections()
@@ -177,13 +178,12 @@ def _expert_targets(fqn: str, moe: FlyMoE) -> list[MXTarget]:
             _refuse_sharded(key, w)
             return quantize_rows(w.transpose(1, 2), mx.weight_fmt, mx.mode)
 
-        def put(d: Tensor, s: Tensor, w: Tensor = w_EKN, key: str = key) -> None:
-            _refuse_sharded(key, w)
+        def put(d: Tensor, s: Tensor, w: Tensor = w_EKN) -> None:
             rows = master_values(d.to(w.device), s.to(w.device), mx.weight_fmt, mx.mode)
             w.copy_(rows.transpose(1, 2))  # a view of the master parameter: writes through
 
         shape = list(w_EKN.transpose(1, 2).shape)
-        out.append(MXTarget(key, "experts", mx.weight_fmt, mx.mode, shape, w_EKN.dtype, cast, put))
+        out.append(MXTarget(key, "experts", mx.weight_fmt, mx.mode, shape, w_EKN.dtype, cast, put, (w_EKN,)))
     return out
 
 
@@ -317,12 +317,19 @@ def _check_entry(path: Path, t: MXTarget, entry: object, handle) -> None:
             )
 
 
+def _read_checked(path: Path, key: str, entry: dict, handle) -> tuple[Tensor, Tensor]:
+    data, scale = handle.get_tensor(f"{key}.data"), handle.get_tensor(f"{key}.scale")
+    if entry.get("crc32") != [_crc(data), _crc(scale)]:
+        raise MXCheckpointError(f"MX checkpoint {path}: {key}: the bytes do not match their CRC-32 (corrupted)")
+    return data, scale
+
+
 def load_mx_checkpoint(model: nn.Module, path: str | os.PathLike, *, strict: bool = True) -> MXLoadResult:
     """Read ``path`` (written by ``save_mx_checkpoint``) into ``model``, converted by ``FlyMXConfig`` the same way
     (same formats, scale mode and shapes; training or frozen mode, either way round).
 
     Every key's metadata, tensor names, dtypes and shapes are checked before anything is written; with ``strict``
-    (the default) the file and the model must hold the same keys. Each tensor's CRC-32 is checked as it is read.
+    (the default) the file and the model must hold the same keys. Each tensor's CRC-32 is checked in that first pass.
     Raises ``MXCheckpointError`` naming the problem.
     """
     path = Path(path)
@@ -342,13 +349,11 @@ def _load(path: Path, targets: dict[str, MXTarget], handle, weights: dict, stric
             f"{' ...' if len(unexpected) > 8 else ''} ({len(missing)} and {len(unexpected)})"
         )
     keys = [k for k in targets if k in weights]
-    for key in keys:
+    for key in keys:  # everything checked, bytes included, before the model is touched (read twice: no copy kept)
+        _refuse_sharded(key, *targets[key].tensors)
         _check_entry(path, targets[key], weights[key], handle)
+        _read_checked(path, key, weights[key], handle)
     with torch.no_grad():
         for key in keys:
-            data, scale = handle.get_tensor(f"{key}.data"), handle.get_tensor(f"{key}.scale")
-            crc = weights[key].get("crc32")
-            if crc != [_crc(data), _crc(scale)]:
-                raise MXCheckpointError(f"MX checkpoint {path}: {key}: the bytes do not match their CRC-32 (corrupted)")
-            targets[key].set(data, scale)
+            targets[key].set(*_read_checked(path, key, weights[key], handle))
     return MXLoadResult(keys, missing, unexpected)

@@ -213,6 +213,23 @@ def test_corrupted_files_raise(tmp_path):
             load_mx_checkpoint(net, bad)
 
 
+def test_a_corrupted_last_tensor_leaves_every_weight_untouched(tmp_path):
+    path = tmp_path / "mx.safetensors"
+    save_mx_checkpoint(_net(0, FlyMXConfig(frozen=True)), path)
+    raw = path.read_bytes()
+    net = _net(1, FlyMXConfig(frozen=True))
+    last = list(ckpt.mx_targets(net))[-1]  # the key loaded last
+    n = int.from_bytes(raw[:8], "little")
+    at = 8 + n + json.loads(raw[8 : 8 + n])[f"{last}.data"]["data_offsets"][0]
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(raw[:at] + bytes([raw[at] ^ 0x10]) + raw[at + 1 :])
+    before = {k: v.clone() for k, v in net.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(MXCheckpointError, match="CRC-32"):
+        load_mx_checkpoint(net, bad)
+    after = net.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # the keys before it were not written either
+
+
 def test_atomic_write_keeps_the_old_file_on_failure_and_leaves_no_temporary(tmp_path, monkeypatch):
     path = tmp_path / "mx.safetensors"
     net = _net(0, FlyMXConfig(frozen=True))

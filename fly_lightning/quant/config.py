@@ -80,7 +80,7 @@ def mx_filter(module: nn.Module, fqn: str) -> bool:
 def _swap_linear(module: nn.Module, config: FlyMXConfig) -> nn.Module:
     if isinstance(module, FlyMoE):
         return _mx_experts(module, config)
-    if isinstance(module, FlyMXFrozenLinear) or not isinstance(module, nn.Linear):
+    if not isinstance(module, nn.Linear):  # FlyMXFrozenLinear included: it holds no nn.Linear weight
         return module
     if (owner := torchao_quantized(module)) is not None:
         warnings.warn(

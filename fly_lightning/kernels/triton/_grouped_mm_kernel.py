@@ -53,7 +53,7 @@ from fly_lightning.kernels.triton._grouped_mm_config import (
     tune_candidates,
 )
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._support import ON_HIP, interpreting, on_device
+from fly_lightning.kernels.triton._support import ON_HIP, interpreting, num_sms, on_device
 
 
 @triton.jit
@@ -290,11 +290,6 @@ def _grouped_mm_kernel(
 # fmt: on
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _aligned(t: torch.Tensor, *strides: int) -> bool:
     es = t.element_size()
     return t.data_ptr() % 16 == 0 and all((s * es) % 16 == 0 for s in strides)
@@ -465,7 +460,7 @@ def _plan(
     if interp:
         progs = min(INTERPRETER_PROGRAMS, upper)
     elif cfg.programs_per_sm:
-        progs = min(cfg.programs_per_sm * _num_sms(x.device.index or 0), upper)
+        progs = min(cfg.programs_per_sm * num_sms(x.device.index or 0), upper)
     else:
         progs = upper
     consts = dict(

@@ -18,7 +18,6 @@ Design:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,7 @@ import triton.language as tl
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
-from fly_lightning.kernels.triton._support import on_device
+from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
 
 # element format codes (constexpr): 0 = high precision (bf16/fp32 activations)
@@ -196,11 +195,6 @@ def choose_config(m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt:
     return MX_MX
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     """fp8 / E8M0 tensors as uint8 (torch's float8 dtypes cannot be passed to a kernel)."""
     return None if t is None else t.view(torch.uint8)
@@ -235,7 +229,7 @@ def launch(
     if interp:
         progs = min(INTERPRETER_PROGRAMS, upper)
     elif cfg.programs_per_sm:
-        progs = min(cfg.programs_per_sm * _num_sms(x.device.index or 0), upper)
+        progs = min(cfg.programs_per_sm * num_sms(x.device.index or 0), upper)
     else:
         progs = upper
     xs = _bytes(x_scale) if x_scale is not None else x  # placeholder pointer, never read for high precision x

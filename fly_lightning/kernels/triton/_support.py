@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -15,6 +16,12 @@ from fly_lightning.policy import get_dispatch_config
 
 ON_HIP = torch.version.hip is not None
 """A ROCm build of torch: its GPUs (gfx950) report CUDA-style capabilities (9.5) that Hopper checks would take."""
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent kernels size their grids by it)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def device_reason(*tensors: torch.Tensor | None) -> str | None:

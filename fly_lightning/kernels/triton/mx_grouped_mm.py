@@ -9,11 +9,11 @@ import torch
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton._support import ON_HIP, device_reason, opt_in_reason
+from fly_lightning.kernels.triton.grouped_mm import MAX_GROUPS  # each program loads all offsets as one vector
 from fly_lightning.ops.mx_grouped_mm import MX_GROUPED_MM
 from fly_lightning.quant import formats
 
 K_MULTIPLE = 128  # the fast MX kernels' boundary (as PyTorch's MX path); every block_k divides it
-MAX_GROUPS = 4096  # each program loads all offsets as one vector
 
 
 def _contiguous_rows(name: str, t: torch.Tensor | None) -> str | None:
@@ -39,7 +39,7 @@ def _supports(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> bool | s
         return "offs not contiguous"
     if w.shape[0] > MAX_GROUPS:
         return f"{w.shape[0]} groups (kernel takes at most {MAX_GROUPS})"
-    return opt_in_reason("mx_grouped_mm", x) or True
+    return opt_in_reason(MX_GROUPED_MM.name, x) or True
 
 
 @MX_GROUPED_MM.implement(

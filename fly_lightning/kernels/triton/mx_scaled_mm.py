@@ -23,7 +23,14 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
-from fly_lightning.kernels.triton._support import ON_HIP, device_reason, interpreting, on_device, opt_in_reason
+from fly_lightning.kernels.triton._support import (
+    ON_HIP,
+    device_reason,
+    interpreting,
+    num_sms,
+    on_device,
+    opt_in_reason,
+)
 from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
 FMT_CODE = {None: 0, "mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
@@ -131,7 +138,9 @@ def plan(
         bm = max(16, next_pow2(m))
         bn = 64
         tiles = cdiv(n, bn)
-        sms = sms or _sm_count(device)
+        if not sms:
+            cuda = device.type == "cuda"
+            sms = num_sms(torch.cuda.current_device() if device.index is None else device.index) if cuda else 1
         split = 1
         # split K until the weights are streamed by about two waves of programs, each keeping >= 4 K steps
         while tiles * split * 2 <= 2 * sms and k % (K_ALIGN * split * 2) == 0 and k // (split * 2) >= 4 * K_ALIGN:
@@ -140,18 +149,6 @@ def plan(
     if m <= 256:
         return MXMMConfig(64, 128, K_ALIGN, num_warps=4, num_stages=4, fp8_cvt=FP8_CVT)
     return MXMMConfig(128, 128, K_ALIGN, num_warps=8, num_stages=3, fp8_cvt=FP8_CVT)
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
 
 
 def _copy_reason(name: str, t: torch.Tensor) -> str | None:
@@ -176,7 +173,7 @@ def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
         if t is not None and (reason := _copy_reason(name, t)) is not None:
             return reason
-    return opt_in_reason("mx_scaled_mm", a) or True
+    return opt_in_reason(MX_SCALED_MM.name, a) or True
 
 
 def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig | None = None) -> torch.Tensor:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import torch
-
 from benchmarks.harness import Results
 
 QUANTS = ("none", "mxfp8", "mxfp4")
@@ -69,7 +67,6 @@ def main() -> None:
     p.add_argument("--precision", default="bf16-mixed")
     p.add_argument("--quants", default=",".join(QUANTS))
     args = p.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     res = run(args.steps, args.precision, tuple(args.quants.split(",")))
     print(res.save())
     print(res.markdown())

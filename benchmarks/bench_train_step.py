@@ -117,6 +117,12 @@ def record(res: Results, model_name: str, precision: str, runs: list[dict[str, A
             peak_gib=e.get("peak_gib"),
             max_loss_diff=e.get("max_loss_diff"),
             error=e.get("error", ""),
+            # a rest run's bound is taken against this invocation's own fastest baseline (goal_bounds.step_bounds)
+            **(
+                dict(same_run_baseline=head.get("best_baseline"), same_run_baseline_ms=best_base)
+                if v in REST_VARIANTS and best_base
+                else {}
+            ),
         )
         res.details[f"{model_name}/{precision}/{v}"] = {
             k: e[k] for k in ("swapped", "left", "dispatch", "profile_top") if k in e

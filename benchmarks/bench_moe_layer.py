@@ -109,6 +109,8 @@ def profile_fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor,
     xg = x.clone().requires_grad_()
     _call(layer, xg).backward(grad)
     torch.cuda.synchronize()
+    layer.zero_grad(set_to_none=True)  # as in the timed step: no accumulation into existing .grad in the profile
+    xg.grad = None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _call(layer, xg).backward(grad)
         torch.cuda.synchronize()

@@ -33,7 +33,14 @@ def test_geglu_kernel_numerics(activation, s, i, dtype):
     # fp32: 1 + erf(x) cancels for x << 0, so the bound is on the norm; 16-bit: one rounding of the fp32 math
     assert _rel(y, exact) <= (1e-6 if dtype == torch.float32 else 4e-3)
     if dtype != torch.float32:
-        assert (y != swiglu_reference(hid, None, activation)).float().mean().item() <= 0.01
+        ref = swiglu_reference(hid, None, activation)
+        # Where the gate is below -4, torch's fp32 GELU cancels (1 + erf, 1 + tanh) and the kernel's forms do not
+        # (contracted multiplies; x * sigmoid(2z)), so bits differ there by design (7% of this input on the H200).
+        # There ours is never further from fp64 than the fp32 oracle plus one bf16 rounding; elsewhere bits agree.
+        err, ref_err = (y.double() - exact).abs(), (ref.double() - exact).abs()
+        assert (err <= ref_err + exact.abs() * 2.0**-8 + 1e-30).all()
+        calm = hid[:, :i] > -4
+        assert (y != ref)[calm].float().mean().item() <= 0.01
 
 
 @pytest.mark.parametrize("hidden_act", ["gelu", "gelu_pytorch_tanh"])

@@ -8,7 +8,7 @@ from fly_lightning.kernels.triton.mx_scaled_mm import FMT_CODE, MXMMConfig, _mx_
 PLANS = {
     "small": MXMMConfig(16, 64, 128, num_warps=4, num_stages=4, swap=True, split_k=4),
     "mid": MXMMConfig(64, 128, 128, num_warps=4, num_stages=4),
-    "large": MXMMConfig(128, 128, 128, num_warps=8, num_stages=3),
+    "large": MXMMConfig(128, 256, 128, num_warps=8, num_stages=3),
 }
 PAIRS = {
     "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),
@@ -19,7 +19,7 @@ PAIRS = {
 }
 
 
-def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt: bool = False) -> dict:
+def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt: bool = True) -> dict:
     a_fmt, b_fmt = PAIRS[pair]
     cfg = PLANS[plan]
     fn = _mx_mm_kernel
@@ -46,7 +46,7 @@ VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
 # the fp8 conversion's two forms, with the static instruction count of the main loop (per thread and K step)
 for _pair in ("e4m3", "e5m2"):
-    VARIANTS[f"{_pair}-large-bits-loop"] = lambda p=_pair: variant(p, "large", loop=True)
+    VARIANTS[f"{_pair}-large-bits-loop"] = lambda p=_pair: variant(p, "large", loop=True, hw_cvt=False)
     VARIANTS[f"{_pair}-large-hwcvt-loop"] = lambda p=_pair: variant(p, "large", loop=True, hw_cvt=True)
 
 if __name__ == "__main__":

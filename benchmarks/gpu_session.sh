@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_session.sh rms route grouped_all     # suites, each writing <suite>.json/.md
 #
 # Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_gemm, mx_grouped, mx_memory, mx_quality, overhead, train_step, cold_start, recipe_step,
-# recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (e.g. "-k distributed" on a 2-GPU machine).
+# recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (split on spaces), FLY_PYTEST_K
+# a -k expression (kept whole: "geglu or mx").
 # The suites need .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along;
 # the tests phase runs on the image's packages alone.
 # Pass the revision literally (FLY_GIT_REV=<rev> bash benchmarks/gpu_session.sh ...): on the device copy of the tree,
@@ -60,7 +61,7 @@ for phase in "$@"; do
     # CPU default (the interpreter); xunit1 keeps the tests' recorded properties (residuals, losses) in the XML
     tests) run tests 540 env TRITON_INTERPRET=0 python3 -m pytest "$repo/tests/gpu" -m gpu -q -rfEsx \
              --rootdir "$repo" -p no:cacheprovider --junitxml "$FLY_RESULTS_DIR/tests_gpu.xml" -o junit_family=xunit1 \
-             ${FLY_PYTEST_ARGS:-} ;;
+             ${FLY_PYTEST_K:+-k "$FLY_PYTEST_K"} ${FLY_PYTEST_ARGS:-} ;;
     rms) run rms 300 python3 -m benchmarks.bench_rms_norm ;;
     route) run route 300 python3 -m benchmarks.bench_moe_route ;;
     route_floor) run route_floor 540 python3 -m benchmarks.bench_moe_route_floor ;;

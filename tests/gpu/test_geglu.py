@@ -34,11 +34,17 @@ def test_geglu_kernel_numerics(activation, s, i, dtype):
     assert _rel(y, exact) <= (1e-6 if dtype == torch.float32 else 4e-3)
     if dtype != torch.float32:
         ref = swiglu_reference(hid, None, activation)
-        # Where the gate is below -4, torch's fp32 GELU cancels (1 + erf, 1 + tanh) and the kernel's forms do not
+        # Where the gate is below -4, torch's fp32 GELU cancels (1 + erf, 1 + tanh) and the kernel's forms differ
         # (contracted multiplies; x * sigmoid(2z)), so bits differ there by design (7% of this input on the H200).
-        # There ours is never further from fp64 than the fp32 oracle plus one bf16 rounding; elsewhere bits agree.
-        err, ref_err = (y.double() - exact).abs(), (ref.double() - exact).abs()
-        assert (err <= ref_err + exact.abs() * 2.0**-8 + 1e-30).all()
+        # There ours is never further from the true value (fp64, in forms that do not cancel) than the fp32 oracle,
+        # plus one bf16 rounding and the cancellation's own scale (fp32 rounding of g * u); elsewhere bits agree.
+        g, u = hid[:, :i].double(), hid[:, i:].double()
+        if activation == "gelu":
+            true = 0.5 * g * torch.special.erfc(-g * 0.5**0.5) * u
+        else:
+            true = g * torch.sigmoid(1.5957691216057308 * (g + 0.044715 * g**3)) * u
+        err, ref_err = (y.double() - true).abs(), (ref.double() - true).abs()
+        assert (err <= ref_err + true.abs() * 2.0**-7 + (g * u).abs() * 2.0**-22).all()
         calm = hid[:, :i] > -4
         assert (y != ref)[calm].float().mean().item() <= 0.01
 

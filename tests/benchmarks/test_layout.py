@@ -33,6 +33,9 @@ SUITES = {
     "train_step": "bench_train_step",
     "cold_start": "bench_cold_start",
     "mx_quality": "bench_mx_quality",
+    "mx_gemm": "bench_mx_gemm",
+    "mx_grouped_mm": "bench_mx_grouped_mm",
+    "mx_memory": "bench_mx_memory",
 }
 
 

@@ -15,10 +15,10 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._support import device_reason, on_device, rows_per_program
-from fly_lightning.ops.swiglu import SWIGLU, split_gate_up
+from fly_lightning.ops.swiglu import ACTIVATIONS, SWIGLU, split_gate_up
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT constexpr
+_ACT = {name: code for code, name in enumerate(ACTIVATIONS)}  # the kernel's ACT constexpr (the op's order)
 
 
 @triton.jit

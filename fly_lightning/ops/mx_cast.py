@@ -47,11 +47,6 @@ def _shapes(x: Tensor, fmt: str, axis: int) -> tuple[list[int], list[int]]:
     return data, scale
 
 
-def _data_dtype(fmt: str) -> torch.dtype:
-    f = formats.as_format(fmt)
-    return f.torch_dtype if f.bits == 8 else torch.uint8
-
-
 def _signature(x: Tensor, fmt: str, mode: str, axis: int) -> tuple:
     return (tensor_key(x), fmt, mode, axis)
 
@@ -75,7 +70,7 @@ def mx_cast_op(x: Tensor, fmt: str, mode: str, axis: int) -> tuple[Tensor, Tenso
 def _(x: Tensor, fmt: str, mode: str, axis: int) -> tuple[Tensor, Tensor]:
     _validate(x, fmt, mode, axis)
     data, scale = _shapes(x, fmt, axis)
-    return x.new_empty(data, dtype=_data_dtype(fmt)), x.new_empty(scale, dtype=torch.float8_e8m0fnu)
+    return x.new_empty(data, dtype=formats.data_dtype(fmt)), x.new_empty(scale, dtype=torch.float8_e8m0fnu)
 
 
 # the custom op where something traces or a tensor subclass is given; eager calls skip its wrapper's host cost

@@ -36,32 +36,6 @@ _OUT = (torch.bfloat16, torch.float16, torch.float32)
 _OP = "mx_grouped_mm"
 
 
-def _data_dtype(fmt: str) -> torch.dtype:
-    f = formats.as_format(fmt)
-    return f.torch_dtype if f.bits == 8 else torch.uint8
-
-
-def _check_mx(name: str, data: Tensor, scale: Tensor, fmt: str, dims: int) -> int:
-    """Validate one MX operand ``[..., rows, K / per_byte]`` with ``[..., rows, K / 32]`` scales; returns K."""
-    f = formats.as_format(fmt)
-    want = _data_dtype(fmt)
-    if not isinstance(data, Tensor) or data.dim() != dims or data.dtype != want:
-        got = f"{getattr(data, 'dtype', type(data).__name__)} of {getattr(data, 'dim', lambda: '?')()} dims"
-        raise ValueError(f"{_OP}: {name} must be a {dims}-D {want} tensor for {fmt}, got {got}")
-    if not isinstance(scale, Tensor) or scale.dtype != torch.float8_e8m0fnu or scale.dim() != dims:
-        raise ValueError(f"{_OP}: {name}_scale must be a {dims}-D float8_e8m0fnu tensor")
-    k = data.shape[-1] * f.per_byte
-    want_scale = (*data.shape[:-1], k // formats.BLOCK)
-    if k % formats.BLOCK or tuple(scale.shape) != want_scale:
-        raise ValueError(
-            f"{_OP}: {name} {list(data.shape)} ({fmt}) needs K % 32 == 0 and scales {list(want_scale)}, got K={k} "
-            f"and scales {list(scale.shape)}"
-        )
-    if scale.device != data.device:
-        raise ValueError(f"{_OP}: {name} and its scales are on {data.device} and {scale.device}")
-    return k
-
-
 def _validate(
     x: Tensor,
     x_scale: Tensor | None,
@@ -73,7 +47,7 @@ def _validate(
     out_dtype: torch.dtype,
 ) -> None:
     """Shapes, dtypes, formats and devices; offset values only where readable without a device sync (``check``)."""
-    kw = _check_mx("w", w, w_scale, w_fmt, 3)
+    kw = formats.check_operand(_OP, "w", w, w_scale, w_fmt, 3)
     if w.shape[0] < 1:
         raise ValueError(f"{_OP}: w needs at least one group (E >= 1)")
     if x_fmt is None:
@@ -85,7 +59,7 @@ def _validate(
     else:
         if x_scale is None:
             raise ValueError(f"{_OP}: an MX x needs x_scale")
-        kx = _check_mx("x", x, x_scale, x_fmt, 2)
+        kx = formats.check_operand(_OP, "x", x, x_scale, x_fmt, 2)
     if kx != kw:
         raise ValueError(f"{_OP}: x has K={kx}, w has K={kw}")
     if not isinstance(offs, Tensor) or offs.dtype != torch.int32:

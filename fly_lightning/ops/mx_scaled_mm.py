@@ -22,31 +22,10 @@ from fly_lightning.registry import tensor_key
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _check_mx(name: str, data: Tensor, scale: Tensor, fmt: str) -> int:
-    """Validate one MX operand ``[rows, K / per_byte]`` with ``[rows, K / 32]`` scales; returns K."""
-    f = formats.as_format(fmt)
-    want = f.torch_dtype if f.bits == 8 else torch.uint8
-    if not isinstance(data, Tensor) or data.dim() != 2 or data.dtype != want:
-        raise ValueError(
-            f"mx_scaled_mm: {name} must be a 2-D {want} tensor for {fmt}, got {getattr(data, 'dtype', data)}"
-        )
-    if not isinstance(scale, Tensor) or scale.dtype != torch.float8_e8m0fnu or scale.dim() != 2:
-        raise ValueError(f"mx_scaled_mm: {name}_scale must be a 2-D float8_e8m0fnu tensor")
-    k = data.shape[1] * f.per_byte
-    if k % formats.BLOCK or tuple(scale.shape) != (data.shape[0], k // formats.BLOCK):
-        raise ValueError(
-            f"mx_scaled_mm: {name} {list(data.shape)} ({fmt}) needs K % 32 == 0 and scales [{data.shape[0]}, "
-            f"{k // formats.BLOCK}], got K={k} and scales {list(scale.shape)}"
-        )
-    if scale.device != data.device:
-        raise ValueError(f"mx_scaled_mm: {name} and its scales are on {data.device} and {scale.device}")
-    return k
-
-
 def _validate(
     a: Tensor, a_scale: Tensor | None, a_fmt: str | None, b: Tensor, b_scale: Tensor, b_fmt: str, out_dtype: torch.dtype
 ) -> None:
-    kb = _check_mx("b", b, b_scale, b_fmt)
+    kb = formats.check_operand("mx_scaled_mm", "b", b, b_scale, b_fmt, 2)
     if a_fmt is None:
         if not isinstance(a, Tensor) or a.dim() != 2 or a.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError("mx_scaled_mm: a high-precision a must be a 2-D bf16/fp32 tensor")
@@ -56,7 +35,7 @@ def _validate(
     else:
         if a_scale is None:
             raise ValueError("mx_scaled_mm: an MX a needs a_scale")
-        ka = _check_mx("a", a, a_scale, a_fmt)
+        ka = formats.check_operand("mx_scaled_mm", "a", a, a_scale, a_fmt, 2)
     if ka != kb:
         raise ValueError(f"mx_scaled_mm: a has K={ka}, b has K={kb}")
     if a.device != b.device:

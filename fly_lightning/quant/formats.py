@@ -79,6 +79,34 @@ def as_format(fmt: MXFormat | str) -> MXFormat:
         raise ValueError(f"unknown MX format {fmt!r}; known: {sorted(FORMATS)}") from None
 
 
+def data_dtype(fmt: MXFormat | str) -> torch.dtype:
+    """The dtype MX element data has in the MX operators: the fp8 dtype, or ``uint8`` for fp4 (packed pairs)."""
+    f = as_format(fmt)
+    return f.torch_dtype if f.bits == 8 else torch.uint8
+
+
+def check_operand(op: str, name: str, data: Tensor, scale: Tensor, fmt: MXFormat | str, dims: int) -> int:
+    """Validate one MX operand of ``op``: ``dims``-D data ``[..., rows, K / per_byte]`` in ``data_dtype(fmt)`` with
+    ``[..., rows, K / 32]`` E8M0 scales on its device, K % 32 == 0. Raises ``ValueError`` naming ``op``; returns K."""
+    f = as_format(fmt)
+    want = data_dtype(f)
+    if not isinstance(data, Tensor) or data.dim() != dims or data.dtype != want:
+        got = f"{getattr(data, 'dtype', type(data).__name__)} of {getattr(data, 'dim', lambda: '?')()} dims"
+        raise ValueError(f"{op}: {name} must be a {dims}-D {want} tensor for {f.name}, got {got}")
+    if not isinstance(scale, Tensor) or scale.dtype != torch.float8_e8m0fnu or scale.dim() != dims:
+        raise ValueError(f"{op}: {name}_scale must be a {dims}-D float8_e8m0fnu tensor")
+    k = data.shape[-1] * f.per_byte
+    want_scale = (*data.shape[:-1], k // BLOCK)
+    if k % BLOCK or tuple(scale.shape) != want_scale:
+        raise ValueError(
+            f"{op}: {name} {list(data.shape)} ({f.name}) needs K % {BLOCK} == 0 and scales {list(want_scale)}, "
+            f"got K={k} and scales {list(scale.shape)}"
+        )
+    if scale.device != data.device:
+        raise ValueError(f"{op}: {name} and its scales are on {data.device} and {scale.device}")
+    return k
+
+
 def as_mode(mode: ScaleMode | str | enum.Enum) -> ScaleMode:
     """A scale mode from ours, a string, or torchao's ``ScaleCalculationMode`` (by value)."""
     value = mode.value if isinstance(mode, enum.Enum) else mode

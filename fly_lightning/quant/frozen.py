@@ -53,8 +53,8 @@ def quantize_rows(w: Tensor, fmt: str, mode: str) -> tuple[Tensor, Tensor]:
 def typed(data: Tensor, scale: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     """``uint8`` buffers viewed as the MX operators' dtypes (fp8 elements, ``float8_e8m0fnu`` scales; fp4 stays
     packed ``uint8``)."""
-    f = formats.as_format(fmt)
-    return (data.view(f.torch_dtype) if f.bits == 8 else data), scale.view(torch.float8_e8m0fnu)
+    want = formats.data_dtype(fmt)
+    return (data if data.dtype == want else data.view(want)), scale.view(torch.float8_e8m0fnu)
 
 
 def dequantize_rows(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:

@@ -17,7 +17,7 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._support import device_reason, on_device
-from fly_lightning.ops.mx_cast import MX_CAST, _data_dtype
+from fly_lightning.ops.mx_cast import MX_CAST
 from fly_lightning.quant import formats
 
 # per format: exponent bits, mantissa bits, exponent bias (the element format's)
@@ -131,4 +131,4 @@ def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[tor
                 x2.view(torch.int16) if bf16 else x2, x2.stride(0), data, scale, r, k, BR=br, G=g, EMAX=f.emax,
                 MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, num_warps=4,
             )  # fmt: skip
-    return data.view(_data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
+    return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

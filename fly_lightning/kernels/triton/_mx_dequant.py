@@ -33,9 +33,12 @@ def _as_u8(x):
 @triton.jit
 def _from_bf16_bits(bits, FP32: tl.constexpr):
     """A bf16 bit pattern held in an int32 to bf16 (or, ``FP32``, to the same value in fp32)."""
+    # if/else, no early return: compiled (not interpreted), the code after a return in a constexpr branch is built too
     if FP32:
-        return (bits << 16).to(tl.float32, bitcast=True)
-    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        out = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        out = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return out
 
 
 @triton.jit

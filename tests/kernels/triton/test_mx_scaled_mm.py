@@ -63,21 +63,50 @@ def test_matches_the_reference(a_fmt, b_fmt, plan_name):
     _check(a, a_s, a_fmt, b, bs, b_fmt, config=PLANS[plan_name])
 
 
+FP8_PAIRS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"), ("mxfp8_e4m3", "mxfp8_e5m2")]
+FP8_MMA = MXMMConfig(16, 32, 128, mma="fp8")
+
+
+@pytest.mark.parametrize("a_fmt, b_fmt", FP8_PAIRS, ids=["e4m3", "e5m2", "e4m3-e5m2"])
+def test_fp8_mma_matches_the_reference(a_fmt, b_fmt):
+    """fp8 MMAs per 32-wide K slice, scaled per slice: the same exact products, summed per slice first."""
+    a, a_s, b, bs = _operands(37, 45, 256, a_fmt, b_fmt)
+    _check(a, a_s, a_fmt, b, bs, b_fmt, config=FP8_MMA)
+    _check(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, config=FP8_MMA)
+
+
+def test_fp8_mma_takes_mxfp8_operands_only():
+    with pytest.raises(ValueError, match="swap=False"):
+        MXMMConfig(16, 32, 128, swap=True, mma="fp8")
+    with pytest.raises(ValueError, match="'bf16' or 'fp8'"):
+        MXMMConfig(16, 32, 128, mma="fp4")
+    for a_fmt, b_fmt in [("mxfp4_e2m1", "mxfp4_e2m1"), (None, "mxfp8_e4m3"), ("mxfp8_e4m3", "mxfp4_e2m1")]:
+        a, a_s, b, bs = _operands(4, 8, 128, a_fmt, b_fmt)
+        with pytest.raises(ValueError, match="MXFP8 x MXFP8"):
+            launch(a, a_s, a_fmt, b, bs, b_fmt, torch.float32, FP8_MMA)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
 def test_output_dtypes(out_dtype):
     a, a_s, b, bs = _operands(20, 33, 128, "mxfp8_e4m3", "mxfp8_e4m3", seed=1, spread=2)  # within fp16
     _check(a, a_s, "mxfp8_e4m3", b, bs, "mxfp8_e4m3", out_dtype)
 
 
-@pytest.mark.parametrize("a_fmt, b_fmt", PAIRS[:3] + PAIRS[4:5], ids=["e4m3", "e5m2", "fp4", "w-fp4"])
-def test_zero_extreme_and_nan_scales(a_fmt, b_fmt):
+@pytest.mark.parametrize(
+    "a_fmt, b_fmt, config",
+    [(*p, None) for p in PAIRS[:3] + PAIRS[4:5]] + [(*p, FP8_MMA) for p in PAIRS[:2]],
+    ids=["e4m3", "e5m2", "fp4", "w-fp4", "e4m3-fp8mma", "e5m2-fp8mma"],
+)
+def test_zero_extreme_and_nan_scales(a_fmt, b_fmt, config):
     """Scales 0 (2^-127) and 254 (2^127) on the elements, a NaN block, and elements whose products leave bf16's normal
     range: exact agreement needs the tolerance only for underflow far below every other term."""
     m, n, k = 8, 24, 256
     a, a_s, b, bs = _operands(m, n, k, a_fmt, b_fmt, seed=2)
     bs = bs.view(torch.uint8).clone()
     bs[0, :] = 0  # a column computed at 2^-127 scales: the products are far below 2^-126
-    bs[1, 0] = 254
+    # 2^127: dequantised values past fp32's range (to_mx never emits them). The fp8-MMA plan scales each slice's sum
+    # by the two scales' product instead, so its contract stops at finite dequantised operands: 2^73 there
+    bs[1, 0] = 254 if config is None else 200
     bs[2, 3] = 255  # NaN block: column 2 is NaN
     bs[3, :] = 140
     bs = bs.view(torch.float8_e8m0fnu)
@@ -86,7 +115,7 @@ def test_zero_extreme_and_nan_scales(a_fmt, b_fmt):
         a_s[1, 0] = 0
         a_s[4, :] = 100
         a_s = a_s.view(torch.float8_e8m0fnu)
-    y, want = _check(a, a_s, a_fmt, b, bs, b_fmt)
+    y, want = _check(a, a_s, a_fmt, b, bs, b_fmt, config=config)
     assert y[:, 2].isnan().all() and not y[:, 3:].isnan().any()
     assert (y[:, 1] != 0).all()  # 2^127 times the first block: large, finite where the reference is
 

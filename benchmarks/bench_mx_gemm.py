@@ -8,8 +8,8 @@ L2; every implementation checked against the fp32 reference first):
 - ``ours_q``: ours including the activation's quantisation (``mx_cast`` of bf16 activations, then the GEMM; the
   weights are cast once, as a frozen or cached weight would be); weight-only has no activation cast;
 - ``bf16``: cuBLAS ``torch.mm`` of bf16 operands of the same shape;
-- ``ours_fp8mma`` (MXFP8): the opt-in fp8-MMA plan (``MXMMConfig(mma="fp8")``: raw fp8 bytes into fp8 MMAs, each
-  32-wide slice's fp32 product scaled; no conversion);
+- ``ours_fp8mma`` (MX x MX): the opt-in fp8-MMA plan (``MXMMConfig(mma="fp8")``: fp8 bytes as they are, e2m1
+  widened to e4m3, into fp8 MMAs, each 32-wide slice's fp32 product scaled; no dequantisation);
 - ``emulated``: torchao's emulated path (``MXTensor`` dequantise to bf16, then ``torch.mm``), which is our ATen
   backend; torchao's own ``MXTensor`` dequantise is used when torchao is installed.
 
@@ -129,7 +129,7 @@ def run_case(res: Results, m: int, n: int, k: int, kind: str, device: str, reps:
         return torch.mm(da, dequant(b, bs, b_fmt).t())
 
     fns = {"ours": ours, "ours_q": ours_q, "bf16": bf16, "emulated": emulated}
-    if kind == "mxfp8":  # the opt-in fp8-MMA plan (raw fp8 bytes into fp8 MMAs, scales per 32-wide slice)
+    if kind != "w4":  # the opt-in fp8-MMA plan (fp8 MMAs on the elements, scales per 32-wide slice)
         from fly_lightning.kernels.triton import mx_scaled_mm as kernel
 
         fp8 = FP8_MMA_PLANS[m > 64]
@@ -168,7 +168,7 @@ def alt_plans(m, n, k, a_fmt, b_fmt, inputs, ours_ms, ref) -> dict:
         for bm, bn, bk, warps, stages, swap in ALT_PLANS
         for cvt in cvts
     ]
-    if fp8:  # the fp8-MMA plan's other tiles (128x128 spills a little on sm90: timed anyway)
+    if a_fmt is not None:  # the fp8-MMA plan's other tiles (128x128 spills a little on sm90: timed anyway)
         configs += [MXMMConfig(*t, mma="fp8") for t in FP8_MMA_ALT]
     for cfg in configs:
 
@@ -199,10 +199,11 @@ def summarise(res: Results) -> None:
     s["w4_geomean_vs_bf16_m64"] = geomean([r["x_vs_bf16"] for r in w4]) if w4 else None
     s["w4_meets_vs_bf16"] = bool(w4) and s["w4_geomean_vs_bf16_m64"] >= GOALS["w4_vs_bf16_m64"]
     s["max_err"] = max(max(r["ours_err"], r["ours_q_err"], r.get("ours_fp8mma_err", 0.0)) for r in res.rows)
-    fp8 = [r for r in res.rows if "fp8mma_x_vs_ours" in r]
-    s["mxfp8_fp8mma_geomean_vs_ours"] = geomean([r["fp8mma_x_vs_ours"] for r in fp8]) if fp8 else None
-    big = [r["fp8mma_x_vs_bf16"] for r in fp8 if r["m"] >= LARGE_M]
-    s["mxfp8_fp8mma_geomean_vs_bf16_m1024"] = geomean(big) if big else None
+    for kind in ("mxfp8", "mxfp4"):
+        fp8 = [r for r in res.rows if r["kind"] == kind and "fp8mma_x_vs_ours" in r]
+        s[f"{kind}_fp8mma_geomean_vs_ours"] = geomean([r["fp8mma_x_vs_ours"] for r in fp8]) if fp8 else None
+        big = [r["fp8mma_x_vs_bf16"] for r in fp8 if r["m"] >= LARGE_M]
+        s[f"{kind}_fp8mma_geomean_vs_bf16_m1024"] = geomean(big) if big else None
     s["goals"] = GOALS
     res.summary = s
 
@@ -231,8 +232,8 @@ def suite(
         "x_vs_*: baseline time / ours (above 1: ours faster); q_x_vs_*: the same with quantisation included",
         "geomeans: vs bf16 over M >= 1024, vs emulated over all 17; w4 (weight-only MXFP4) over M <= 64",
         "details.plans (JSON): other launch plans timed at M >= 1024, for tuning the kernel's plan",
-        "ours_fp8mma (MXFP8): the opt-in fp8-MMA plan (MXMMConfig(mma='fp8'): raw fp8 bytes into fp8 MMAs, each "
-        "32-wide slice's product scaled); fp8mma_x_vs_ours > 1: faster than the default plan",
+        "ours_fp8mma (MX x MX): the opt-in fp8-MMA plan (MXMMConfig(mma='fp8'): fp8 bytes as they are, e2m1 widened "
+        "to e4m3, into fp8 MMAs, each 32-wide slice's product scaled); fp8mma_x_vs_ours > 1: faster than the default",
     ]
     return res
 

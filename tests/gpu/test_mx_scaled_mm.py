@@ -102,3 +102,19 @@ def test_fp8_conversions_agree_on_every_code(fmt, m, fp8_cvt):
     finite = torch.isfinite(want)
     assert finite.any()
     assert ((y - want)[finite].abs() <= 2e-5 * want[finite].abs().amax()).all()
+
+
+@pytest.mark.parametrize(
+    "a_fmt, b_fmt", [("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp4_e2m1")], ids=["fp4", "e4m3-fp4"]
+)
+@pytest.mark.parametrize("m", [16, 1000])
+def test_fp8_mma_plan_with_mxfp4(a_fmt, b_fmt, m):
+    """The opt-in fp8-MMA plan with e2m1 elements widened to e4m3 in registers, compiled: exact products, fp32 sums."""
+    from fly_lightning.kernels.triton.mx_scaled_mm import MXMMConfig, launch
+
+    a, a_s, b, bs = _operands(m, 520, 1024, a_fmt, b_fmt)
+    y = launch(
+        a, a_s, a_fmt, b, bs, b_fmt, torch.float32, MXMMConfig(128, 64, 128, num_warps=8, num_stages=4, mma="fp8")
+    )
+    want = mx_scaled_mm_reference(a, a_s, a_fmt, b, bs, b_fmt, torch.float32)
+    assert ((y - want).abs() <= 2e-5 * want.abs().amax()).all()

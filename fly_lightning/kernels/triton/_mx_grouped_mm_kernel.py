@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, e8m0_to_float
+from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, e8m0_to_float, fp8_slice
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
 
@@ -68,17 +68,15 @@ def _operand(
 
 
 @triton.jit
-def _fp8_slab(x_rows, xs_1d, w_rows, ws_1d, kk, acc, BLOCK_K: tl.constexpr, X_FMT: tl.constexpr,
+def _fp8_slab(X, x_off, xs_1d, W, w_off, ws_1d, kk, acc, BLOCK_K: tl.constexpr, X_FMT: tl.constexpr,
               W_FMT: tl.constexpr):  # fmt: skip
-    """``acc`` plus K slab ``kk`` for MXFP8 x MXFP8 without conversion: per 32-wide slice (one MX block), an fp8 MMA of
-    the raw bytes times the product of the slice's row and column scales (fp32, exact powers of two)."""
+    """``acc`` plus K slab ``kk`` for MX x MX without dequantising: per 32-wide slice (one MX block), an fp8 MMA of the
+    elements (``fp8_slice``: MXFP4 widened to e4m3, exact) times the product of the slice's row and column scales
+    (fp32, exact powers of two)."""
     for j in tl.static_range(BLOCK_K // 32):
         k32 = kk * (BLOCK_K // 32) + j
-        c = (k32 * 32 + tl.arange(0, 32))[None, :]
-        a = tl.load(x_rows + c)
-        b = tl.load(w_rows + c)
-        a = a.to(tl.float8e5, bitcast=True) if X_FMT == 2 else a.to(tl.float8e4nv, bitcast=True)
-        b = b.to(tl.float8e5, bitcast=True) if W_FMT == 2 else b.to(tl.float8e4nv, bitcast=True)
+        a = fp8_slice(X, x_off, k32 * 32, X_FMT)
+        b = fp8_slice(W, w_off, k32 * 32, W_FMT)
         sa = e8m0_to_float(tl.load(xs_1d + k32), FP32=True)
         sb = e8m0_to_float(tl.load(ws_1d + k32), FP32=True)
         # the scales' product first: it overflows only where the result itself would
@@ -109,17 +107,19 @@ def _mx_tile(
     ws_rows = WS + g64 * stride_wse + col[:, None] * stride_wsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8_MMA:  # 1-D scale pointers: one scale per row (column) and slice
+    if FP8_MMA:  # byte offsets per row and 1-D scale pointers: one scale per row (column) and slice
+        x_off = src * stride_xm
+        w_off = g64 * stride_we + col * stride_wn
         xs_1d = XS + src * stride_xsm
         ws_1d = WS + g64 * stride_wse + col * stride_wsn
         if INTERPRET:
             kk = 0
             while kk < k_tiles:
-                acc = _fp8_slab(x_rows, xs_1d, w_rows, ws_1d, kk, acc, BLOCK_K, X_FMT, W_FMT)
+                acc = _fp8_slab(X, x_off, xs_1d, W, w_off, ws_1d, kk, acc, BLOCK_K, X_FMT, W_FMT)
                 kk += 1
         else:
             for kk in range(0, k_tiles):
-                acc = _fp8_slab(x_rows, xs_1d, w_rows, ws_1d, kk, acc, BLOCK_K, X_FMT, W_FMT)
+                acc = _fp8_slab(X, x_off, xs_1d, W, w_off, ws_1d, kk, acc, BLOCK_K, X_FMT, W_FMT)
     elif INTERPRET:  # the interpreter cannot range over a device value
         kk = 0
         while kk < k_tiles:
@@ -190,8 +190,8 @@ class MXGroupedMMConfig:
     num_stages: int = 3
     num_warps: int = 8
     programs_per_sm: int = 1
-    # "bf16": slabs dequantised to bf16, bf16 MMAs; "fp8" (MXFP8 x MXFP8): the raw bytes into fp8 MMAs per 32-wide
-    # K slice, each slice's product scaled (no conversion; opt-in, untimed as of 2026-12-04)
+    # "bf16": slabs dequantised to bf16, bf16 MMAs; "fp8" (MX x MX): the elements into fp8 MMAs per 32-wide K slice
+    # (fp8 bytes as they are, e2m1 widened to e4m3), each slice's product scaled (opt-in, untimed as of 2026-12-04)
     mma: str = "bf16"
 
     def __post_init__(self) -> None:
@@ -264,8 +264,8 @@ def launch(
     cfg = config or choose_config(m, e, interp, x_fmt, w_fmt)
     if k % cfg.block_k:
         raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
-    if cfg.mma == "fp8" and not ((x_fmt or "").startswith("mxfp8") and w_fmt.startswith("mxfp8")):
-        raise ValueError(f"mx_grouped_mm kernel: mma='fp8' takes MXFP8 x MXFP8 operands, got {x_fmt} x {w_fmt}")
+    if cfg.mma == "fp8" and x_fmt is None:
+        raise ValueError(f"mx_grouped_mm kernel: mma='fp8' takes MX x MX operands (MXFP8 or MXFP4), got {x.dtype} x")
     upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
     if interp:
         progs = min(INTERPRETER_PROGRAMS, upper)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, e8m0_to_float
+from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, e8m0_to_float, fp8_slice
 from fly_lightning.kernels.triton._support import (
     ON_HIP,
     device_reason,
@@ -53,9 +53,10 @@ class MXMMConfig:
     swap: bool = False
     split_k: int = 1
     fp8_cvt: str = "bits"  # "bits": integer bit placement; "hw": float8 -> f16 conversion instructions (GPU)
-    # "bf16": tiles dequantised to bf16, bf16 MMAs; "fp8" (MXFP8 x MXFP8, not swapped): fp8 MMAs on the raw bytes, one
-    # per 32-wide K slice, each slice's fp32 product scaled by its two scales into the accumulator (no conversion;
-    # exact for operands whose dequantised values are finite, as to_mx emits; opt-in, untimed as of 2026-12-04)
+    # "bf16": tiles dequantised to bf16, bf16 MMAs; "fp8" (MX x MX, not swapped): fp8 MMAs on the elements (fp8 bytes
+    # as they are, e2m1 widened to e4m3 by integer ops), one per 32-wide K slice, each slice's fp32 product scaled by
+    # its two scales into the accumulator (exact for operands whose dequantised values are finite, as to_mx emits;
+    # opt-in, untimed as of 2026-12-04)
     mma: str = "bf16"
 
     def __post_init__(self) -> None:
@@ -94,23 +95,14 @@ def _load_tile(
 @triton.jit
 def _fp8_slices(A, A_SCALE, B, B_SCALE, a_off, as_rows, b_off, bs_rows, k0, acc, A_FMT: tl.constexpr,
                 B_FMT: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """``acc`` plus the K range ``[k0, k0 + BLOCK_K)`` of ``a @ b^T`` for MXFP8 operands: per 32-wide slice (one MX
-    block), an fp8 MMA of the raw bytes, scaled by the slice's row and column scales (powers of two: exact) in fp32.
-    Row offsets in int32 (the launcher checks they fit): registers go to the slice's product beside the
-    accumulator."""
+    """``acc`` plus the K range ``[k0, k0 + BLOCK_K)`` of ``a @ b^T`` for MX operands without dequantising: per 32-wide
+    slice (one MX block), an fp8 MMA of the elements (MXFP4 widened to e4m3, exact), scaled by the slice's row and
+    column scales (powers of two: exact) in fp32. Row offsets in int32 (the launcher checks they fit): registers go to
+    the slice's product beside the accumulator."""
     for j in tl.static_range(BLOCK_K // 32):
         kk = k0 + j * 32
-        cols = (kk + tl.arange(0, 32))[None, :]
-        a = tl.load(A + (a_off[:, None] + cols))
-        b = tl.load(B + (b_off[:, None] + cols))
-        if A_FMT == 2:
-            a = a.to(tl.float8e5, bitcast=True)
-        else:
-            a = a.to(tl.float8e4nv, bitcast=True)
-        if B_FMT == 2:
-            b = b.to(tl.float8e5, bitcast=True)
-        else:
-            b = b.to(tl.float8e4nv, bitcast=True)
+        a = fp8_slice(A, a_off, kk, A_FMT)
+        b = fp8_slice(B, b_off, kk, B_FMT)
         sa = e8m0_to_float(tl.load(A_SCALE + as_rows + kk // 32), FP32=True)
         sb = e8m0_to_float(tl.load(B_SCALE + bs_rows + kk // 32), FP32=True)
         # the two scales' product first: it overflows only where the result itself would (p * sa alone can)
@@ -228,8 +220,8 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device)
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
-    if cfg.mma == "fp8" and not ((a_fmt or "").startswith("mxfp8") and b_fmt.startswith("mxfp8")):
-        raise ValueError(f"mx_scaled_mm: mma='fp8' takes MXFP8 x MXFP8 operands, got {a_fmt} x {b_fmt}")
+    if cfg.mma == "fp8" and a_fmt is None:
+        raise ValueError(f"mx_scaled_mm: mma='fp8' takes MX x MX operands (MXFP8 or MXFP4), got bf16 x {b_fmt}")
     if cfg.mma == "fp8" and max(a.shape[0] * a.stride(0), b.shape[0] * b.stride(0)) >= 2**31:
         raise ValueError("mx_scaled_mm: mma='fp8' addresses operands with int32 offsets: each must span < 2 GiB")
     if m == 0 or n == 0 or k == 0:

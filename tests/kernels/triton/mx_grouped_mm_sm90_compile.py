@@ -20,7 +20,7 @@ PAIRS = {
 }
 
 
-# the opt-in fp8-MMA configuration (MXFP8 x MXFP8, raw bytes into fp8 wgmma per 32-wide K slice)
+# the opt-in fp8-MMA configuration (MX x MX: the elements into fp8 wgmma per 32-wide K slice)
 FP8_MMA = MXGroupedMMConfig(128, 64, 128, 8, 4, 8, mma="fp8")
 
 
@@ -51,6 +51,7 @@ VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
 VARIANTS["e4m3-fp8mma"] = lambda: variant("e4m3", "fp8mma")
 VARIANTS["e5m2-fp8mma"] = lambda: variant("e5m2", "fp8mma")
+VARIANTS["fp4-fp8mma"] = lambda: variant("fp4", "fp8mma")
 
 if __name__ == "__main__":
     report(VARIANTS)

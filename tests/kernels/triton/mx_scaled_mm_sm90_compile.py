@@ -52,7 +52,7 @@ VARIANTS = {
 }
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
 # the fp8-MMA plan (MXFP8 x MXFP8: fp8 wgmma per 32-wide K slice, no conversion)
-for _pair in ("e4m3", "e5m2"):
+for _pair in ("e4m3", "e5m2", "fp4"):
     VARIANTS[f"{_pair}-fp8mma"] = lambda p=_pair: variant(p, "fp8mma", fp8_mma=True)
 # the fp8 conversion's two forms, with the static instruction count of the main loop (per thread and K step)
 for _pair in ("e4m3", "e5m2"):

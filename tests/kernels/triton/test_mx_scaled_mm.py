@@ -63,13 +63,15 @@ def test_matches_the_reference(a_fmt, b_fmt, plan_name):
     _check(a, a_s, a_fmt, b, bs, b_fmt, config=PLANS[plan_name])
 
 
-FP8_PAIRS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"), ("mxfp8_e4m3", "mxfp8_e5m2")]
+FP8_PAIRS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"), ("mxfp8_e4m3", "mxfp8_e5m2"),
+             ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e5m2", "mxfp4_e2m1")]  # fmt: skip
 FP8_MMA = MXMMConfig(16, 32, 128, mma="fp8")
 
 
-@pytest.mark.parametrize("a_fmt, b_fmt", FP8_PAIRS, ids=["e4m3", "e5m2", "e4m3-e5m2"])
+@pytest.mark.parametrize("a_fmt, b_fmt", FP8_PAIRS, ids=["e4m3", "e5m2", "e4m3-e5m2", "fp4", "e5m2-fp4"])
 def test_fp8_mma_matches_the_reference(a_fmt, b_fmt):
-    """fp8 MMAs per 32-wide K slice, scaled per slice: the same exact products, summed per slice first."""
+    """fp8 MMAs per 32-wide K slice (e2m1 widened to e4m3), scaled per slice: the same exact products, summed per
+    slice first."""
     a, a_s, b, bs = _operands(37, 45, 256, a_fmt, b_fmt)
     _check(a, a_s, a_fmt, b, bs, b_fmt, config=FP8_MMA)
     _check(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, config=FP8_MMA)
@@ -80,10 +82,22 @@ def test_fp8_mma_takes_mxfp8_operands_only():
         MXMMConfig(16, 32, 128, swap=True, mma="fp8")
     with pytest.raises(ValueError, match="'bf16' or 'fp8'"):
         MXMMConfig(16, 32, 128, mma="fp4")
-    for a_fmt, b_fmt in [("mxfp4_e2m1", "mxfp4_e2m1"), (None, "mxfp8_e4m3"), ("mxfp8_e4m3", "mxfp4_e2m1")]:
-        a, a_s, b, bs = _operands(4, 8, 128, a_fmt, b_fmt)
-        with pytest.raises(ValueError, match="MXFP8 x MXFP8"):
-            launch(a, a_s, a_fmt, b, bs, b_fmt, torch.float32, FP8_MMA)
+    for b_fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):  # weight-only: the activations are not fp8
+        a, a_s, b, bs = _operands(4, 8, 128, None, b_fmt)
+        with pytest.raises(ValueError, match="MX x MX"):
+            launch(a, a_s, None, b, bs, b_fmt, torch.float32, FP8_MMA)
+
+
+def test_fp4_widens_to_e4m3_exactly_on_every_code():
+    """Every e2m1 code pair through the fp8-MMA path, times an identity (unit scales): the output is each element's
+    value, equal to the reference's."""
+    m, k = 4, 128
+    a = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(m, k // 2)  # every (low, high) nibble pair
+    eye = torch.eye(k, dtype=torch.uint8) * 2  # e2m1 code 2 is 1.0
+    b = eye[:, 0::2] | (eye[:, 1::2] << 4)  # element 2j in the low nibble
+    unit = lambda rows: torch.full((rows, k // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # noqa: E731
+    y, want = _check(a, unit(m), "mxfp4_e2m1", b, unit(k), "mxfp4_e2m1", config=FP8_MMA)
+    assert torch.equal(y, want) and want.abs().max() == 6.0 and (want == 0.5).any() and (want == -6.0).any()
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])

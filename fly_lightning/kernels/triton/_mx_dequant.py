@@ -12,6 +12,9 @@ underflow below 2^-126 (bf16 subnormals keep 7 bits).
 Specials: scale 255 is NaN (the whole block decodes to NaN); e4m3 code 0x7F and e5m2 exponent 31 decode to NaN /
 inf as torch's float8 types do (``to_mx`` never emits them outside NaN blocks, but the oracle honours them).
 
+``fp8_slice`` is the other route, for the opt-in fp8-MMA plans: one 32-wide slice of elements as fp8 for an fp8 MMA,
+unscaled (the kernel scales each slice's product), MXFP4 widened to e4m3 by integer ops.
+
 ``FP32=True`` does the multiplies in fp32 and returns fp32: the Triton interpreter's bf16 arithmetic works on raw
 bits and its bf16 -> fp32 conversion flushes subnormals, so kernels pass ``FP32=INTERPRET`` (values are the same).
 Function names and signatures are stable: other kernels import them.

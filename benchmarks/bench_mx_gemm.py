@@ -8,8 +8,8 @@ L2; every implementation checked against the fp32 reference first):
 - ``ours_q``: ours including the activation's quantisation (``mx_cast`` of bf16 activations, then the GEMM; the
   weights are cast once, as a frozen or cached weight would be); weight-only has no activation cast;
 - ``bf16``: cuBLAS ``torch.mm`` of bf16 operands of the same shape;
-- ``ours_fp8mma`` (MX x MX): the opt-in fp8-MMA plan (``MXMMConfig(mma="fp8")``: fp8 bytes as they are, e2m1
-  widened to e4m3, into fp8 MMAs, each 32-wide slice's fp32 product scaled; no dequantisation);
+- ``ours_graph``, ``bf16_graph`` (M <= 64, GPU): the same two as device time from CUDA-graph replays, without the
+  host launch cost that the event-timed columns carry at these sizes;
 - ``emulated``: torchao's emulated path (``MXTensor`` dequantise to bf16, then ``torch.mm``), which is our ATen
   backend; torchao's own ``MXTensor`` dequantise is used when torchao is installed.
 
@@ -29,8 +29,16 @@ from collections.abc import Callable
 import torch
 
 import fly_lightning
-from benchmarks.harness import Results, backend_of, geomean, interleaved_ms, rotation_count, time_ms
-from fly_lightning.kernels.triton.mx_scaled_mm import MXMMConfig
+from benchmarks.harness import (
+    Results,
+    backend_of,
+    capture_graph,
+    geomean,
+    interleaved_graph_ms,
+    interleaved_ms,
+    rotation_count,
+    time_ms,
+)
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
 
 # (M, N, K): Llama-3-8B / 70B, Mistral, Qwen projections (qkv, o, gate/up, down) at prefill and decode token counts
@@ -63,13 +71,8 @@ ALT_PLANS = [  # (block_m, block_n, block_k, warps, stages, swap): timed beside 
     (64, 256, 128, 4, 3, True),
 ]
 LARGE_M = 1024  # the vs-bf16 goal's rows
-FP8_MMA_ALT = [(128, 128, 128, 8, 3), (128, 128, 64, 8, 4), (64, 128, 128, 4, 4), (128, 64, 64, 8, 5)]
-# the fp8-MMA plan's tiles (few rows, more rows): the largest that compile for sm90 without spills
-FP8_MMA_PLANS = {
-    False: MXMMConfig(64, 128, 128, num_warps=4, num_stages=4, mma="fp8"),
-    True: MXMMConfig(128, 64, 128, num_warps=8, num_stages=4, mma="fp8"),
-}
 SMALL_M = 64  # weight-only cases
+GRAPH_CALLS = 20  # calls per captured graph (small M)
 
 
 def _emulated_dequant() -> tuple[str, Callable[[torch.Tensor, torch.Tensor, str], torch.Tensor]]:
@@ -129,11 +132,6 @@ def run_case(res: Results, m: int, n: int, k: int, kind: str, device: str, reps:
         return torch.mm(da, dequant(b, bs, b_fmt).t())
 
     fns = {"ours": ours, "ours_q": ours_q, "bf16": bf16, "emulated": emulated}
-    if kind != "w4":  # the opt-in fp8-MMA plan (fp8 MMAs on the elements, scales per 32-wide slice)
-        from fly_lightning.kernels.triton import mx_scaled_mm as kernel
-
-        fp8 = FP8_MMA_PLANS[m > 64]
-        fns["ours_fp8mma"] = lambda x, w, a, a_s, b, bs: kernel.launch(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, fp8)
     row = dict(case=f"{kind} {m}x{n}x{k}", kind=kind, m=m, n=n, k=k)
     for name in [n for n in fns if n not in ("bf16",)]:
         row[f"{name}_err"] = float(f"{rel_err(fns[name](*inputs[0]), ref):.3g}")
@@ -141,47 +139,44 @@ def run_case(res: Results, m: int, n: int, k: int, kind: str, device: str, reps:
     ms = interleaved_ms(fns, inputs, reps=reps, rounds=rounds)
     row.update({f"{name}_ms": float(f"{t:.4g}") for name, t in ms.items()})
     row["tflops"] = round(2 * m * n * k / ms["ours"] / 1e9, 1)
-    if "ours_fp8mma" in ms:
-        row["fp8mma_x_vs_ours"] = float(f"{ms['ours'] / ms['ours_fp8mma']:.4g}")
-        row["fp8mma_x_vs_bf16"] = float(f"{ms['bf16'] / ms['ours_fp8mma']:.4g}")
     for name in ("bf16", "emulated"):
         row[f"x_vs_{name}"] = float(f"{ms[name] / ms['ours']:.4g}")
         row[f"q_x_vs_{name}"] = float(f"{ms[name] / ms['ours_q']:.4g}")
+    if m <= SMALL_M and device == "cuda":  # host-bound with events: the kernels' own time from graph replays too
+        graphs = {name: capture_graph(fns[name], inputs, GRAPH_CALLS) for name in ("ours", "bf16")}
+        gms = interleaved_graph_ms(graphs, GRAPH_CALLS, rounds=rounds)
+        row.update({f"{name}_graph_ms": float(f"{t:.4g}") for name, t in gms.items()})
+        row["graph_x_vs_bf16"] = float(f"{gms['bf16'] / gms['ours']:.4g}")
     res.add(**row)
     if m >= LARGE_M and kind != "w4":
         res.details.setdefault("plans", {})[row["case"]] = alt_plans(m, n, k, a_fmt, b_fmt, inputs, ms["ours"], ref)
 
 
 def alt_plans(m, n, k, a_fmt, b_fmt, inputs, ours_ms, ref) -> dict:
-    """Milliseconds of other launch plans on this case (MXFP8: each with both fp8 conversions, and fp8-MMA plans),
-    for tuning ``plan``; a plan that fails or disagrees with the reference is recorded as such."""
+    """Milliseconds of other launch plans on this case (and of each with the fp8 hardware conversion), for tuning
+    ``plan``; a plan that fails or disagrees with the reference is recorded as such."""
     from dataclasses import replace
 
     from fly_lightning.kernels.triton import mx_scaled_mm as kernel
 
     base = kernel.plan(m, n, k, a_fmt, b_fmt, inputs[0][2].device)
     out = {"plan": base.label(), "plan_ms": ours_ms}
-    fp8 = bool(a_fmt and a_fmt.startswith("mxfp8"))
-    cvts = ("bits", "hw") if fp8 else ("bits",)
-    configs = [
-        replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, swap=swap, fp8_cvt=cvt)
-        for bm, bn, bk, warps, stages, swap in ALT_PLANS
-        for cvt in cvts
-    ]
-    if a_fmt is not None:  # the fp8-MMA plan's other tiles (128x128 spills a little on sm90: timed anyway)
-        configs += [MXMMConfig(*t, mma="fp8") for t in FP8_MMA_ALT]
-    for cfg in configs:
+    cvts = ("bits", "hw") if a_fmt and a_fmt.startswith("mxfp8") else ("bits",)
+    for bm, bn, bk, warps, stages, swap in ALT_PLANS:
+        for cvt in cvts:
+            cfg = replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, swap=swap)
+            cfg = replace(cfg, fp8_cvt=cvt)
 
-        def fn(x, w, a, a_s, b, bs, cfg=cfg):
-            return kernel.launch(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, cfg)
+            def fn(x, w, a, a_s, b, bs, cfg=cfg):
+                return kernel.launch(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, cfg)
 
-        try:
-            err = rel_err(fn(*inputs[0]), ref)
-            out[cfg.label()] = float(f"{time_ms(fn, inputs, warmup=3, reps=20)['median_ms']:.4g}")
-            if err > 1e-2:
-                out[cfg.label()] = f"error {err:.3g}"
-        except Exception as exc:  # noqa: BLE001 (a plan that does not compile or fit is recorded, not fatal)
-            out[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:100]}"
+            try:
+                err = rel_err(fn(*inputs[0]), ref)
+                out[cfg.label()] = float(f"{time_ms(fn, inputs, warmup=3, reps=20)['median_ms']:.4g}")
+                if err > 1e-2:
+                    out[cfg.label()] = f"error {err:.3g}"
+            except Exception as exc:  # noqa: BLE001 (a plan that does not compile or fit is recorded, not fatal)
+                out[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:100]}"
     return out
 
 
@@ -198,12 +193,9 @@ def summarise(res: Results) -> None:
     w4 = [r for r in res.rows if r["kind"] == "w4"]
     s["w4_geomean_vs_bf16_m64"] = geomean([r["x_vs_bf16"] for r in w4]) if w4 else None
     s["w4_meets_vs_bf16"] = bool(w4) and s["w4_geomean_vs_bf16_m64"] >= GOALS["w4_vs_bf16_m64"]
-    s["max_err"] = max(max(r["ours_err"], r["ours_q_err"], r.get("ours_fp8mma_err", 0.0)) for r in res.rows)
-    for kind in ("mxfp8", "mxfp4"):
-        fp8 = [r for r in res.rows if r["kind"] == kind and "fp8mma_x_vs_ours" in r]
-        s[f"{kind}_fp8mma_geomean_vs_ours"] = geomean([r["fp8mma_x_vs_ours"] for r in fp8]) if fp8 else None
-        big = [r["fp8mma_x_vs_bf16"] for r in fp8 if r["m"] >= LARGE_M]
-        s[f"{kind}_fp8mma_geomean_vs_bf16_m1024"] = geomean(big) if big else None
+    graph = [r["graph_x_vs_bf16"] for r in w4 if "graph_x_vs_bf16" in r]
+    s["w4_graph_geomean_vs_bf16_m64"] = geomean(graph) if graph else None
+    s["max_err"] = max(max(r["ours_err"], r["ours_q_err"]) for r in res.rows)
     s["goals"] = GOALS
     res.summary = s
 
@@ -232,8 +224,8 @@ def suite(
         "x_vs_*: baseline time / ours (above 1: ours faster); q_x_vs_*: the same with quantisation included",
         "geomeans: vs bf16 over M >= 1024, vs emulated over all 17; w4 (weight-only MXFP4) over M <= 64",
         "details.plans (JSON): other launch plans timed at M >= 1024, for tuning the kernel's plan",
-        "ours_fp8mma (MX x MX): the opt-in fp8-MMA plan (MXMMConfig(mma='fp8'): fp8 bytes as they are, e2m1 widened "
-        "to e4m3, into fp8 MMAs, each 32-wide slice's product scaled); fp8mma_x_vs_ours > 1: faster than the default",
+        "*_graph_ms (M <= 64): ours and bf16 as device time from CUDA-graph replays (no host launch cost, as under "
+        "CUDA graphs); graph_x_vs_bf16 = bf16 / ours there. The goals are read on the event-timed columns",
     ]
     return res
 

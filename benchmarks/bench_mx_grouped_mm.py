@@ -35,7 +35,6 @@ import torch
 import fly_lightning
 from benchmarks.grouped_mm_cases import Case, cases, make_inputs, uniform_counts, zipf_counts
 from benchmarks.harness import Results, backend_of, first_call_s, geomean, interleaved_ms, rotation_count, time_ms
-from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
 from fly_lightning.quant import formats
 
@@ -43,9 +42,6 @@ FORMATS = {"fp8": "mxfp8_e4m3", "fp4": "mxfp4_e2m1"}
 GOAL_VS_BF16 = 0.9
 GOAL_VS_EMULATED = 1.5
 ROUNDS = 4
-# the opt-in fp8-MMA configuration: the largest tile that compiles for sm90 without spills (its product and scales
-# live beside the accumulator)
-FP8_MMA = mk.MXGroupedMMConfig(128, 64, 128, 8, 4, 8, mma="fp8")
 SMOKE_CASES = [
     Case("smoke-uniform", "uniform", 3, 128, 48, uniform_counts(40, 3), k_major=False),
     Case("smoke-uneven", "uneven", 4, 128, 32, zipf_counts(30, 4, 1.5, 0.25, seed=1), load="zipf"),
@@ -161,17 +157,6 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
             f"{f}_incl": incl,
             f"{f}_emul_incl": emul_incl,
         }
-
-        # the opt-in fp8-MMA configuration: the elements (e2m1 widened to e4m3) into fp8 MMAs, no dequantisation
-        def fp8mma(x, w, o, mx, f=f, fmt=fmt):
-            xd, xs, wd, ws = mx[f]
-            out = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
-            return mk.launch(xd, xs, fmt, wd, ws, fmt, o, out, config=FP8_MMA)
-
-        ref = mx_grouped_mm_reference(*mx_args[:-1], torch.float32)
-        row[f"{f}_fp8mma_err"] = _rel_err(fp8mma(None, None, offs, timed_sets[0][3]), ref, end)
-        del ref
-        fns[f"{f}_fp8mma"] = fp8mma
         row[f"{f}_emul_incl_impl"] = (
             "torchao _to_mxfp8_then_scaled_grouped_mm EMULATED"
             if fmt == "mxfp8_e4m3" and torchao_fp8 is not None and w.stride(1) == 1
@@ -190,8 +175,6 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         row[f"{f}_x_vs_emul"] = float(f"{row[f'{f}_emul_ms'] / row[f'{f}_ms']:.4g}")
         row[f"{f}_incl_x_vs_emul_incl"] = float(f"{row[f'{f}_emul_incl_ms'] / row[f'{f}_incl_ms']:.4g}")
         row[f"{f}_incl_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_incl_ms']:.4g}")
-        row[f"{f}_fp8mma_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_fp8mma_ms']:.4g}")
-        row[f"{f}_fp8mma_x_vs_emul"] = float(f"{row[f'{f}_emul_ms'] / row[f'{f}_fp8mma_ms']:.4g}")
     return row
 
 
@@ -225,11 +208,6 @@ def _summarise(res: Results) -> None:
                 res.summary[f"meets_{key}"] = g is not None and g >= goal
         res.summary[f"{f}_failed_checks"] = [r["case"] for r in rows if r.get(f"{f}_err", 1.0) > 1e-2]
         res.summary[f"{f}_not_on_triton"] = [r["case"] for r in rows if r.get(f"{f}_backend") != "triton"]
-    for f in FORMATS:  # the opt-in fp8-MMA configuration
-        for key in (f"{f}_fp8mma_x_vs_bf16", f"{f}_fp8mma_x_vs_emul"):
-            vals = [r[key] for r in rows if key in r]
-            res.summary[f"geomean_{key}"] = round(geomean(vals), 3) if vals else None
-        res.summary[f"{f}_fp8mma_failed_checks"] = [r["case"] for r in rows if r.get(f"{f}_fp8mma_err", 0.0) > 1e-2]
     res.summary["errors"] = [r["case"] for r in res.rows if "error" in r]
     res.add_totals(tuple(f"{f}_cold_s" for f in FORMATS), 2)
     res.notes += [
@@ -240,8 +218,6 @@ def _summarise(res: Results) -> None:
         "emulated = torchao's formula (elements and scales cast to bf16 and multiplied), then torch._grouped_mm; "
         "<f>_emul_incl_impl names the included path (torchao's function where installed and the layout fits).",
         "<f>_err: ours against the fp32 per-group product of the dequantised operands (bf16 output: ~2e-3).",
-        "<f>_fp8mma: the opt-in fp8-MMA configuration (MXGroupedMMConfig(mma='fp8'), launched directly: the elements "
-        "(fp8 as they are, e2m1 widened to e4m3) into fp8 MMAs per 32-wide K slice, each slice's product scaled).",
         "timing: device events over rotating input sets; every column takes turns in rotated rounds "
         f"({ROUNDS} or more) and reports the median of its round medians. <f>_cold_s: first call (compilation).",
     ]

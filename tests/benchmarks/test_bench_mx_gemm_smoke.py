@@ -23,15 +23,12 @@ def test_suite_runs(monkeypatch):
         assert r["ours_err"] < 1e-2 and r["ours_q_err"] < 1e-2 and r["emulated_err"] < 1e-2, r
         assert all(r[f"{c}_ms"] > 0 for c in ("ours", "ours_q", "bf16", "emulated")), r
         assert r["x_vs_bf16"] > 0 and r["q_x_vs_emulated"] > 0
-        assert ("ours_fp8mma_ms" in r) == (r["kind"] != "w4") and r.get("ours_fp8mma_err", 0) < 1e-2
+        assert "ours_graph_ms" not in r  # graph replays on the GPU only
     s = res.summary
     for key in ("mxfp8_geomean_vs_bf16_m1024", "mxfp4_geomean_vs_emulated", "mxfp8_q_geomean_vs_bf16_m1024"):
         assert s[key] > 0, key
     plans = res.details["plans"]  # the alternative plans at "large" M (both MX kinds), each timed or its error named
     assert set(plans) == {"mxfp8 40x16x128", "mxfp4 40x16x128"}
     assert all(isinstance(v, float) and v > 0 for p in plans.values() for key, v in p.items() if key != "plan"), plans
-    assert len(plans["mxfp8 40x16x128"]) == 2 + 2 * len(bench_mx_gemm.ALT_PLANS) + len(bench_mx_gemm.FP8_MMA_ALT)
-    assert len(plans["mxfp4 40x16x128"]) == 2 + len(bench_mx_gemm.ALT_PLANS) + len(bench_mx_gemm.FP8_MMA_ALT)
-    assert s["w4_geomean_vs_bf16_m64"] > 0 and s["max_err"] < 1e-2
-    for kind in ("mxfp8", "mxfp4"):
-        assert s[f"{kind}_fp8mma_geomean_vs_ours"] > 0 and s[f"{kind}_fp8mma_geomean_vs_bf16_m1024"] > 0
+    assert len(plans["mxfp8 40x16x128"]) == 2 + 2 * len(bench_mx_gemm.ALT_PLANS)
+    assert s["w4_geomean_vs_bf16_m64"] > 0 and s["max_err"] < 1e-2 and s["w4_graph_geomean_vs_bf16_m64"] is None

@@ -71,16 +71,15 @@ def test_zero_extreme_and_nan_scales(a_fmt, b_fmt):
     assert torch.isfinite(y[:, 1]).all() and (y[:, 1].abs() > 1e20).any()
 
 
-@pytest.mark.parametrize("fp8_cvt", ["bits", "hw", "fp8mma"])
+@pytest.mark.parametrize("fp8_cvt", ["bits", "hw"])
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
 @pytest.mark.parametrize("m", [16, 300])
 def test_fp8_conversions_agree_on_every_code(fmt, m, fp8_cvt):
-    """Both fp8 conversions (float8 -> f16 instructions, the default; bit placement) and the opt-in fp8-MMA plan (no
-    conversion: fp8 wgmma on the raw bytes) on data holding every code, NaN and inf included, in the plan the launcher
-    picks for these rows (the fp8-MMA plan's own tiles)."""
+    """Both fp8 conversions (float8 -> f16 instructions, the default; bit placement) on data holding every code, NaN
+    and inf included, in the plan the launcher picks for these rows."""
     from dataclasses import replace
 
-    from fly_lightning.kernels.triton.mx_scaled_mm import MXMMConfig, launch, plan
+    from fly_lightning.kernels.triton.mx_scaled_mm import launch, plan
 
     n, k = 256, 512
     codes = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8)
@@ -92,29 +91,10 @@ def test_fp8_conversions_agree_on_every_code(fmt, m, fp8_cvt):
     bs = torch.randint(110, 140, (n, k // 32), device="cuda", dtype=torch.uint8).view(torch.float8_e8m0fnu)
     dt = formats.FORMATS[fmt].torch_dtype
     a, b = a.view(dt), b.view(dt)
-    if fp8_cvt == "fp8mma":
-        cfg = MXMMConfig(128, 64, 128, num_warps=8, num_stages=4, mma="fp8")
-    else:
-        cfg = replace(plan(m, n, k, fmt, fmt, a.device), fp8_cvt=fp8_cvt)
+    cfg = replace(plan(m, n, k, fmt, fmt, a.device), fp8_cvt=fp8_cvt)
     y = launch(a, a_s, fmt, b, bs, fmt, torch.float32, cfg)
     want = mx_scaled_mm_reference(a, a_s, fmt, b, bs, fmt, torch.float32)
     assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.isinf(), want.isinf())
     finite = torch.isfinite(want)
     assert finite.any()
     assert ((y - want)[finite].abs() <= 2e-5 * want[finite].abs().amax()).all()
-
-
-@pytest.mark.parametrize(
-    "a_fmt, b_fmt", [("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp4_e2m1")], ids=["fp4", "e4m3-fp4"]
-)
-@pytest.mark.parametrize("m", [16, 1000])
-def test_fp8_mma_plan_with_mxfp4(a_fmt, b_fmt, m):
-    """The opt-in fp8-MMA plan with e2m1 elements widened to e4m3 in registers, compiled: exact products, fp32 sums."""
-    from fly_lightning.kernels.triton.mx_scaled_mm import MXMMConfig, launch
-
-    a, a_s, b, bs = _operands(m, 520, 1024, a_fmt, b_fmt)
-    y = launch(
-        a, a_s, a_fmt, b, bs, b_fmt, torch.float32, MXMMConfig(128, 64, 128, num_warps=8, num_stages=4, mma="fp8")
-    )
-    want = mx_scaled_mm_reference(a, a_s, a_fmt, b, bs, b_fmt, torch.float32)
-    assert ((y - want).abs() <= 2e-5 * want.abs().amax()).all()

@@ -12,9 +12,6 @@ underflow below 2^-126 (bf16 subnormals keep 7 bits).
 Specials: scale 255 is NaN (the whole block decodes to NaN); e4m3 code 0x7F and e5m2 exponent 31 decode to NaN /
 inf as torch's float8 types do (``to_mx`` never emits them outside NaN blocks, but the oracle honours them).
 
-``fp8_slice`` is the other route, for the opt-in fp8-MMA plans: one 32-wide slice of elements as fp8 for an fp8 MMA,
-unscaled (the kernel scales each slice's product), MXFP4 widened to e4m3 by integer ops.
-
 ``FP32=True`` does the multiplies in fp32 and returns fp32: the Triton interpreter's bf16 arithmetic works on raw
 bits and its bf16 -> fp32 conversion flushes subnormals, so kernels pass ``FP32=INTERPRET`` (values are the same).
 Function names and signatures are stable: other kernels import them.
@@ -104,24 +101,3 @@ def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False):
     bits = ((codes & 8) << 12) | ((codes & 7) << 6)  # sign; exponent (2 bits) and mantissa (1) at bf16's, bias 1
     v = _from_bf16_bits(bits, FP32) * 2.0**126
     return _apply_scale(v, scale, FP32)
-
-
-@triton.jit
-def fp8_slice(P, row_off, kk, FMT: tl.constexpr):
-    """One 32-wide K slice ``[kk, kk + 32)`` (one MX block) of an MX operand's rows (byte offsets ``row_off`` [R] from
-    ``P``) as fp8 for an fp8 MMA, unscaled: fp8 bytes as they are (``FMT`` 1 e4m3, 2 e5m2); e2m1 codes (3: two per
-    byte, element ``2j`` low) widened exactly to e4m3 bytes by integer ops (exponent + 6, the mantissa bit moved up;
-    0.5, the one subnormal, is 0x30)."""
-    if FMT == 3:
-        p = tl.load(P + (row_off[:, None] + (kk // 2 + tl.arange(0, 16))[None, :])).to(tl.int32)
-        c = tl.reshape(tl.join(p & 0xF, p >> 4), (p.shape[0], 32))
-        mag = c & 7
-        out = (tl.where(mag < 2, mag * 0x30, (mag << 2) + 0x30) | ((c & 8) << 4)).to(tl.uint8)
-        out = out.to(tl.float8e4nv, bitcast=True)
-    else:
-        x = tl.load(P + (row_off[:, None] + (kk + tl.arange(0, 32))[None, :]))
-        if FMT == 2:
-            out = x.to(tl.float8e5, bitcast=True)
-        else:
-            out = x.to(tl.float8e4nv, bitcast=True)
-    return out

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, e8m0_to_float, fp8_slice
+from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
 
@@ -67,30 +67,13 @@ def _operand(
     return v
 
 
-@triton.jit
-def _fp8_slab(X, x_off, xs_1d, W, w_off, ws_1d, kk, acc, BLOCK_K: tl.constexpr, X_FMT: tl.constexpr,
-              W_FMT: tl.constexpr):  # fmt: skip
-    """``acc`` plus K slab ``kk`` for MX x MX without dequantising: per 32-wide slice (one MX block), an fp8 MMA of the
-    elements (``fp8_slice``: MXFP4 widened to e4m3, exact) times the product of the slice's row and column scales
-    (fp32, exact powers of two)."""
-    for j in tl.static_range(BLOCK_K // 32):
-        k32 = kk * (BLOCK_K // 32) + j
-        a = fp8_slice(X, x_off, k32 * 32, X_FMT)
-        b = fp8_slice(W, w_off, k32 * 32, W_FMT)
-        sa = e8m0_to_float(tl.load(xs_1d + k32), FP32=True)
-        sb = e8m0_to_float(tl.load(ws_1d + k32), FP32=True)
-        # the scales' product first: it overflows only where the result itself would
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-    return acc
-
-
 # fmt: off
 @triton.jit
 def _mx_tile(
     tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr, FP8_MMA: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """Compute and store output tile ``tile`` (of group g, whose rows are [g_start, g_start + g_size))."""
     pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
@@ -107,20 +90,7 @@ def _mx_tile(
     ws_rows = WS + g64 * stride_wse + col[:, None] * stride_wsn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if FP8_MMA:  # byte offsets per row and 1-D scale pointers: one scale per row (column) and slice
-        x_off = src * stride_xm
-        w_off = g64 * stride_we + col * stride_wn
-        xs_1d = XS + src * stride_xsm
-        ws_1d = WS + g64 * stride_wse + col * stride_wsn
-        if INTERPRET:
-            kk = 0
-            while kk < k_tiles:
-                acc = _fp8_slab(X, x_off, xs_1d, W, w_off, ws_1d, kk, acc, BLOCK_K, X_FMT, W_FMT)
-                kk += 1
-        else:
-            for kk in range(0, k_tiles):
-                acc = _fp8_slab(X, x_off, xs_1d, W, w_off, ws_1d, kk, acc, BLOCK_K, X_FMT, W_FMT)
-    elif INTERPRET:  # the interpreter cannot range over a device value
+    if INTERPRET:  # the interpreter cannot range over a device value
         kk = 0
         while kk < k_tiles:
             a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST)
@@ -142,7 +112,7 @@ def _mx_grouped_mm_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, NUM_PROGS,
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, INTERPRET: tl.constexpr, FP8_MMA: tl.constexpr = False,
+    UPCAST: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -166,7 +136,7 @@ def _mx_grouped_mm_kernel(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
             _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
                      stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
-                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, FP8_MMA)
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET)
             tile += NUM_PROGS
     else:
         for tile in range(pid, total, NUM_PROGS):
@@ -174,7 +144,7 @@ def _mx_grouped_mm_kernel(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
             _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
                      stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
-                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, FP8_MMA)
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET)
 # fmt: on
 
 
@@ -190,19 +160,12 @@ class MXGroupedMMConfig:
     num_stages: int = 3
     num_warps: int = 8
     programs_per_sm: int = 1
-    # "bf16": slabs dequantised to bf16, bf16 MMAs; "fp8" (MX x MX): the elements into fp8 MMAs per 32-wide K slice
-    # (fp8 bytes as they are, e2m1 widened to e4m3), each slice's product scaled (opt-in, untimed as of 2026-12-04)
-    mma: str = "bf16"
-
-    def __post_init__(self) -> None:
-        if self.mma not in ("bf16", "fp8"):
-            raise ValueError(f"MXGroupedMMConfig.mma must be 'bf16' or 'fp8', got {self.mma!r}")
 
     def label(self) -> str:
         persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
-            f"_{persist}" + ("_fp8mma" if self.mma == "fp8" else "")
+            f"_{persist}"
         )
 
 
@@ -264,8 +227,6 @@ def launch(
     cfg = config or choose_config(m, e, interp, x_fmt, w_fmt)
     if k % cfg.block_k:
         raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
-    if cfg.mma == "fp8" and x_fmt is None:
-        raise ValueError(f"mx_grouped_mm kernel: mma='fp8' takes MX x MX operands (MXFP8 or MXFP4), got {x.dtype} x")
     upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
     if interp:
         progs = min(INTERPRETER_PROGRAMS, upper)
@@ -281,7 +242,6 @@ def launch(
             x.stride(0), xs.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
             progs, X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=max(1024, next_pow2(e)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            UPCAST=interp, INTERPRET=interp, FP8_MMA=cfg.mma == "fp8", num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
+            UPCAST=interp, INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

@@ -115,6 +115,15 @@ def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
     "scales; e4m3, e5m2, e2m1 (packed); rceil and column-wise on ATen",
 )
 def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return launch(x, fmt)
+
+
+PLAN = (16, 8, 4)
+"""(rows, 32-value blocks along K, warps) per program."""
+
+
+def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise floor cast of a supported ``x`` (``_supports``) in one launch ``plan`` (the benchmark times others)."""
     f = formats.as_format(fmt)
     k = x.shape[-1]
     data = outputs.empty(*x.shape[:-1], k // f.per_byte, dtype=torch.uint8, device=x.device)
@@ -123,12 +132,12 @@ def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[tor
         x2 = x.view(-1, k)
         bf16 = x.dtype == torch.bfloat16
         r = x2.shape[0]
-        g = min(8, next_pow2(k // formats.BLOCK))  # blocks per program along K
-        br = 16
+        br, g, warps = plan
+        g = min(g, next_pow2(k // formats.BLOCK))
         ebits, mbits, bias = _BITS[f.name]
         with on_device(x):
             _mx_cast_rows[(cdiv(r, br), cdiv(k, g * formats.BLOCK))](
                 x2.view(torch.int16) if bf16 else x2, x2.stride(0), data, scale, r, k, BR=br, G=g, EMAX=f.emax,
-                MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, num_warps=4,
+                MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

@@ -10,6 +10,10 @@ Small M (decode, weight-only at M <= 64) swaps the operands, ``out^T = dequant(b
 fills the MMA's M side and the few tokens its N side, and splits K across programs (fp32 partials summed after) so
 that enough programs stream the weights. Result: fp32 accumulation of the exact dequantised values, so it matches
 ``mx_scaled_mm_reference`` up to summation order (and underflow below 2^-126, where bf16 keeps 7 bits).
+
+Not kept: fp8 MMAs on the raw bytes per 32-wide K slice, each slice's product scaled (no conversion). On the H200 it
+ran 0.35-0.45x this kernel (the per-slice scaling outweighs the MMA) and Hopper's fp8 accumulation lost about 1e-4 of
+the output's range on e5m2 data (mx_gemm suite and GPU tests at befd49a).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import triton.language as tl
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, e8m0_to_float, fp8_slice
+from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
 from fly_lightning.kernels.triton._support import (
     ON_HIP,
     device_reason,
@@ -53,22 +57,11 @@ class MXMMConfig:
     swap: bool = False
     split_k: int = 1
     fp8_cvt: str = "bits"  # "bits": integer bit placement; "hw": float8 -> f16 conversion instructions (GPU)
-    # "bf16": tiles dequantised to bf16, bf16 MMAs; "fp8" (MX x MX, not swapped): fp8 MMAs on the elements (fp8 bytes
-    # as they are, e2m1 widened to e4m3 by integer ops), one per 32-wide K slice, each slice's fp32 product scaled by
-    # its two scales into the accumulator (exact for operands whose dequantised values are finite, as to_mx emits;
-    # opt-in, untimed as of 2026-12-04)
-    mma: str = "bf16"
-
-    def __post_init__(self) -> None:
-        if self.mma not in ("bf16", "fp8"):
-            raise ValueError(f"MXMMConfig.mma must be 'bf16' or 'fp8', got {self.mma!r}")
-        if self.mma == "fp8" and (self.swap or self.block_k % 32):
-            raise ValueError("MXMMConfig: mma='fp8' needs swap=False and block_k % 32 == 0")
 
     def label(self) -> str:
         s = f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}"
         s += ("-swap" if self.swap else "") + (f"-k{self.split_k}" if self.split_k > 1 else "")
-        return s + ("-hwcvt" if self.fp8_cvt == "hw" and self.mma == "bf16" else "") + ("-fp8mma" * (self.mma == "fp8"))
+        return s + ("-hwcvt" if self.fp8_cvt == "hw" else "")
 
 
 @triton.jit
@@ -93,24 +86,6 @@ def _load_tile(
 
 
 @triton.jit
-def _fp8_slices(A, A_SCALE, B, B_SCALE, a_off, as_rows, b_off, bs_rows, k0, acc, A_FMT: tl.constexpr,
-                B_FMT: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
-    """``acc`` plus the K range ``[k0, k0 + BLOCK_K)`` of ``a @ b^T`` for MX operands without dequantising: per 32-wide
-    slice (one MX block), an fp8 MMA of the elements (MXFP4 widened to e4m3, exact), scaled by the slice's row and
-    column scales (powers of two: exact) in fp32. Row offsets in int32 (the launcher checks they fit): registers go to
-    the slice's product beside the accumulator."""
-    for j in tl.static_range(BLOCK_K // 32):
-        kk = k0 + j * 32
-        a = fp8_slice(A, a_off, kk, A_FMT)
-        b = fp8_slice(B, b_off, kk, B_FMT)
-        sa = e8m0_to_float(tl.load(A_SCALE + as_rows + kk // 32), FP32=True)
-        sb = e8m0_to_float(tl.load(B_SCALE + bs_rows + kk // 32), FP32=True)
-        # the two scales' product first: it overflows only where the result itself would (p * sa alone can)
-        acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-    return acc
-
-
-@triton.jit
 def _mx_mm_kernel(
     A, A_SCALE, B, B_SCALE, OUT,
     M, N, K,
@@ -118,7 +93,6 @@ def _mx_mm_kernel(
     A_FMT: tl.constexpr, B_FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, HW_CVT: tl.constexpr,
-    FP8_MMA: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -143,19 +117,12 @@ def _mx_mm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        if FP8_MMA:
-            a_off = (rm % M) * stride_am  # int32
-            b_off = (rn % N) * stride_bn
-            acc = _fp8_slices(
-                A, A_SCALE, B, B_SCALE, a_off, as_rows, b_off, bs_rows, k0, acc, A_FMT, B_FMT, BLOCK_K
-            )  # fmt: skip
+        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT)
+        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT)
+        if SWAP:
+            acc = tl.dot(b, tl.trans(a), acc)
         else:
-            b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT)
-            a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT)
-            if SWAP:
-                acc = tl.dot(b, tl.trans(a), acc)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
+            acc = tl.dot(a, tl.trans(b), acc)
     if SWAP:
         acc = tl.trans(acc)
     OUT = OUT + tl.program_id(1).to(tl.int64) * stride_split
@@ -220,10 +187,6 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device)
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
-    if cfg.mma == "fp8" and a_fmt is None:
-        raise ValueError(f"mx_scaled_mm: mma='fp8' takes MX x MX operands (MXFP8 or MXFP4), got bf16 x {b_fmt}")
-    if cfg.mma == "fp8" and max(a.shape[0] * a.stride(0), b.shape[0] * b.stride(0)) >= 2**31:
-        raise ValueError("mx_scaled_mm: mma='fp8' addresses operands with int32 offsets: each must span < 2 GiB")
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.device)
     split = cfg.split_k
@@ -238,7 +201,6 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
             a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n,
             A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split, HW_CVT=cfg.fp8_cvt == "hw",
-            FP8_MMA=cfg.mma == "fp8",
             INTERPRET=interpreting() and a.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if split > 1:

@@ -5,7 +5,6 @@ from _sm90 import compile_sm90, report
 
 from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
     FMT_CODE,
-    MXGroupedMMConfig,
     _mx_grouped_mm_kernel,
     choose_config,
 )
@@ -20,20 +19,16 @@ PAIRS = {
 }
 
 
-# the opt-in fp8-MMA configuration (MX x MX: the elements into fp8 wgmma per 32-wide K slice)
-FP8_MMA = MXGroupedMMConfig(128, 64, 128, 8, 4, 8, mma="fp8")
-
-
 def variant(pair: str, plan: str, out: str = "bf16") -> dict:
     x_fmt, w_fmt = PAIRS[pair]
-    cfg = FP8_MMA if plan == "fp8mma" else choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt)
+    cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt)
     fn = _mx_grouped_mm_kernel
     sig = {a: "i32" for a in fn.arg_names}
     sig.update(X="*bf16" if x_fmt is None else "*u8", XS="*bf16" if x_fmt is None else "*u8", W="*u8", WS="*u8",
                OUT=f"*{out}", OFFS="*i32")  # fmt: skip
     const = dict(
         X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=1024, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, INTERPRET=False, FP8_MMA=cfg.mma == "fp8",
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, INTERPRET=False,
     )  # fmt: skip
     aligned = ("X", "XS", "W", "WS", "OUT", "OFFS", "N", "K", "stride_xm", "stride_xsm", "stride_we", "stride_wn",
                "stride_wse", "stride_wsn", "stride_om")  # fmt: skip
@@ -42,16 +37,12 @@ def variant(pair: str, plan: str, out: str = "bf16") -> dict:
     return dict(
         spill_bytes=spill, registers=regs, shared=kernel.metadata.shared,
         wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
-        fp8_wgmma=sum("wgmma.mma_async" in ln and (".e4m3" in ln or ".e5m2" in ln) for ln in ptx.splitlines()),
         async_copies=ttgir.count("ttg.async_copy_global_to_local"),
     )  # fmt: skip
 
 
 VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in ROWS}
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
-VARIANTS["e4m3-fp8mma"] = lambda: variant("e4m3", "fp8mma")
-VARIANTS["e5m2-fp8mma"] = lambda: variant("e5m2", "fp8mma")
-VARIANTS["fp4-fp8mma"] = lambda: variant("fp4", "fp8mma")
 
 if __name__ == "__main__":
     report(VARIANTS)

@@ -9,8 +9,6 @@ PLANS = {
     "small": MXMMConfig(16, 64, 128, num_warps=4, num_stages=4, swap=True, split_k=4),
     "mid": MXMMConfig(64, 128, 128, num_warps=4, num_stages=4),
     "large": MXMMConfig(128, 256, 128, num_warps=8, num_stages=3),
-    # the fp8-MMA plan: each slice's fp32 product and scales live beside the accumulator (128x128 spills 72 bytes)
-    "fp8mma": MXMMConfig(128, 64, 128, num_warps=8, num_stages=4, mma="fp8"),
 }
 PAIRS = {
     "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),
@@ -21,9 +19,7 @@ PAIRS = {
 }
 
 
-def variant(
-    pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt: bool = True, fp8_mma: bool = False
-) -> dict:
+def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt: bool = True) -> dict:
     a_fmt, b_fmt = PAIRS[pair]
     cfg = PLANS[plan]
     fn = _mx_mm_kernel
@@ -31,7 +27,7 @@ def variant(
     sig.update(A="*bf16" if a_fmt is None else "*u8", A_SCALE="*u8", B="*u8", B_SCALE="*u8", OUT=f"*{out}")
     const = dict(
         A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt, FP8_MMA=fp8_mma,
+        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt,
     )  # fmt: skip
     aligned = ("A", "A_SCALE", "B", "B_SCALE", "OUT", "K", "stride_am", "stride_asm", "stride_bn", "stride_bsn")
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -39,7 +35,6 @@ def variant(
     r = dict(
         spill_bytes=spill, registers=regs, shared=kernel.metadata.shared,
         wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
-        fp8_wgmma=sum("wgmma.mma_async" in ln and (".e4m3" in ln or ".e5m2" in ln) for ln in ptx.splitlines()),
         async_copies=ttgir.count("ttg.async_copy_global_to_local"),
     )  # fmt: skip
     if loop:
@@ -47,13 +42,8 @@ def variant(
     return r
 
 
-VARIANTS = {
-    f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in PLANS if plan != "fp8mma"
-}
+VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in PLANS}
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
-# the fp8-MMA plan (MXFP8 x MXFP8: fp8 wgmma per 32-wide K slice, no conversion)
-for _pair in ("e4m3", "e5m2", "fp4"):
-    VARIANTS[f"{_pair}-fp8mma"] = lambda p=_pair: variant(p, "fp8mma", fp8_mma=True)
 # the fp8 conversion's two forms, with the static instruction count of the main loop (per thread and K step)
 for _pair in ("e4m3", "e5m2"):
     VARIANTS[f"{_pair}-large-bits-loop"] = lambda p=_pair: variant(p, "large", loop=True, hw_cvt=False)

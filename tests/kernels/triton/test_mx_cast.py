@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fly_lightning
-from fly_lightning.kernels.triton.mx_cast import _supports, mx_cast_triton
+from fly_lightning.kernels.triton.mx_cast import _supports, launch, mx_cast_triton
 from fly_lightning.ops.mx_cast import mx_cast_reference
 from fly_lightning.quant import formats
 
@@ -23,8 +23,8 @@ def _cases(dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _check(x: torch.Tensor, fmt: str) -> None:
-    data, scale = mx_cast_triton(x, fmt, "floor", -1)
+def _check(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] | None = None) -> None:
+    data, scale = mx_cast_triton(x, fmt, "floor", -1) if plan is None else launch(x, fmt, plan)
     want_data, want_scale = mx_cast_reference(x, fmt, "floor", -1)
     assert data.dtype == want_data.dtype and data.shape == want_data.shape
     assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
@@ -40,6 +40,14 @@ def test_bit_exact_with_the_reference(fmt, dtype, k):
     x = _cases(dtype).reshape(-1)
     x = x[: x.numel() // k * k].reshape(-1, k)  # rows not a multiple of the tile's, K of 1, 3 and 10 blocks
     _check(x, fmt)
+
+
+@pytest.mark.parametrize("plan", [(8, 16, 4), (64, 4, 8)])
+def test_other_launch_plans(plan):
+    """The plans the benchmark times (rows, blocks, warps) give the same bits: rows and blocks not multiples of theirs."""
+    x = _cases(torch.bfloat16).repeat(6, 1).reshape(-1)[: 42 * 160].reshape(42, 160)
+    for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
+        _check(x, fmt, plan)
 
 
 def test_leading_dims_and_strided_rows():

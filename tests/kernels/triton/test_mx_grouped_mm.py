@@ -50,29 +50,6 @@ CONFIGS = {
 }
 
 
-FP8_MMA = replace(mk.INTERPRETER_CONFIG, block_k=64, mma="fp8")
-
-
-@pytest.mark.parametrize("x_fmt, w_fmt", PAIRS[:4], ids=["e4m3", "e5m2", "fp4", "e5m2-e4m3"])
-def test_fp8_mma_on_uneven_groups(x_fmt, w_fmt):
-    """The opt-in fp8-MMA configuration: the elements (e2m1 widened to e4m3) into the dot per 32-wide slice, scaled
-    after."""
-    args = _problem(x_fmt, w_fmt, k=128)
-    out = torch.full((args[0].shape[0], 40), float("nan"))
-    mk.launch(*args, out, config=FP8_MMA)
-    _check(out, args)
-    assert out[int(args[-1][-1]) :].isnan().all()
-
-
-def test_fp8_mma_takes_mxfp8_operands_only():
-    with pytest.raises(ValueError, match="'bf16' or 'fp8'"):
-        replace(mk.INTERPRETER_CONFIG, mma="fp4")
-    for x_fmt, w_fmt in [(None, "mxfp8_e4m3"), (None, "mxfp4_e2m1")]:  # weight-only: the activations are not fp8
-        args = _problem(x_fmt, w_fmt)
-        with pytest.raises(ValueError, match="MX x MX"):
-            mk.launch(*args, torch.empty(args[0].shape[0], 40), config=FP8_MMA)
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_launch_configurations(name):
     args = _problem("mxfp4_e2m1", "mxfp4_e2m1", k=256, n=72)

@@ -1,22 +1,20 @@
 """The MX GEMM kernel compiles for the H200 (sm_90) for every format pair in the plans the launcher picks: no register
-spills, wgmma (bf16 MMAs; fp8 ones in the fp8-MMA plan), the MX bytes prefetched by the software pipeline (async
-copies) on the large plans, and within Hopper's shared memory. Runs Triton's compiler and bundled ptxas on the CPU, in
-a subprocess without the interpreter."""
+spills, wgmma (bf16 MMAs), the MX bytes prefetched by the software pipeline (async copies) on the large plans, and
+within Hopper's shared memory. Runs Triton's compiler and bundled ptxas on the CPU, in a subprocess without the
+interpreter."""
 
 
 def test_compiles_for_sm90(compiled_variants):
     results = compiled_variants("mx_scaled_mm_sm90_compile.py")
-    assert len(results) == 23
+    assert len(results) == 20
     for name, r in results.items():
         # the bit-placement fp8 path is no plan's default on the GPU (kept for the instruction count below); at
         # 128x256 it spills 12 bytes
         assert r["spill_bytes"] == 0 or name.endswith("-bits-loop"), (name, r)
         assert r["wgmma"] > 0, (name, r)
         assert r["shared"] <= 232448, (name, r)  # H100/H200: 227 KB of shared memory per block
-        if "mid" in name or "large" in name or "fp8mma" in name:
+        if "mid" in name or "large" in name:
             assert r["async_copies"] > 0, (name, r)
-        # fp8 MMAs on the raw bytes in the fp8-MMA plan only; bf16 MMAs everywhere else
-        assert (r["fp8_wgmma"] > 0) == name.endswith("fp8mma") and r["fp8_wgmma"] <= r["wgmma"], (name, r)
     for pair in ("e4m3", "e5m2"):  # the conversion instructions take a third of the bit path's loop or less
         bits, hw = results[f"{pair}-large-bits-loop"], results[f"{pair}-large-hwcvt-loop"]
         assert 0 < hw["loop_instructions"] < bits["loop_instructions"] / 2, (bits, hw)

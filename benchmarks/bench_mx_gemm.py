@@ -70,6 +70,16 @@ ALT_PLANS = [  # (block_m, block_n, block_k, warps, stages, swap): timed beside 
     (128, 128, 64, 8, 4, False),
     (64, 256, 128, 4, 3, True),
 ]
+SMALL_PLANS = [  # (block_n, warps, stages, split_k factor): graph-timed beside the plan at M <= SMALL_M (w4, details)
+    (64, 4, 4, 0.5),
+    (64, 4, 4, 2),
+    (64, 4, 6, 1),
+    (64, 2, 4, 1),
+    (128, 4, 4, 1),
+    (128, 8, 4, 1),
+    (128, 4, 4, 2),
+    (32, 4, 4, 2),
+]
 LARGE_M = 1024  # the vs-bf16 goal's rows
 SMALL_M = 64  # weight-only cases
 GRAPH_CALLS = 20  # calls per captured graph (small M)
@@ -148,6 +158,8 @@ def run_case(res: Results, m: int, n: int, k: int, kind: str, device: str, reps:
         row.update({f"{name}_graph_ms": float(f"{t:.4g}") for name, t in gms.items()})
         row["graph_x_vs_bf16"] = float(f"{gms['bf16'] / gms['ours']:.4g}")
     res.add(**row)
+    if kind == "w4" and device == "cuda":
+        res.details.setdefault("small_plans", {})[row["case"]] = small_plans(m, n, k, b_fmt, inputs, gms["ours"], ref)
     if m >= LARGE_M and kind != "w4":
         res.details.setdefault("plans", {})[row["case"]] = alt_plans(m, n, k, a_fmt, b_fmt, inputs, ms["ours"], ref)
 
@@ -177,6 +189,37 @@ def alt_plans(m, n, k, a_fmt, b_fmt, inputs, ours_ms, ref) -> dict:
                     out[cfg.label()] = f"error {err:.3g}"
             except Exception as exc:  # noqa: BLE001 (a plan that does not compile or fit is recorded, not fatal)
                 out[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:100]}"
+    return out
+
+
+def small_plans(m, n, k, b_fmt, inputs, ours_ms, ref) -> dict:
+    """Weight-only, few rows: graph-timed milliseconds of plans around the launcher's (tile width, warps, stages,
+    split K), for tuning ``plan`` where the host cost hides the kernel's in event timing."""
+    from dataclasses import replace
+
+    from fly_lightning.kernels.triton import mx_scaled_mm as kernel
+
+    base = kernel.plan(m, n, k, None, b_fmt, inputs[0][2].device)
+    out = {"plan": base.label(), "plan_graph_ms": ours_ms}
+    for bn, warps, stages, factor in SMALL_PLANS:
+        split = max(1, int(base.split_k * factor))
+        cfg = replace(base, block_n=bn, num_warps=warps, num_stages=stages, split_k=split)
+        label = cfg.label()
+        if k % (cfg.block_k * split):
+            continue
+
+        def fn(x, w, a, a_s, b, bs, cfg=cfg):
+            return kernel.launch(a, a_s, None, b, bs, b_fmt, torch.bfloat16, cfg)
+
+        try:
+            err = rel_err(fn(*inputs[0]), ref)
+            if err > 1e-2:
+                out[label] = f"error {err:.3g}"
+                continue
+            graph = capture_graph(fn, inputs, GRAPH_CALLS)
+            out[label] = float(f"{interleaved_graph_ms({'p': graph}, GRAPH_CALLS, rounds=1)['p']:.4g}")
+        except Exception as exc:  # noqa: BLE001 (a plan that does not compile or fit is recorded, not fatal)
+            out[label] = f"{type(exc).__name__}: {str(exc)[:100]}"
     return out
 
 
@@ -223,7 +266,8 @@ def suite(
         "bf16: cuBLAS torch.mm; emulated: torchao MXTensor dequantise to bf16 + torch.mm (torchao's Hopper path)",
         "x_vs_*: baseline time / ours (above 1: ours faster); q_x_vs_*: the same with quantisation included",
         "geomeans: vs bf16 over M >= 1024, vs emulated over all 17; w4 (weight-only MXFP4) over M <= 64",
-        "details.plans (JSON): other launch plans timed at M >= 1024, for tuning the kernel's plan",
+        "details.plans (JSON): other launch plans timed at M >= 1024, for tuning the kernel's plan; "
+        "details.small_plans: the same for weight-only at M <= 64, graph-timed",
         "*_graph_ms (M <= 64): ours and bf16 as device time from CUDA-graph replays (no host launch cost, as under "
         "CUDA graphs); graph_x_vs_bf16 = bf16 / ours there. The goals are read on the event-timed columns",
     ]

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device
 from fly_lightning.ops.mx_cast import MX_CAST
 from fly_lightning.quant import formats
 
@@ -60,14 +60,17 @@ def _mx_cast_rows(
     BIAS: tl.constexpr,
     FP4: tl.constexpr,
     BF16: tl.constexpr,
+    HW: tl.constexpr,
 ):
     BK: tl.constexpr = G * 32
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows[:, None] < R) & (cols[None, :] < K)  # K % 32 == 0: a block is wholly in or out
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0)
-    if BF16:  # bf16 bits (int16) widened by hand: the interpreter's bf16 -> fp32 conversion mangles subnormals
+    if BF16 and not HW:  # bf16 bits (int16) widened by hand: the interpreter's bf16 -> fp32 mangles subnormals
         x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = x.to(tl.float32)
     x3 = tl.reshape(x, (BR, G, 32))
     amax = tl.max(tl.abs(x3), axis=2)
     has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0  # max need not propagate NaN; the scale must
@@ -77,7 +80,13 @@ def _mx_cast_rows(
     divisor = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)  # >= 2^-126; 255: inf
     scaled = x3 * (1.0 / divisor)[:, :, None]
     scaled = tl.minimum(tl.maximum(scaled, -MAX), MAX)
-    codes = tl.reshape(_encode(scaled, EBITS, MBITS, BIAS), (BR, BK))
+    if HW and not FP4:  # the GPU's fp32 -> fp8 conversion: round to nearest even, as torchao's .to() (finite here)
+        if EBITS == 5:
+            codes = tl.reshape(scaled, (BR, BK)).to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            codes = tl.reshape(scaled, (BR, BK)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        codes = tl.reshape(_encode(scaled, EBITS, MBITS, BIAS), (BR, BK))
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
     tl.store(SCALE + rows[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
@@ -120,6 +129,10 @@ def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[tor
 
 PLAN = (16, 8, 4)
 """(rows, 32-value blocks along K, warps) per program."""
+HW_CVT = True
+"""On the GPU, bf16 widened and fp8 elements rounded by conversion instructions rather than the integer arithmetic
+the interpreter needs (``_encode``; fp4 always takes it: Hopper has no fp4 conversion). Both bit-exact with torchao:
+the GPU tests compare them on every special block."""
 
 
 def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,9 +148,11 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
         br, g, warps = plan
         g = min(g, next_pow2(k // formats.BLOCK))
         ebits, mbits, bias = _BITS[f.name]
+        hw = HW_CVT and not interpreting()
         with on_device(x):
             _mx_cast_rows[(cdiv(r, br), cdiv(k, g * formats.BLOCK))](
-                x2.view(torch.int16) if bf16 else x2, x2.stride(0), data, scale, r, k, BR=br, G=g, EMAX=f.emax,
-                MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, num_warps=warps,
+                x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k, BR=br, G=g,
+                EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, HW=hw,
+                num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

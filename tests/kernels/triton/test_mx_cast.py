@@ -44,7 +44,7 @@ def test_bit_exact_with_the_reference(fmt, dtype, k):
 
 @pytest.mark.parametrize("plan", [(8, 16, 4), (64, 4, 8)])
 def test_other_launch_plans(plan):
-    """The plans the benchmark times (rows, blocks, warps) give the same bits: rows and blocks not multiples of theirs."""
+    """The plans the benchmark times (rows, blocks, warps) give the same bits, rows and blocks not multiples of them."""
     x = _cases(torch.bfloat16).repeat(6, 1).reshape(-1)[: 42 * 160].reshape(42, 160)
     for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
         _check(x, fmt, plan)

@@ -1,0 +1,63 @@
+"""The Triton MX cast on the GPU (compiled: bf16 widened and fp8 rounded by conversion instructions, which the
+interpreter cannot show), bit-exact with torchao's ``to_mx`` and the reference on the blocks where casts go wrong,
+in every launch plan the benchmark times, with the integer-rounding form compiled too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fly_lightning.kernels.triton import mx_cast as kernel
+from fly_lightning.ops.mx_cast import mx_cast_reference
+from fly_lightning.quant import formats
+
+pytestmark = pytest.mark.gpu
+
+
+def _blocks(dtype: torch.dtype, rows: int = 300, k: int = 640) -> torch.Tensor:
+    """Rows of 32-value blocks, each random at its own magnitude, with zero, subnormal, huge, inf, NaN, saturating
+    and rounding-tie blocks mixed in."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, k, device="cuda", generator=g)
+    mag = torch.exp2(torch.randint(-140, 120, (rows, k // 32, 1), device="cuda", generator=g).float())
+    x = (x.view(rows, k // 32, 32) * mag).view(rows, k)
+    tiny = torch.finfo(torch.float32).tiny
+    x[::7, :32] = 0.0
+    x[1::7, 32:64] *= tiny
+    x[2::7, 64:72] = torch.tensor([float("inf"), float("-inf"), 3e38, -0.0, 448.0 * 1.9, 57344.0 * 1.1, 5.0, tiny / 8])
+    x[3::7, 96:128] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4, device="cuda")
+    x[4::7, 128:160] = torch.tensor([1 + 2**-4, 1 + 3 * 2**-4, 1 + 2**-3, 1 + 2**-5] * 8, device="cuda")
+    x[5, 200] = float("nan")
+    return x.to(dtype)
+
+
+def _assert_same(data, scale, want_data, want_scale):
+    assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
+    per_block = data.shape[-1] // scale.shape[-1]
+    valid = (want_scale.view(torch.uint8) != formats.E8M0_NAN).repeat_interleave(per_block, dim=-1)
+    assert torch.equal(data.view(torch.uint8)[valid], want_data.view(torch.uint8)[valid])
+
+
+@pytest.mark.parametrize("plan", [kernel.PLAN, (64, 8, 8), (8, 16, 4)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
+def test_bit_exact_with_torchao(fmt, dtype, plan):
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    x = _blocks(dtype)
+    data, scale = kernel.launch(x, fmt, plan)
+    want_scale, want_data = to_mx(x, formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode.FLOOR)
+    _assert_same(data, scale, want_data, want_scale)
+    _assert_same(data, scale, *mx_cast_reference(x, fmt, "floor", -1))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
+def test_both_roundings_agree(fmt, monkeypatch):
+    """The conversion instructions (the GPU default) and the integer rounding the interpreter runs, both compiled."""
+    x = _blocks(torch.bfloat16)
+    hw = kernel.launch(x, fmt)
+    monkeypatch.setattr(kernel, "HW_CVT", False)
+    bits = kernel.launch(x, fmt)
+    assert torch.equal(hw[1].view(torch.uint8), bits[1].view(torch.uint8))
+    _assert_same(hw[0], hw[1], *bits)

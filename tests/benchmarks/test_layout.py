@@ -36,6 +36,7 @@ SUITES = {
     "mx_gemm": "bench_mx_gemm",
     "mx_grouped_mm": "bench_mx_grouped_mm",
     "mx_memory": "bench_mx_memory",
+    "mx_cast": "bench_mx_cast",
 }
 
 

@@ -9,11 +9,9 @@ end offsets (empty groups allowed), bf16 or fp16 inputs, fp32 accumulation with 
 unwritten, as ``torch._grouped_mm`` leaves them. Offsets are read as the Triton kernel reads them: clamped to
 ``[0, M]`` and made non-decreasing, so invalid device offsets cannot reach memory outside the tensors.
 
-Schedule. Grid ``(N / BN, (M + E * (BM - 1)) / BM)``: an upper bound on ``sum_e ceil(rows_e / BM)``, the number of
-row tiles of all groups. Every wave of a workgroup finds its tile on its own, with no LDS and no barrier: lane ``j``
-reads the offsets of groups ``j*S .. j*S + S - 1`` (``S = ceil(E / 64)``), clamps them (a wave max-scan makes them
-non-decreasing), counts their row tiles, and a wave sum-scan gives each group's first tile; the lane owning tile
-``block_idx.y`` publishes (expert, first row, end row) by a butterfly max. Workgroups past the last tile exit.
+Schedule. Grid ``(N / BN, (M + E * (BM - 1)) / BM)``: an upper bound on the row tiles of all groups; every wave
+finds its workgroup's (expert, rows) from the offsets on its own (``_group_tiles``). Workgroups past the last tile
+exit.
 
 Tile. ``BM x BN`` output per 256-thread workgroup, 4 waves as ``WM x WN``, each wave ``(BM/WM) x (BN/WN)`` as
 16x16 MFMA tiles; ``BK = 64`` per LDS stage (two K=32 MFMA steps). The MFMA's A operand is the weight tile (16 output
@@ -41,10 +39,11 @@ import torch
 
 try:  # inside the package
     from .. import outputs
-    from . import _batch
+    from . import _batch, _group_tiles
     from . import _toolchain as compile_check
 except ImportError:  # loaded by file path in the compile child (keeps the child free of fly_lightning imports)
     import _batch
+    import _group_tiles
     import _toolchain as compile_check
 
     outputs = compile_check.outputs_module()
@@ -175,7 +174,6 @@ def build_grouped_mm(plan: Plan):
     NI = BN // WN // 16  # 16-column MFMA tiles per wave (w side)
     LDK = BK + LDS_PAD  # LDS row length in elements
     KT = plan.k_tiles
-    S = -(-E // WAVE)  # groups per lane in the tile search
     X_LOADS = BM * BK // (VEC * BLOCK_THREADS)  # 16-byte loads per thread per K tile
     W_LOADS = BN * BK // (VEC * BLOCK_THREADS)
     CPR = BK // VEC  # 16-byte chunks per K-contiguous tile row
@@ -197,22 +195,6 @@ def build_grouped_mm(plan: Plan):
         vec8 = fx.Vector.make_type(8, elem)  # made here: MLIR types need the kernel's context
         return fx.ptr_load(fx.recast_iter(fx.Uint8, base) + fx.Int32(elem_off * 2), result_type=vec8)
 
-    def butterfly(v, combine):
-        for s in range_constexpr(6):
-            v = combine(v, v.shuffle_xor(1 << s, WAVE))
-        return v
-
-    def exclusive_scan(v, lane, combine, identity):
-        """Wave-wide exclusive scan with xor shuffles: lanes above a block's midpoint take its lower half's total."""
-        excl = identity
-        tot = v
-        for s in range_constexpr(6):
-            other = tot.shuffle_xor(1 << s, WAVE)
-            upper = (lane // (1 << s)) % 2 == 1
-            excl = upper.select(combine(excl, other), excl)
-            tot = combine(tot, other)
-        return excl
-
     @flyc.kernel(known_block_size=[BLOCK_THREADS, 1, 1])
     def fly_grouped_mm_fwd(
         X: fx.Tensor,
@@ -228,44 +210,7 @@ def build_grouped_mm(plan: Plan):
         tile_t = fx.block_idx.y
 
         # ---- which group and rows this workgroup owns (per wave, no LDS) ----
-        offs_v = fx.logical_divide(fx.rocdl.make_buffer_tensor(Offs, max_size=False), fx.make_layout(1, 1))
-        i32_atom = fx.make_copy_atom(fx.rocdl.BufferCopy32b(), 32)
-        ends = []
-        run_max = fx.Int32(0)
-        for j in range_constexpr(S):
-            r = fx.make_rmem_tensor(1, fx.Int32)
-            fx.copy(i32_atom, fx.slice(offs_v, (None, lane * S + j)), r)  # past E: zero-filled
-            o = fx.memref_load_vec(r)[0]
-            o = (o < 0).select(0, o)
-            o = (o > M).select(M, o)
-            run_max = fx.max(run_max, o)
-            ends.append(run_max)
-        prev_max = exclusive_scan(run_max, lane, fx.max, fx.Int32(0))
-        tiles = []
-        lane_tiles = fx.Int32(0)
-        starts = []
-        start = prev_max
-        for j in range_constexpr(S):
-            end = fx.max(ends[j], prev_max)
-            ends[j] = end
-            starts.append(start)
-            n_t = (end - start + (BM - 1)) // BM
-            tiles.append(n_t)
-            lane_tiles = lane_tiles + n_t
-            start = end
-        first = exclusive_scan(lane_tiles, lane, lambda a, b: a + b, fx.Int32(0))
-        g_e = fx.Int32(-1)
-        g_row = fx.Int32(-1)
-        g_end = fx.Int32(-1)
-        for j in range_constexpr(S):
-            hit = (tile_t >= first) & (tile_t < first + tiles[j])
-            g_e = hit.select(lane * S + j, g_e)
-            g_row = hit.select(starts[j] + (tile_t - first) * BM, g_row)
-            g_end = hit.select(ends[j], g_end)
-            first = first + tiles[j]
-        g_e = butterfly(g_e, fx.max)
-        g_row = butterfly(g_row, fx.max)
-        g_end = butterfly(g_end, fx.max)
+        g_e, g_row, g_end = _group_tiles.find_group_tile(Offs, M, E, BM, lane, tile_t)
 
         if g_row >= 0:
             smem = fx.SharedAllocator().allocate(Tiles).peek()

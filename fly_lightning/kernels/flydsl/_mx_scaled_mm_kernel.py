@@ -1,6 +1,8 @@
-"""MX scaled GEMM as a FlyDSL kernel for AMD gfx950 (MI350), on the scaled MFMA ``v_mfma_scale_f32_16x16x128_f8f6f4``.
+"""MX scaled GEMM, dense and grouped, as a FlyDSL kernel for AMD gfx950 (MI350), on the scaled MFMA
+``v_mfma_scale_f32_16x16x128_f8f6f4``.
 
     out[M, N] = dequant(a)[M, K] @ dequant(b)[N, K]^T      dequant(v)[r, k] = v[r, k] * 2**(scale[r, k // 32] - 127)
+    grouped (E experts):  out[s_e:end_e] = dequant(a)[s_e:end_e] @ dequant(b[e])^T,   b [E, N, K], end_e = offs[e]
 
 ``a`` and ``b`` are MX operands laid out along K (``b`` as an ``nn.Linear`` weight ``[N, K]``): element bytes
 ``[rows, K]`` for ``mxfp8_e4m3`` / ``mxfp8_e5m2``, packed ``[rows, K / 2]`` for ``mxfp4_e2m1`` (element ``2i`` in the
@@ -25,6 +27,12 @@ slots, which keeps the code free of predicates), writes them with ``ds_write_b32
 its byte per fragment with ``ds_read_u8``. One LDS stage with register prefetch, two barriers per stage, a runtime
 K loop (LLVM unrolls it when there are only a few stages).
 
+Grouped (``Plan.E > 0``, the MoE experts' ``mx_grouped_mm``). The same tile and K loop; each workgroup's expert
+and rows come from the int32 end offsets on the device (``_group_tiles``, as the bf16 grouped GEMM: grid rows
+``(M + E * (BM - 1)) / BM``), its ``b`` rows start at ``expert * N``, rows of the tile past the group's end read the
+next group's rows and are not stored, and workgroups past the last tile run no K step and store nothing. Rows at and
+past ``offs[E - 1]`` are left unwritten, as ``torch._grouped_mm`` leaves them.
+
 Bounds. Buffer descriptors sized to each tensor: rows past M or N read zeros (data and scales) and are not stored.
 Offsets are 32-bit: each tensor under 2 GiB.
 
@@ -38,10 +46,11 @@ import torch
 
 try:  # inside the package
     from .. import outputs
-    from . import _batch
+    from . import _batch, _group_tiles
     from . import _toolchain as compile_check
 except ImportError:  # loaded by file path in the compile child (keeps the child free of fly_lightning imports)
     import _batch
+    import _group_tiles
     import _toolchain as compile_check
 
     outputs = compile_check.outputs_module()
@@ -53,6 +62,7 @@ BK = 128  # K values per scaled MFMA step (16x16x128), 4 scale blocks: the unit 
 STAGE_BYTES = 128  # at most this many bytes of a row per LDS stage: one fp8 K step, or two fp4 K steps
 LDS_PAD = 16  # bytes of padding per LDS row
 MAX_BYTES = 2**31 - 1  # 32-bit buffer offsets
+MAX_GROUPS = 1024  # the device tile search reads ceil(E / 64) <= 16 offsets per lane, unrolled
 
 # format name -> (bits per element, the MFMA's cbsz/blgp format code: 0 fp8 e4m3, 1 bf8 e5m2, 4 fp4 e2m1)
 FORMATS = {"mxfp8_e4m3": (8, 0), "mxfp8_e5m2": (8, 1), "mxfp4_e2m1": (4, 4)}
@@ -80,8 +90,12 @@ def constraints() -> dict[str, Any]:
     }
 
 
-def supports(M: int, N: int, K: int, a_fmt: str | None, b_fmt: str, out_dtype: torch.dtype) -> tuple[bool, str]:
-    """(ok, reason). ``reason`` names the first unmet constraint."""
+def supports(
+    M: int, N: int, K: int, a_fmt: str | None, b_fmt: str, out_dtype: torch.dtype, E: int = 0
+) -> tuple[bool, str]:
+    """(ok, reason). ``reason`` names the first unmet constraint; ``E``: experts of a grouped call (0: dense)."""
+    if E and not 1 <= E <= MAX_GROUPS:
+        return False, f"E={E} outside [1, {MAX_GROUPS}] (the device tile search)"
     if a_fmt is None:
         return False, "a is high precision (weight-only MX): the scaled MFMA needs both operands in MX formats"
     for name, fmt in (("a", a_fmt), ("b", b_fmt)):
@@ -95,7 +109,8 @@ def supports(M: int, N: int, K: int, a_fmt: str | None, b_fmt: str, out_dtype: t
         return False, f"N={N} not a positive multiple of 4 (4-column stores)"
     out_bytes = 4 if out_dtype == torch.float32 else 2
     a_bits, b_bits = FORMATS[a_fmt][0], FORMATS[b_fmt][0]
-    for name, nbytes in (("a", M * K * a_bits // 8), ("b", N * K * b_bits // 8), ("out", M * N * out_bytes)):
+    b_bytes = max(E, 1) * N * K * b_bits // 8
+    for name, nbytes in (("a", M * K * a_bits // 8), ("b", b_bytes), ("out", M * N * out_bytes)):
         if nbytes > MAX_BYTES:
             return False, f"{name} is {nbytes} bytes (32-bit buffer offsets: at most {MAX_BYTES})"
     return True, "ok"
@@ -120,9 +135,12 @@ class Plan:
     a_row_bytes: int  # bytes of one row per LDS stage: 128 (fp8, or fp4 with 2 steps) or 64
     b_row_bytes: int
     lds_bytes: int
+    E: int = 0  # experts of the grouped form (b [E, N, K], offsets); 0: dense
 
 
-def make_plan(N: int, K: int, a_fmt: str, b_fmt: str, out_dtype: torch.dtype, tile: str = "128x128") -> Plan:
+def make_plan(
+    N: int, K: int, a_fmt: str, b_fmt: str, out_dtype: torch.dtype, tile: str = "128x128", E: int = 0
+) -> Plan:
     bm, bn, wm, wn = TILES[tile]
     step_bytes = max(BK * FORMATS[f][0] // 8 for f in (a_fmt, b_fmt))
     ks = STAGE_BYTES // step_bytes if K % (BK * STAGE_BYTES // step_bytes) == 0 else 1
@@ -144,12 +162,13 @@ def make_plan(N: int, K: int, a_fmt: str, b_fmt: str, out_dtype: torch.dtype, ti
         b_row_bytes=brb,
         # data tiles plus one scale dword per K step and thread for each operand
         lds_bytes=bm * (arb + LDS_PAD) + bn * (brb + LDS_PAD) + 2 * 4 * ks * BLOCK_THREADS,
+        E=E,
     )
 
 
-def pick_tile(M: int) -> str:
-    """64-row tiles for short inputs (decode, small batches: less padding), else 128."""
-    return "64x128" if M <= 64 else "128x128"
+def pick_tile(M: int, E: int = 0) -> str:
+    """64-row tiles for short inputs (decode, small batches; grouped: groups averaging under 128 rows), else 128."""
+    return "64x128" if (M < 128 * E if E else M <= 64) else "128x128"
 
 
 def build_mx_scaled_mm(plan: Plan):
@@ -163,7 +182,7 @@ def build_mx_scaled_mm(plan: Plan):
     out_ty = {"bf16": fx.BFloat16, "f16": fx.Float16, "f32": fx.Float32}[plan.out_dtype]
     out_bits = 32 if plan.out_dtype == "f32" else 16
     a_code, b_code = FORMATS[plan.a_fmt][1], FORMATS[plan.b_fmt][1]
-    N, K = plan.N, plan.K
+    N, K, E = plan.N, plan.K, plan.E
     BM, BN, WM, WN = plan.bm, plan.bn, plan.waves_m, plan.waves_n
     MI = BM // WM // 16  # 16-row MFMA tiles per wave (a side)
     NI = BN // WN // 16  # 16-column MFMA tiles per wave (b side)
@@ -205,12 +224,21 @@ def build_mx_scaled_mm(plan: Plan):
             return parts[0]
         return parts[0].shuffle(parts[1], list(range(8)))
 
+    def tile_origin(offs, M, lane):
+        """(first row of a, end of its rows, first row of b, K stages to run) of this workgroup's tile."""
+        n0 = fx.block_idx.x * BN
+        if E == 0:
+            return fx.block_idx.y * BM, M, n0, KT
+        g_e, g_row, g_end = _group_tiles.find_group_tile(offs, M, E, BM, lane, fx.block_idx.y)
+        return g_row, g_end, g_e * N + n0, (g_row >= 0).select(fx.Int32(KT), fx.Int32(0))
+
     @flyc.kernel(known_block_size=[BLOCK_THREADS, 1, 1])
     def fly_mx_scaled_mm_fwd(
         A: fx.Tensor,
         A_scale: fx.Tensor,
         B: fx.Tensor,
         B_scale: fx.Tensor,
+        Offs: fx.Tensor,
         Out: fx.Tensor,
         M: fx.Int32,
     ):
@@ -218,7 +246,7 @@ def build_mx_scaled_mm(plan: Plan):
         lane = tid % WAVE
         wave = tid // WAVE
         n0 = fx.block_idx.x * BN
-        m0 = fx.block_idx.y * BM
+        m0, m_end, b0, k_tiles = tile_origin(Offs, M, lane)
 
         smem = fx.SharedAllocator().allocate(Tiles).peek()
         b_lds, a_lds = smem.b.ptr, smem.a.ptr
@@ -241,10 +269,10 @@ def build_mx_scaled_mm(plan: Plan):
         for i in range_constexpr(B_LOADS):
             v = tid + i * BLOCK_THREADS
             row, c = v // B_CPR, v % B_CPR
-            b_slots.append(((n0 + row) * B_ROW_DW + c * 4, row * B_LD + c * 16))
+            b_slots.append(((b0 + row) * B_ROW_DW + c * 4, row * B_LD + c * 16))
         # Scales: KS dwords (4 blocks per K step) of row tid % BM / tid % BN; LDS slot tid.
         as_off = (m0 + tid % BM) * SC_ROW_DW
-        bs_off = (n0 + tid % BN) * SC_ROW_DW
+        bs_off = (b0 + tid % BN) * SC_ROW_DW
 
         a_regs = [fx.make_rmem_tensor(4, fx.Int32) for _ in range_constexpr(A_LOADS)]
         b_regs = [fx.make_rmem_tensor(4, fx.Int32) for _ in range_constexpr(B_LOADS)]
@@ -295,11 +323,11 @@ def build_mx_scaled_mm(plan: Plan):
                         fx.memref_store_vec(fx.Vector(d), c)
 
         load_tile(0)
-        for kt in range(KT):
+        for kt in range(k_tiles):
             gpu.barrier()  # everyone is done reading the previous K step
             store_tile()
             gpu.barrier()
-            load_tile((kt + 1 < KT).select(kt + 1, kt))  # prefetch (the last one re-reads, harmlessly)
+            load_tile((kt + 1 < k_tiles).select(kt + 1, kt))  # prefetch (the last one re-reads, harmlessly)
             compute()
 
         # ---- epilogue: lane holds out[m, n .. n + 3] per MFMA tile ----
@@ -310,8 +338,10 @@ def build_mx_scaled_mm(plan: Plan):
             for ni in range_constexpr(NI):
                 n = n0 + wave_n * (BN // WN) + ni * 16 + blk * 4
                 fx.memref_store_vec(fx.memref_load_vec(acc[ni * MI + mi]).to(out_ty), o_reg)
-                if (m < M) & (n < N):
+                if (m < m_end) & (n < N):
                     fx.copy(o_atom, o_reg, fx.slice(o_v, (None, m * N + n)))
+
+    ROW_PAD = E * (BM - 1) if E else BM - 1  # grid rows (M + ROW_PAD) // BM: every group's tiles (an upper bound)
 
     @flyc.jit
     def launch(
@@ -319,12 +349,13 @@ def build_mx_scaled_mm(plan: Plan):
         A_scale: fx.Tensor,
         B: fx.Tensor,
         B_scale: fx.Tensor,
+        Offs: fx.Tensor,
         Out: fx.Tensor,
         M: fx.Int32,
         stream: fx.Stream = fx.Stream(None),  # noqa: B008 - FlyDSL reads the default from the signature
     ):
-        fly_mx_scaled_mm_fwd(A, A_scale, B, B_scale, Out, M).launch(
-            grid=((N + BN - 1) // BN, (M + BM - 1) // BM, 1), block=(BLOCK_THREADS, 1, 1), stream=stream
+        fly_mx_scaled_mm_fwd(A, A_scale, B, B_scale, Offs, Out, M).launch(
+            grid=((N + BN - 1) // BN, (M + ROW_PAD) // BM, 1), block=(BLOCK_THREADS, 1, 1), stream=stream
         )
 
     return launch
@@ -343,6 +374,7 @@ def _example_args(plan: Plan, device: str = "cpu", rows: int = 300) -> tuple:
         z(rows, dtype=torch.int32, device=device),
         z(rows * 4, dtype=torch.int32, device=device),
         z(rows, dtype=torch.int32, device=device),
+        z(max(plan.E, 1), dtype=torch.int32, device=device),
         z(rows * 4, dtype=dt[plan.out_dtype], device=device),
         rows,
     )
@@ -356,20 +388,20 @@ def _compile_here(plan: dict, export: bool) -> dict[str, Any]:
 
 
 def _spec_plan(spec: dict[str, Any]) -> Plan:
-    s = {"out_dtype": torch.bfloat16, "M": 0, **spec}
-    ok, reason = supports(s["M"], s["N"], s["K"], s["a_fmt"], s["b_fmt"], s["out_dtype"])
+    s = {"out_dtype": torch.bfloat16, "M": 0, "E": 0, **spec}
+    ok, reason = supports(s["M"], s["N"], s["K"], s["a_fmt"], s["b_fmt"], s["out_dtype"], s["E"])
     if not ok:
         raise ValueError(reason)
-    tile = s.get("tile") or pick_tile(s["M"] or 128)
+    tile = s.get("tile") or pick_tile(s["M"] or 128 * max(s["E"], 1), s["E"])
     if tile not in TILES:
         raise ValueError(f"tile {tile!r} not in {sorted(TILES)}")
-    return make_plan(s["N"], s["K"], s["a_fmt"], s["b_fmt"], s["out_dtype"], tile)
+    return make_plan(s["N"], s["K"], s["a_fmt"], s["b_fmt"], s["out_dtype"], tile, s["E"])
 
 
 def compile_mx_scaled_mm_many(specs: list[dict[str, Any]], out_dir: str | None = None) -> dict[str, Any]:
     """Compile several specializations in one child process; ``specs`` hold ``N``, ``K``, ``a_fmt``, ``b_fmt`` and
-    optionally ``out_dtype``, ``M`` and ``tile``. Returns ``{"ok", "results"}``, one facts dict per spec, in order; an
-    unsupported spec raises ``ValueError``."""
+    optionally ``out_dtype``, ``M``, ``tile`` and ``E`` (experts: the grouped form). Returns ``{"ok", "results"}``,
+    one facts dict per spec, in order; an unsupported spec raises ``ValueError``."""
     return _batch.compile_many(__file__, _spec_plan, specs, out_dir)
 
 
@@ -414,8 +446,6 @@ def launch_mx_scaled_mm(
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Run on a ROCm gfx950 device: returns ``[M, N]``. Never called on this host (only traced with CPU tensors)."""
-    import flydsl.compiler as flyc
-
     M, N = a.shape[0], b.shape[0]
     K = b.shape[1] * 8 // FORMATS[b_fmt][0] if b_fmt in FORMATS else 0
     ok, reason = supports(M, N, K, a_fmt, b_fmt, out_dtype)
@@ -427,22 +457,48 @@ def launch_mx_scaled_mm(
     out = outputs.empty(M, N, dtype=out_dtype, device=a.device)
     if M == 0:
         return out
-    tile = pick_tile(M)
-    key = (N, K, a_fmt, b_fmt, out_dtype, tile, a.device)
-    args = (
-        _dwords(a),
-        _dwords(a_scale),
-        _dwords(b),
-        _dwords(b_scale),
-        out.view(-1),
-        M,
-        torch.cuda.current_stream(a.device),
-    )
+    a_s = _dwords(a_scale)  # also the offsets argument, which the dense kernel never reads
+    _launch(M, N, K, a_fmt, b_fmt, out, 0, (_dwords(a), a_s, _dwords(b), _dwords(b_scale)), a_s)
+    return out
+
+
+def _launch(M, N, K, a_fmt, b_fmt, out, E, operands, offs) -> None:
+    import flydsl.compiler as flyc
+
+    tile = pick_tile(M, E)
+    key = (N, K, a_fmt, b_fmt, out.dtype, tile, E, out.device)
+    args = (*operands, offs, out.view(-1), M, torch.cuda.current_stream(out.device))
     compiled = _LAUNCHERS.get(key)
     if compiled is None:
-        plan = make_plan(N, K, a_fmt, b_fmt, out_dtype, tile)
+        plan = make_plan(N, K, a_fmt, b_fmt, out.dtype, tile, E)
         # With live device tensors flyc.compile launches once and returns the reusable CompiledFunction.
         _LAUNCHERS[key] = flyc.compile(build_mx_scaled_mm(plan), *args)
     else:
         compiled(*args)
+
+
+def launch_mx_grouped_mm(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    x_fmt: str,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_fmt: str,
+    offs: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Run on a ROCm gfx950 device: ``[M, N]``, rows past ``offs[-1]`` unwritten (``x`` ``[M, K]`` MX, ``w``
+    ``[E, N, K]`` MX, int32 end offsets ``[E]``). Never called on this host (only traced with CPU tensors)."""
+    M, (E, N) = x.shape[0], w.shape[:2]
+    K = w.shape[2] * 8 // FORMATS[w_fmt][0] if w_fmt in FORMATS else 0
+    ok, reason = supports(M, N, K, x_fmt, w_fmt, out_dtype, E)
+    if not ok:
+        raise ValueError(reason)
+    for name, t in (("x", x), ("x_scale", x_scale), ("w", w), ("w_scale", w_scale), ("offs", offs)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    out = outputs.empty(M, N, dtype=out_dtype, device=x.device, written_in_full=False)
+    if M == 0:
+        return out
+    _launch(M, N, K, x_fmt, w_fmt, out, E, (_dwords(x), _dwords(x_scale), _dwords(w), _dwords(w_scale)), offs)
     return out

@@ -96,3 +96,74 @@ def trace_launches(tmp_path: Path, module_source: str) -> dict[str, Any]:
     )
     assert facts["ok"], facts.get("reason", "") + facts.get("stderr_tail", "")
     return facts
+
+
+def check_scaled_mfma_isa(
+    facts: dict[str, Any], asm: str, a_fmt: str, b_fmt: str, out_dtype: torch.dtype | None, *, grouped: bool
+) -> None:
+    """What the FlyDSL MX GEMM's design depends on, dense or grouped (``_mx_scaled_mm_kernel``): only the scaled MFMA
+    with each operand's format code and VGPR scales (no conversion instructions), its fragments read from LDS in
+    16-byte reads with one scale byte each, 16-byte data writes and dword scale writes, 16-byte global loads, the
+    planned LDS size, a runtime K loop (or LLVM's full unroll of a few dense stages)."""
+    from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as mxk
+
+    plan = facts["plan"]
+    # Only the scaled MFMA, A operand = b (cbsz), B operand = a (blgp), each with its format code; both scale
+    # operands are VGPRs (an omitted scale would be a constant or the data register) with op_sel 0 (the low byte).
+    mfmas = re.findall(r"^\s+(v_mfma\S*)\s+(.*)$", asm, re.MULTILINE)
+    assert {op for op, _ in mfmas} == {mxk.MFMA}
+    b_code, a_code = mxk.FORMATS[b_fmt][1], mxk.FORMATS[a_fmt][1]
+    for _, operands in mfmas:
+        assert re.search(r"cbsz:(\d)", operands) is None if b_code == 0 else f"cbsz:{b_code}" in operands, operands
+        assert re.search(r"blgp:(\d)", operands) is None if a_code == 0 else f"blgp:{a_code}" in operands, operands
+        regs = [r.strip() for r in operands.split(" op_sel")[0].split(",")]
+        assert len(regs) == 6 and re.fullmatch(r"v\d+", regs[4]) and re.fullmatch(r"v\d+", regs[5]), operands
+        a_regs = 8 if b_fmt != "mxfp4_e2m1" else 4  # the MFMA's A operand is b: 32 values of 8 or 4 bits per lane
+        lo, hi = map(int, re.fullmatch(r"v\[(\d+):(\d+)\]", regs[1]).groups())
+        assert hi - lo + 1 == a_regs, operands
+    assert not re.search(r"v_cvt_\S*(fp8|bf8|fp4|scale)", asm)  # nothing dequantised in software
+    assert plan["k_steps"] == (2 if a_fmt == b_fmt == "mxfp4_e2m1" and plan["K"] % 256 == 0 else 1)
+
+    # Per copy of the MFMA step (LLVM peels/rotates the loop): MI*NI MFMAs, one 16-byte read per fp4 fragment and
+    # two per fp8 fragment, one scale byte per fragment.
+    mi = plan["bm"] // plan["waves_m"] // 16
+    ni = plan["bn"] // plan["waves_n"] // 16
+    steps, rem = divmod(len(mfmas), mi * ni)
+    assert rem == 0 and steps >= plan["k_steps"]
+    a_frag, b_frag = plan["a_row_bytes"] // plan["k_steps"] // 64, plan["b_row_bytes"] // plan["k_steps"] // 64
+    reads = ops(asm, "ds_read")
+    assert set(reads) == {"ds_read_b128", "ds_read_u8"}
+    assert reads.count("ds_read_b128") == steps * (mi * a_frag + ni * b_frag)
+    assert reads.count("ds_read_u8") == steps * (mi + ni)
+
+    # LDS: the planned size; data in 16-byte writes, scales as one dword (two for 2-step fp4 stages) per thread.
+    assert facts["lds_bytes"] == plan["lds_bytes"]
+    writes = set(ops(asm, "ds_write"))
+    scale_w = "b32" if plan["k_steps"] == 1 else "b64"
+    assert "ds_write_b128" in writes
+    assert writes - {"ds_write_b128"} and writes - {"ds_write_b128"} <= {
+        f"ds_write_{scale_w}",
+        f"ds_write2_{scale_w}",
+        f"ds_write2st64_{scale_w}",
+    }
+
+    # Global memory: 16-byte data loads, scale dwords (grouped: and the offsets' dwords), one vector store per 4
+    # outputs.
+    loads = set(ops(asm, "buffer_load"))
+    scale_load = "buffer_load_dword" if plan["k_steps"] == 1 else "buffer_load_dwordx2"
+    if grouped:
+        assert {"buffer_load_dwordx4", scale_load} <= loads <= {"buffer_load_dwordx4", "buffer_load_dword", scale_load}
+        assert set(ops(asm, "ds_swizzle")) <= {"ds_swizzle_b32"}  # the tile search's shuffles
+    else:
+        assert loads == {"buffer_load_dwordx4", scale_load}
+    out32 = out_dtype == torch.float32
+    assert set(ops(asm, "buffer_store")) == {"buffer_store_dwordx4" if out32 else "buffer_store_dwordx2"}
+    assert not ops(asm, "global_") and not ops(asm, "flat_") and not ops(asm, "scratch_")
+
+    # A runtime K loop (a backward branch; code size independent of K), or, for a few K stages, LLVM's full unroll
+    # (exactly one MFMA step per K step then), with the two barriers of one LDS stage.
+    # (Grouped: the trip count is KT or, past the last tile, 0; a few stages unroll behind one guard.)
+    if not backward_branches(asm):
+        assert plan["k_tiles"] <= 8 and steps == plan["k_tiles"] * plan["k_steps"], "K loop missing or mangled"
+    assert asm.count("s_barrier") >= 2
+    assert facts["num_instructions"] < 2000

@@ -78,6 +78,23 @@ class OnRocm:
         return getattr(self._t, name)
 
 
+def gfx950_verdict(monkeypatch, backend, args: tuple) -> bool | str:
+    """``backend._supports(*args)`` as on a ROCm build with a gfx950 device (operands stand in with ``OnRocm``)."""
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx950")
+    return backend._supports(*args)
+
+
+def check_registered_as_compile_only(op) -> None:
+    """The op's ``flydsl`` backend says gfx950 and compile-only, and so does its one row of the support matrix."""
+    from fly_lightning.support import markdown
+
+    impl = op.impls["flydsl"]
+    assert impl.verified == "compile-only" and "gfx950" in impl.constraints
+    rows = [line for line in markdown().splitlines() if line.startswith(f"| `{op.name}` | flydsl |")]
+    assert len(rows) == 1 and rows[0].endswith("| compile-only |")
+
+
 def check_refuses_other_amd_arch(monkeypatch, backend, args: tuple) -> None:
     """``backend._supports(*args)`` (operands it accepts on gfx950) refuses gfx942, and a CUDA build before that."""
     monkeypatch.setattr(torch.version, "hip", "7.0")

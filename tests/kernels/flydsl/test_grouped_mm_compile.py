@@ -21,7 +21,9 @@ from tests.kernels.flydsl._compile_util import (
     backward_branches,
     check_gfx950_facts,
     check_refuses_other_amd_arch,
+    check_registered_as_compile_only,
     compile_cases,
+    gfx950_verdict,
     print_isa_summary,
     trace_launches,
 )
@@ -175,9 +177,7 @@ def _rocm(x, w, offs):
 def test_registered_support_predicate(monkeypatch, make, out_dtype, expect):
     from fly_lightning.kernels.flydsl import grouped_mm as backend
 
-    monkeypatch.setattr(torch.version, "hip", "7.0")
-    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx950")
-    verdict = backend._supports(*make(), out_dtype)
+    verdict = gfx950_verdict(monkeypatch, backend, (*make(), out_dtype))
     assert verdict is True if expect is True else expect in verdict
 
 
@@ -190,8 +190,7 @@ def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):
 def test_registered_as_compile_only():
     from fly_lightning.ops.grouped_mm import GROUPED_MM
 
-    impl = GROUPED_MM.impls["flydsl"]
-    assert impl.verified == "compile-only" and "gfx950" in impl.constraints
+    check_registered_as_compile_only(GROUPED_MM)
 
 
 def test_weight_layout():

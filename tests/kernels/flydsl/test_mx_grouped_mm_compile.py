@@ -18,8 +18,10 @@ from tests.kernels.flydsl._compile_util import (
     OnRocm,
     check_gfx950_facts,
     check_refuses_other_amd_arch,
+    check_registered_as_compile_only,
     check_scaled_mfma_isa,
     compile_cases,
+    gfx950_verdict,
     print_isa_summary,
     trace_launches,
 )
@@ -104,20 +106,16 @@ def _operands(m=300, e=4, n=256, k=512, x_fmt=F8, w_fmt=F8, rocm=True):
 def test_registered_support_predicate(monkeypatch, make, expect):
     from fly_lightning.kernels.flydsl import mx_grouped_mm as backend
 
-    monkeypatch.setattr(torch.version, "hip", "7.0")
-    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx950")
-    verdict = backend._supports(*make())
+    verdict = gfx950_verdict(monkeypatch, backend, make())
     assert verdict is True if expect is True else expect in verdict
 
 
 def test_registered_support_predicate_names_a_layout_copy(monkeypatch):
     from fly_lightning.kernels.flydsl import mx_grouped_mm as backend
 
-    monkeypatch.setattr(torch.version, "hip", "7.0")
-    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx950")
     ops = list(_operands())
     ops[4] = torch.full((4, 256, 32), 127, dtype=torch.uint8)[:, :, ::2].view(torch.float8_e8m0fnu)
-    assert backend._supports(*ops) == "w_scale not contiguous"
+    assert gfx950_verdict(monkeypatch, backend, tuple(ops)) == "w_scale not contiguous"
 
 
 def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):
@@ -128,12 +126,8 @@ def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):
 
 def test_registered_as_compile_only():
     from fly_lightning.ops.mx_grouped_mm import MX_GROUPED_MM
-    from fly_lightning.support import markdown
 
-    impl = MX_GROUPED_MM.impls["flydsl"]
-    assert impl.verified == "compile-only" and "gfx950" in impl.constraints
-    rows = [line for line in markdown().splitlines() if line.startswith("| `mx_grouped_mm` | flydsl |")]
-    assert len(rows) == 1 and rows[0].endswith("| compile-only |")
+    check_registered_as_compile_only(MX_GROUPED_MM)
 
 
 def test_cpu_call_runs_on_aten_with_the_reason():

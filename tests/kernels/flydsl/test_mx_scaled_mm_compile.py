@@ -19,8 +19,10 @@ from tests.kernels.flydsl._compile_util import (
     OnRocm,
     check_gfx950_facts,
     check_refuses_other_amd_arch,
+    check_registered_as_compile_only,
     check_scaled_mfma_isa,
     compile_cases,
+    gfx950_verdict,
     print_isa_summary,
     trace_launches,
 )
@@ -146,9 +148,7 @@ def _replace(ops, i, t):
 def test_registered_support_predicate(monkeypatch, make, expect):
     from fly_lightning.kernels.flydsl import mx_scaled_mm as backend
 
-    monkeypatch.setattr(torch.version, "hip", "7.0")
-    monkeypatch.setattr(backend, "device_arch", lambda device: "gfx950")
-    verdict = backend._supports(*make())
+    verdict = gfx950_verdict(monkeypatch, backend, make())
     assert verdict is True if expect is True else expect in verdict
 
 
@@ -160,12 +160,8 @@ def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):
 
 def test_registered_as_compile_only():
     from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
-    from fly_lightning.support import markdown
 
-    impl = MX_SCALED_MM.impls["flydsl"]
-    assert impl.verified == "compile-only" and "gfx950" in impl.constraints
-    rows = [line for line in markdown().splitlines() if line.startswith("| `mx_scaled_mm` | flydsl |")]
-    assert len(rows) == 1 and rows[0].endswith("| compile-only |")
+    check_registered_as_compile_only(MX_SCALED_MM)
 
 
 def test_cpu_call_runs_on_aten_with_the_reason():

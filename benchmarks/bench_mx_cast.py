@@ -53,13 +53,17 @@ def _bytes(rows: int, k: int, dtype: torch.dtype, fmt: str) -> int:
     return rows * k * torch.finfo(dtype).bits // 8 + rows * k // f.per_byte + rows * k // formats.BLOCK
 
 
-def _plans(x, fmt, inputs, nbytes, copy_gbps, want_data) -> dict:
+def _plans(x, fmt, inputs, nbytes, copy_gbps, want_data, want_scale) -> dict:
     """Copy-bandwidth share of each launch plan in ``PLANS`` (rows, blocks, warps), checked against torchao first."""
     out = {}
     for plan in PLANS:
         label = "x".join(map(str, plan))
         try:
-            if not torch.equal(kernel.launch(x, fmt, plan)[0].view(torch.uint8), want_data.view(torch.uint8)):
+            data, scale = kernel.launch(x, fmt, plan)
+            if not (
+                torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+                and torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
+            ):
                 out[label] = "not bit-exact"
                 continue
             t = time_graph_ms(lambda t, p=plan: kernel.launch(t, fmt, p), inputs, calls_per_graph=CALLS_PER_GRAPH)
@@ -110,7 +114,8 @@ def main() -> None:
         row.update(speedup=base / ms["ours"], copy_share=share, meets_goal=share >= GOAL_SHARE or nbytes < 64 * 2**20)
         res.add(**row)
         if nbytes >= 64 * 2**20:
-            res.details.setdefault("plans", {})[row["case"]] = _plans(x, fmt, inputs, nbytes, copy_gbps, want_data)
+            plans = _plans(x, fmt, inputs, nbytes, copy_gbps, want_data, want_scale)
+            res.details.setdefault("plans", {})[row["case"]] = plans
         del inputs
     big = [r for r in res.rows if r.get("bit_exact") and r["mbytes"] >= 64]
     res.summary = {

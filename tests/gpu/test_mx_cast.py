@@ -1,6 +1,6 @@
 """The Triton MX cast on the GPU (compiled: bf16 widened and fp8 rounded by conversion instructions, which the
 interpreter cannot show), bit-exact with torchao's ``to_mx`` and the reference on the blocks where casts go wrong,
-in every launch plan the benchmark times, with the integer-rounding form compiled too."""
+in three launch plans, with the integer-rounding form compiled too."""
 
 from __future__ import annotations
 

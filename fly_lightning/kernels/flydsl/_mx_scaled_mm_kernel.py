@@ -33,7 +33,8 @@ and rows come from the int32 end offsets on the device (``_group_tiles``, as the
 next group's rows and are not stored, and workgroups past the last tile run no K step and store nothing. Rows at and
 past ``offs[E - 1]`` are left unwritten, as ``torch._grouped_mm`` leaves them.
 
-Bounds. Buffer descriptors sized to each tensor: rows past M or N read zeros (data and scales) and are not stored.
+Bounds. Buffer descriptors sized to each tensor: rows past M or N read zeros (data and scales; grouped, the next
+group's or expert's rows) and are not stored.
 Offsets are 32-bit: each tensor under 2 GiB.
 
 Only compiled here (no AMD GPU): ``compile_mx_scaled_mm`` runs in a subprocess.

@@ -1,10 +1,10 @@
 """Triton MX cast (``floor`` scales, row-wise), registered as the ``triton`` backend of ``mx_cast``.
 
 One program casts a tile of rows x 32-value blocks: the block's largest magnitude gives its E8M0 scale from the fp32
-exponent field, the elements are scaled, saturated and rounded to nearest even: on the GPU fp8 by the conversion
-instructions (``HW_CVT``), fp4 (Hopper has no fp4 conversion) and everything under the interpreter (whose float8
-conversion differs) by integer arithmetic on the fp32 bits. Stored as bytes; fp4 two per byte, element ``2j`` in the
-low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with torchao. ``rceil`` scales and the
+exponent field, the elements are scaled, saturated and rounded to nearest even: fp8 on NVIDIA GPUs from sm89 by the
+conversion instructions (``HW_CVT``); fp4 (Hopper has no fp4 conversion), other GPUs and the interpreter (whose
+float8 conversion differs) by integer arithmetic on the fp32 bits. Stored as bytes; fp4 two per byte, element ``2j``
+in the low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with torchao. ``rceil`` scales and the
 column-wise cast run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an fp32 ``log2``, whose rounding the
 kernel would have to reproduce.
 """
@@ -131,9 +131,17 @@ def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[tor
 PLAN = (16, 8, 4)
 """(rows, 32-value blocks along K, warps) per program."""
 HW_CVT = True
-"""On the GPU, bf16 widened and fp8 elements rounded by conversion instructions rather than the integer arithmetic
-the interpreter needs (``_encode``; fp4 always takes it: Hopper has no fp4 conversion). Both bit-exact with torchao:
-the GPU tests compare them on every special block."""
+"""On NVIDIA GPUs from sm89 on, bf16 widened and fp8 elements rounded by conversion instructions rather than the
+integer arithmetic the interpreter needs (``_encode``; fp4 always takes it: Hopper has no fp4 conversion). Both
+bit-exact with torchao: the GPU tests compare them on every special block (sm90)."""
+
+
+def _hw_cvt(x: torch.Tensor) -> bool:
+    """Whether ``x``'s device rounds fp8 by ``HW_CVT``'s instructions. Not before sm89 (Triton has no fp8 type there)
+    nor on ROCm, where Triton converts fp32 to OCP fp8 through fp16 before gfx950 (two roundings: not bit-exact)."""
+    if not (HW_CVT and x.is_cuda and torch.version.hip is None) or interpreting():
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (8, 9)
 
 
 def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,7 +157,7 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
         br, g, warps = plan
         g = min(g, next_pow2(k // formats.BLOCK))
         ebits, mbits, bias = _BITS[f.name]
-        hw = HW_CVT and not interpreting()
+        hw = _hw_cvt(x)
         with on_device(x):
             _mx_cast_rows[(cdiv(r, br), cdiv(k, g * formats.BLOCK))](
                 x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k, BR=br, G=g,

@@ -44,7 +44,7 @@ def test_bit_exact_with_the_reference(fmt, dtype, k):
 
 @pytest.mark.parametrize("plan", [(8, 16, 4), (64, 4, 8)])
 def test_other_launch_plans(plan):
-    """The plans the benchmark times (rows, blocks, warps) give the same bits, rows and blocks not multiples of them."""
+    """Two other launch plans (rows, blocks, warps) give the same bits, rows and blocks not multiples of theirs."""
     x = _cases(torch.bfloat16).repeat(6, 1).reshape(-1)[: 42 * 160].reshape(42, 160)
     for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
         _check(x, fmt, plan)
@@ -77,3 +77,21 @@ def test_unsupported_inputs_run_on_aten_with_the_reason(args, reason):
     assert torch.equal(scale.view(torch.uint8), want[1].view(torch.uint8))
     (rec,) = fly_lightning.DISPATCH_LOG.records("mx_cast")
     assert rec["backend"] == "aten" and reason in rec["reason"]
+
+
+def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
+    """fp8 rounding by instructions needs Triton's fp8 types (sm89+) and a single rounding (not ROCm's fp16 detour)."""
+    from fly_lightning.kernels.triton import mx_cast as kernel
+
+    class OnCuda:
+        is_cuda, device = True, torch.device("cuda", 0)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    for cap, want in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, cap=cap: cap)
+        assert kernel._hw_cvt(OnCuda()) is want
+    monkeypatch.setattr(torch.version, "hip", "7.0")
+    assert kernel._hw_cvt(OnCuda()) is False
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernel._hw_cvt(OnCuda()) is False and kernel._hw_cvt(torch.zeros(1)) is False

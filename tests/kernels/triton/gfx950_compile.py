@@ -70,7 +70,10 @@ def mx_cast_rows(fmt: str, bf16: bool) -> dict:
     f = formats.FORMATS[fmt]
     ebits, mbits, bias = mx_cast._BITS[fmt]
     sig = dict(X="*i16" if bf16 else "*fp32", stride_x="i32", DATA="*u8", SCALE="*u8", R="i32", K="i32")
-    const = dict(BR=16, G=8, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16)
+    # HW=False: on ROCm the launcher rounds by integer arithmetic (mx_cast._hw_cvt), bf16 loaded as its bits
+    const = dict(
+        BR=16, G=8, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, HW=False
+    )
     return compile_gfx950(mx_cast._mx_cast_rows, sig, const, ("X", "DATA", "SCALE", "stride_x", "K"), num_warps=4)
 
 

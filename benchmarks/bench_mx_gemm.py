@@ -65,7 +65,7 @@ SHAPES = [
 SMOKE_SHAPES = [(16, 64, 128), (40, 96, 256), (130, 64, 128)]
 FORMATS = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1"}
 GOALS = {"vs_bf16_m1024": 0.9, "vs_emulated": 1.5, "w4_vs_bf16_m64": 2.5}
-ALT_PLANS = [  # (block_m, block_n, block_k, warps, stages, swap): timed beside the plan at M >= LARGE_M (JSON details)
+ALT_PLANS = [  # (block_m, block_n, block_k, warps, stages, swap): in-loop plans timed beside the plan (JSON details)
     (128, 256, 128, 8, 3, False),
     (128, 128, 128, 8, 4, True),
     (128, 128, 64, 8, 4, False),
@@ -81,7 +81,9 @@ SMALL_PLANS = [  # (block_n, warps, stages, split_k factor): graph-timed beside 
     (128, 4, 4, 2),
     (32, 4, 4, 2),
 ]
-LARGE_M = 1024  # the vs-bf16 goal's rows
+LARGE_M = 1024  # the vs-bf16 goal's rows; ALT_PLANS are timed from here
+ALT_M = 128  # from here on, the prepass plan and an in-loop plan are timed side by side (details.plans)
+MID_PLAN = (64, 128, 128, 4, 4, False)  # the in-loop plan below LARGE_M
 SMALL_M = 64  # weight-only cases
 GRAPH_CALLS = 20  # calls per captured graph (small M)
 
@@ -161,36 +163,37 @@ def run_case(res: Results, m: int, n: int, k: int, kind: str, device: str, reps:
     res.add(**row)
     if kind == "w4" and device == "cuda":
         res.details.setdefault("small_plans", {})[row["case"]] = small_plans(m, n, k, b_fmt, inputs, gms["ours"], ref)
-    if m >= LARGE_M and kind != "w4":
+    if m >= ALT_M and kind != "w4":
         res.details.setdefault("plans", {})[row["case"]] = alt_plans(m, n, k, a_fmt, b_fmt, inputs, ms["ours"], ref)
 
 
 def alt_plans(m, n, k, a_fmt, b_fmt, inputs, ours_ms, ref) -> dict:
-    """Milliseconds of other launch plans on this case (and of each with the fp8 hardware conversion), for tuning
-    ``plan``; a plan that fails or disagrees with the reference is recorded as such."""
+    """Milliseconds of other launch plans on this case: the dequantising prepass and in-loop plans (all of ALT_PLANS
+    from LARGE_M), for tuning ``plan``; a plan that fails or disagrees with the reference is recorded as such."""
     from dataclasses import replace
 
     from fly_lightning.kernels.triton import mx_scaled_mm as kernel
 
     base = kernel.plan(m, n, k, a_fmt, b_fmt, inputs[0][2].device)
     out = {"plan": base.label(), "plan_ms": ours_ms}
-    cvts = ("bits", "hw") if a_fmt and a_fmt.startswith("mxfp8") else ("bits",)
-    for bm, bn, bk, warps, stages, swap in ALT_PLANS:
-        for cvt in cvts:
-            cfg = replace(
-                base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, swap=swap, fp8_cvt=cvt
-            )
+    loop = replace(base, prepass=False, split_k=1)
+    cands = [replace(base, prepass=True)]
+    for bm, bn, bk, warps, stages, swap in ALT_PLANS if m >= LARGE_M else [MID_PLAN]:
+        cands.append(replace(loop, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, swap=swap))
+    for cfg in cands:
+        if cfg.label() in out or cfg == base:
+            continue
 
-            def fn(x, w, a, a_s, b, bs, cfg=cfg):
-                return kernel.launch(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, cfg)
+        def fn(x, w, a, a_s, b, bs, cfg=cfg):
+            return kernel.launch(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, cfg)
 
-            try:
-                err = rel_err(fn(*inputs[0]), ref)
-                out[cfg.label()] = float(f"{time_ms(fn, inputs, warmup=3, reps=20)['median_ms']:.4g}")
-                if err > 1e-2:
-                    out[cfg.label()] = f"error {err:.3g}"
-            except Exception as exc:  # noqa: BLE001 (a plan that does not compile or fit is recorded, not fatal)
-                out[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:100]}"
+        try:
+            err = rel_err(fn(*inputs[0]), ref)
+            out[cfg.label()] = float(f"{time_ms(fn, inputs, warmup=3, reps=20)['median_ms']:.4g}")
+            if err > 1e-2:
+                out[cfg.label()] = f"error {err:.3g}"
+        except Exception as exc:  # noqa: BLE001 (a plan that does not compile or fit is recorded, not fatal)
+            out[cfg.label()] = f"{type(exc).__name__}: {str(exc)[:100]}"
     return out
 
 
@@ -267,7 +270,8 @@ def suite(
         "bf16: cuBLAS torch.mm; emulated: torchao MXTensor dequantise to bf16 + torch.mm (torchao's Hopper path)",
         "x_vs_*: baseline time / ours (above 1: ours faster); q_x_vs_*: the same with quantisation included",
         "geomeans: vs bf16 over M >= 1024, vs emulated over all 17; w4 (weight-only MXFP4) over M <= 64",
-        "details.plans (JSON): other launch plans timed at M >= 1024, for tuning the kernel's plan; "
+        "details.plans (JSON): other launch plans timed from M = 128 (the prepass and in-loop plans), for tuning "
+        "the kernel's plan; "
         "details.small_plans: the same for weight-only at M <= 64, graph-timed",
         "*_graph_ms (M <= 64): ours and bf16 as device time from CUDA-graph replays (no host launch cost, as under "
         "CUDA graphs); graph_x_vs_bf16 = bf16 / ours there. The goals are read on the event-timed columns",

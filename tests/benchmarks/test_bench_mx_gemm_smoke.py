@@ -14,6 +14,7 @@ def test_the_17_shapes():
 
 def test_suite_runs(monkeypatch):
     monkeypatch.setattr(bench_mx_gemm, "LARGE_M", 40)  # the interpreter's cost is per program: few rows
+    monkeypatch.setattr(bench_mx_gemm, "ALT_M", 40)
     monkeypatch.setattr(bench_mx_gemm, "SMALL_M", 16)
     res = suite(device="cpu", reps=1, rounds=1, shapes=[(16, 32, 128), (40, 16, 128)])
     assert res.suite == "mx_gemm"
@@ -30,5 +31,6 @@ def test_suite_runs(monkeypatch):
     plans = res.details["plans"]  # the alternative plans at "large" M (both MX kinds), each timed or its error named
     assert set(plans) == {"mxfp8 40x16x128", "mxfp4 40x16x128"}
     assert all(isinstance(v, float) and v > 0 for p in plans.values() for key, v in p.items() if key != "plan"), plans
-    assert len(plans["mxfp8 40x16x128"]) == 2 + 2 * len(bench_mx_gemm.ALT_PLANS)
+    assert "prepass-cublas" in plans["mxfp8 40x16x128"]  # the prepass beside the in-loop plans
+    assert len(plans["mxfp8 40x16x128"]) == 3 + len(bench_mx_gemm.ALT_PLANS)
     assert s["w4_geomean_vs_bf16_m64"] > 0 and s["max_err"] < 1e-2 and s["w4_graph_geomean_vs_bf16_m64"] is None

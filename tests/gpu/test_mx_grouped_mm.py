@@ -52,7 +52,7 @@ def test_dispatched_call_runs_triton_and_matches_the_dequantised_product(x_fmt, 
     assert y.dtype == torch.bfloat16 and _err(y, args) < 1e-2  # bf16 output rounding only
 
 
-CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.MX_MX, mk.MXFP4_MXFP4, mk.WEIGHT_ONLY,
+CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.MX_MX, mk.MXFP4_MXFP4, mk.WEIGHT_ONLY, mk.PREPASS,
                                    mk.MXGroupedMMConfig(64, 64, 128, 4, 2, 4, programs_per_sm=0))}  # fmt: skip
 
 

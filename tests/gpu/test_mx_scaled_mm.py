@@ -1,6 +1,7 @@
 """The Triton MX GEMM on the GPU (compiled, bf16 arithmetic and wgmma, which the interpreter cannot show): every format
-pair and the weight-only form, in the plans the launcher picks for few, some and many rows (swapped + split K, plain),
-against the fp32 reference of the dequantised operands; zero, extreme and NaN scales; served through the dispatcher."""
+pair and the weight-only form, in the plans the launcher picks for few, some and many rows (swapped + split K, plain,
+dequantising prepass + cuBLAS), against the fp32 reference of the dequantised operands; zero, extreme and NaN scales;
+served through the dispatcher; the prepass's dequantisation equal to ``from_mx`` on every code."""
 
 from __future__ import annotations
 
@@ -54,9 +55,10 @@ def test_matches_the_reference(a_fmt, b_fmt, m, n, k):
     assert torch.allclose(y16.float(), want, rtol=1e-2, atol=1e-2 * want.abs().amax().item())
 
 
+@pytest.mark.parametrize("m", [24, 300], ids=["loop", "prepass"])
 @pytest.mark.parametrize("a_fmt, b_fmt", PAIRS[:4], ids=["e4m3", "e5m2", "fp4", "w-fp4"])
-def test_zero_extreme_and_nan_scales(a_fmt, b_fmt):
-    a, a_s, b, bs = _operands(24, 256, 512, a_fmt, b_fmt, spread=2)
+def test_zero_extreme_and_nan_scales(a_fmt, b_fmt, m):
+    a, a_s, b, bs = _operands(m, 256, 512, a_fmt, b_fmt, spread=2)
     bs = bs.view(torch.uint8).clone()
     bs[0, :] = 0  # 2^-127: products far below 2^-126
     bs[1, 0] = 225  # 2^98 on one block: large products, finite in fp32 and bf16
@@ -71,12 +73,12 @@ def test_zero_extreme_and_nan_scales(a_fmt, b_fmt):
     assert torch.isfinite(y[:, 1]).all() and (y[:, 1].abs() > 1e20).any()
 
 
-@pytest.mark.parametrize("fp8_cvt", ["bits", "hw"])
+@pytest.mark.parametrize("fp8_cvt", ["bits", "hw", "prepass"])
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
 @pytest.mark.parametrize("m", [16, 300])
 def test_fp8_conversions_agree_on_every_code(fmt, m, fp8_cvt):
-    """Both fp8 conversions (float8 -> f16 instructions, the default; bit placement) on data holding every code, NaN
-    and inf included, in the plan the launcher picks for these rows."""
+    """Both fp8 conversions in the main loop (float8 -> f16 instructions, the default; bit placement), in the in-loop
+    plan for these rows, and the dequantising prepass, on data holding every code, NaN and inf included."""
     from dataclasses import replace
 
     from fly_lightning.kernels.triton.mx_scaled_mm import launch, plan
@@ -91,10 +93,29 @@ def test_fp8_conversions_agree_on_every_code(fmt, m, fp8_cvt):
     bs = torch.randint(110, 140, (n, k // 32), device="cuda", dtype=torch.uint8).view(torch.float8_e8m0fnu)
     dt = formats.FORMATS[fmt].torch_dtype
     a, b = a.view(dt), b.view(dt)
-    cfg = replace(plan(m, n, k, fmt, fmt, a.device), fp8_cvt=fp8_cvt)
+    base = replace(plan(m, 128 if m > 64 else n, k, fmt, fmt, a.device), prepass=False)  # the in-loop plan
+    cfg = replace(base, prepass=True) if fp8_cvt == "prepass" else replace(base, fp8_cvt=fp8_cvt)
     y = launch(a, a_s, fmt, b, bs, fmt, torch.float32, cfg)
     want = mx_scaled_mm_reference(a, a_s, fmt, b, bs, fmt, torch.float32)
     assert torch.equal(y.isnan(), want.isnan()) and torch.equal(y.isinf(), want.isinf())
     finite = torch.isfinite(want)
     assert finite.any()
     assert ((y - want)[finite].abs() <= 2e-5 * want[finite].abs().amax()).all()
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"])
+def test_prepass_dequantisation_equals_from_mx_on_every_code(fmt):
+    from fly_lightning.kernels.triton._mx_dequant import dequantize, hw_cvt
+
+    per_byte = 2 if fmt == "mxfp4_e2m1" else 1
+    r, c = 37, 1024  # rows and columns off the kernel's 16 x 512 tile
+    codes = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8).repeat(r, c // per_byte // 256)
+    data = codes.roll(3, 1) if per_byte == 2 else codes.view(formats.FORMATS[fmt].torch_dtype)
+    s = torch.randint(100, 150, (r, c // 32), device="cuda", dtype=torch.uint8)
+    s[0, 0], s[1, 1] = 255, 254  # a NaN block; 2^127 (e4m3 and e5m2 overflow bf16 to inf, as from_mx's rounding)
+    s = s.view(torch.float8_e8m0fnu)
+    y = dequantize(data, s, fmt)
+    want = formats.from_mx(data, s, fmt).bfloat16()
+    assert y.dtype == torch.bfloat16 and hw_cvt(data)
+    assert torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(y[~want.isnan()], want[~want.isnan()])

@@ -19,8 +19,16 @@ Function names and signatures are stable: other kernels import them.
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._math import cdiv
+from fly_lightning.kernels.triton._support import interpreting, on_device
+
+FMT_CODE = {None: 0, "mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
+"""Element format codes (kernel constexprs); 0 is high precision (bf16/fp32 activations)."""
 
 
 @triton.jit
@@ -101,3 +109,56 @@ def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False):
     bits = ((codes & 8) << 12) | ((codes & 7) << 6)  # sign; exponent (2 bits) and mantissa (1) at bf16's, bias 1
     v = _from_bf16_bits(bits, FP32) * 2.0**126
     return _apply_scale(v, scale, FP32)
+
+
+# Prepass dequantisation: a whole MX operand to bf16 in memory, for the GEMM plans that then run a bf16 GEMM
+# (cuBLAS, or the bf16 grouped kernel). Hopper has no MX tensor cores: at many rows per weight, writing the bf16
+# operand once and running the bf16 GEMM at its full rate beats converting every tile in the GEMM's main loop.
+DEQUANT_ROWS = 16  # rows x 512 elements per program: 8K elements, enough bytes in flight per program
+DEQUANT_COLS = 512
+
+
+@triton.jit
+def _dequant_rows_kernel(
+    DATA, SCALE, OUT, R, C, stride_d, stride_s, stride_o,
+    FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr, HW_CVT: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rmask = rows[:, None] < R
+    rows64 = rows.to(tl.int64)
+    g = tl.program_id(1) * (BC // 32) + tl.arange(0, BC // 32)
+    s = tl.load(SCALE + rows64[:, None] * stride_s + g[None, :], mask=rmask & (g[None, :] < C // 32), other=127)
+    if FMT == 3:
+        half = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
+        x = tl.load(DATA + rows64[:, None] * stride_d + half[None, :], mask=rmask & (half[None, :] < C // 2), other=0)
+        v = dequant_fp4(x, s, FP32)
+    else:
+        x = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C), other=0)
+        v = dequant_fp8(x, s, FMT == 2, FP32, HW_CVT)
+    tl.store(OUT + rows64[:, None] * stride_o + cols[None, :], v, mask=rmask & (cols[None, :] < C))
+
+
+def hw_cvt(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device converts fp8 by instruction (``dequant_fp8``'s ``HW_CVT``): NVIDIA from sm89 (Triton has
+    no fp8 type before); not ROCm, nor the interpreter."""
+    if not t.is_cuda or torch.version.hip is not None or interpreting():
+        return False
+    return torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+    """MX rows ``data`` ``[R, C / per_byte]`` (last dim contiguous, any row stride) with E8M0 ``scale`` ``[R, C / 32]``
+    to a new ``[R, C]`` tensor: bf16 on the GPU; fp32 under the interpreter (same values: its bf16 is unreliable)."""
+    r, c = scale.shape[0], scale.shape[1] * 32
+    interp = data.device.type == "cpu"
+    out = outputs.empty(r, c, dtype=torch.float32 if interp else torch.bfloat16, device=data.device)
+    if r == 0 or c == 0:
+        return out
+    grid = (cdiv(r, DEQUANT_ROWS), cdiv(c, DEQUANT_COLS))
+    with on_device(data):
+        _dequant_rows_kernel[grid](
+            data.view(torch.uint8), scale.view(torch.uint8), out, r, c, data.stride(0), scale.stride(0), out.stride(0),
+            FMT=FMT_CODE[fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=interp, HW_CVT=hw_cvt(data), num_warps=4,
+        )  # fmt: skip
+    return out

@@ -24,14 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
+from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
-
-# element format codes (constexpr): 0 = high precision (bf16/fp32 activations)
-FMT_CODE = {None: 0, "mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
 
 
 @triton.jit
@@ -160,8 +158,11 @@ class MXGroupedMMConfig:
     num_stages: int = 3
     num_warps: int = 8
     programs_per_sm: int = 1
+    prepass: bool = False  # operands dequantised to bf16 in memory, then the bf16 grouped GEMM (tile fields unused)
 
     def label(self) -> str:
+        if self.prepass:
+            return "prepass-bf16-grouped"
         persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
         return (
             f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
@@ -178,6 +179,10 @@ SMALL_GROUPS = MXGroupedMMConfig(64, 128, 64, 8, 4, 4)
 MX_MX = MXGroupedMMConfig(128, 256, 64, 8, 3, 8)
 MXFP4_MXFP4 = MXGroupedMMConfig(128, 256, 128, 8, 2, 8)
 WEIGHT_ONLY = MXGroupedMMConfig(256, 128, 64, 8, 3, 8)
+# Many rows per group: each weight element feeds >= 256 rows, so dequantising it once in memory (3 bytes of traffic
+# for fp8) costs less than converting it in every row tile's main loop; the bf16 grouped GEMM then runs at its rate.
+PREPASS_MIN_ROWS = 256
+PREPASS = MXGroupedMMConfig(prepass=True)
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
 INTERPRETER_CONFIG = MXGroupedMMConfig(32, 32, 64, 2, 1, 4)
 INTERPRETER_PROGRAMS = 3
@@ -187,6 +192,13 @@ def choose_config(m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt:
     """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats."""
     if on_cpu:
         return INTERPRETER_CONFIG
+    if m / max(1, e) >= PREPASS_MIN_ROWS * (2 if x_fmt is None else 1):  # weight-only converts only w in the loop
+        return PREPASS
+    return loop_config(m, e, x_fmt, w_fmt)
+
+
+def loop_config(m: int, e: int, x_fmt: str | None = None, w_fmt: str = "") -> MXGroupedMMConfig:
+    """The table's in-loop configuration (tiles converted in the main loop; no prepass) on the GPU."""
     rows = m / max(1, e)
     if rows < 96:
         return SMALL_GROUPS
@@ -225,6 +237,8 @@ def launch(
         return out.zero_()  # rows past the last offset too: the product over an empty K is zero everywhere
     interp = x.device.type == "cpu"
     cfg = config or choose_config(m, e, interp, x_fmt, w_fmt)
+    if cfg.prepass:
+        return _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out)
     if k % cfg.block_k:
         raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
     upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
@@ -245,3 +259,13 @@ def launch(
             UPCAST=interp, INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out
+
+
+def _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out) -> torch.Tensor:
+    """Both operands dequantised to bf16 in memory (``_mx_dequant.dequantize``), then the bf16 grouped GEMM on them.
+    Alive during the call: a bf16 copy of x and of every group's weights."""
+    e, n = w.shape[0], w.shape[1]
+    xb = x.to(torch.bfloat16) if x_fmt is None else dequantize(x, x_scale, x_fmt).to(torch.bfloat16)
+    wb = dequantize(w.reshape(e * n, w.shape[2]), w_scale.reshape(e * n, w_scale.shape[2]), w_fmt)
+    wb = wb.to(torch.bfloat16).view(e, n, -1)  # the interpreter's fp32 values to bf16: exact, they came from it
+    return gk.launch(xb, wb.transpose(1, 2), offs, out)

@@ -1,6 +1,7 @@
 """Triton MX grouped GEMM forward, registered as the ``triton`` backend of ``mx_grouped_mm`` (kernel and launcher:
 ``_mx_grouped_mm_kernel``): MX tiles dequantised to bf16 in registers, bf16 ``tl.dot`` with fp32 accumulation, the
-ragged tile schedule of the bf16 grouped GEMM read from the device offsets (no host sync)."""
+ragged tile schedule of the bf16 grouped GEMM read from the device offsets (no host sync); with many rows per group,
+the operands dequantised once in memory and the bf16 grouped GEMM run on them."""
 
 from __future__ import annotations
 
@@ -48,7 +49,8 @@ def _supports(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> bool | s
     constraints="opt-in (select='measure' or op_backends); "
     "x [M, K] MX (e4m3, e5m2, e2m1) or bf16/fp32 (rounded to bf16) x MX w [E, N, K] (blocks along K), "
     "int32 end offsets, E <= 4096, K % 128 == 0, last dims contiguous, sm80+; MX tiles dequantised to bf16 in "
-    "registers, bf16 dot, fp32 accumulation; not on ROCm",
+    "registers, bf16 dot, fp32 accumulation; >= 256 rows per group (512 weight-only): dequantised to bf16 in a "
+    "prepass (a bf16 copy of x and w during the call), then the bf16 grouped GEMM; not on ROCm",
 )
 def mx_grouped_mm_triton(
     x: torch.Tensor,

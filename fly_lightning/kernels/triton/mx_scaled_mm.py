@@ -11,6 +11,12 @@ fills the MMA's M side and the few tokens its N side, and splits K across progra
 that enough programs stream the weights. Result: fp32 accumulation of the exact dequantised values, so it matches
 ``mx_scaled_mm_reference`` up to summation order (and underflow below 2^-126, where bf16 keeps 7 bits).
 
+Many rows (M >= ``PREPASS_MIN_M``): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
+(``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs
+every output tile its own conversion of both operands (the loop reached about 300 TFLOP/s on the H200 against
+cuBLAS's 800); the prepass converts each element once, at the price of one bf16 copy of each operand alive during the
+call (``(M + N) * K * 2`` bytes). Same values, fp32 accumulation: only the summation order differs.
+
 Not kept: fp8 MMAs on the raw bytes per 32-wide K slice, each slice's product scaled (no conversion). On the H200 it
 ran 0.35-0.45x this kernel (the per-slice scaling outweighs the MMA) and Hopper's fp8 accumulation lost about 1e-4 of
 the output's range on e5m2 data (mx_gemm suite and GPU tests at befd49a).
@@ -26,7 +32,7 @@ import triton.language as tl
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize
 from fly_lightning.kernels.triton._support import (
     ON_HIP,
     device_reason,
@@ -37,8 +43,9 @@ from fly_lightning.kernels.triton._support import (
 )
 from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
-FMT_CODE = {None: 0, "mxfp8_e4m3": 1, "mxfp8_e5m2": 2, "mxfp4_e2m1": 3}
 K_ALIGN = 128  # the fast kernel's K granularity (BLOCK_K); the reference takes K % 32
+PREPASS_MIN_M = 256
+"""Rows from which ``plan`` dequantises in a prepass and runs cuBLAS (the mx_gemm suite times both from M = 128)."""
 FP8_CVT = "hw"
 """How ``plan`` converts fp8 elements on the GPU: "hw" (the float8 -> f16 conversion instructions) or "bits" (integer
 bit placement). Both exact; "hw" measured 1.3-1.76x faster on all 17 dense MXFP8 shapes (H200, mx_gemm suite)."""
@@ -46,7 +53,8 @@ bit placement). Both exact; "hw" measured 1.3-1.76x faster on all 17 dense MXFP8
 
 @dataclass(frozen=True)
 class MXMMConfig:
-    """One launch plan: tile sizes, warps, pipeline stages, ``swap`` (weights on the MMA's M side), ``split_k``."""
+    """One launch plan: tile sizes, warps, pipeline stages, ``swap`` (weights on the MMA's M side), ``split_k``;
+    ``prepass``: operands dequantised to bf16 in memory, then cuBLAS (the tile fields unused)."""
 
     block_m: int
     block_n: int
@@ -57,8 +65,11 @@ class MXMMConfig:
     swap: bool = False
     split_k: int = 1
     fp8_cvt: str = "bits"  # "bits": integer bit placement; "hw": float8 -> f16 conversion instructions (GPU)
+    prepass: bool = False
 
     def label(self) -> str:
+        if self.prepass:
+            return "prepass-cublas"
         s = f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}"
         s += ("-swap" if self.swap else "") + (f"-k{self.split_k}" if self.split_k > 1 else "")
         return s + ("-hwcvt" if self.fp8_cvt == "hw" else "")
@@ -150,6 +161,8 @@ def plan(
         while tiles * split * 2 <= 2 * sms and k % (K_ALIGN * split * 2) == 0 and k // (split * 2) >= 4 * K_ALIGN:
             split *= 2
         return MXMMConfig(bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=True, split_k=split, fp8_cvt=FP8_CVT)
+    if m >= PREPASS_MIN_M and device.type == "cuda":
+        return MXMMConfig(128, 256, K_ALIGN, num_warps=8, num_stages=3, fp8_cvt=FP8_CVT, prepass=True)
     if m <= 256:
         return MXMMConfig(64, 128, K_ALIGN, num_warps=4, num_stages=4, fp8_cvt=FP8_CVT)
     # 128x256: 1.24-1.33x faster than 128x128 on every M >= 1024 case of both formats (H200, mx_gemm details)
@@ -189,6 +202,8 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
         raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.device)
+    if cfg.prepass:
+        return _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
     split = cfg.split_k
     out = outputs.empty(m, n, dtype=out_dtype, device=a.device)
     dst = out if split == 1 else outputs.empty(split, m, n, dtype=torch.float32, device=a.device)
@@ -208,13 +223,26 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     return out
 
 
+def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:
+    """Both operands dequantised in memory, then one GEMM (cuBLAS on the GPU; fp32 under the interpreter)."""
+    b_hp = dequantize(b, b_scale, b_fmt)
+    a_hp = a if a_fmt is None else dequantize(a, a_scale, a_fmt)
+    if b_hp.dtype == torch.float32:  # the interpreter's fp32 values: an fp32 GEMM, one rounding
+        return torch.mm(a_hp.float(), b_hp.t()).to(out_dtype)
+    if out_dtype == torch.bfloat16:
+        return torch.mm(a_hp, b_hp.t())
+    # cuBLAS's fp32 accumulator, rounded once to out_dtype (not through bf16)
+    return torch.mm(a_hp, b_hp.t(), out_dtype=torch.float32).to(out_dtype)
+
+
 @MX_SCALED_MM.implement(
     "triton",
     supports=_supports,
     constraints="opt-in (select='measure' or op_backends); sm90+ (CUDA; ROCm on ATen); "
     "MXFP8 (e4m3/e5m2) x MXFP8, MXFP4 x MXFP4, bf16 x MX (weight-only); "
     "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
-    "bf16 MMAs with fp32 accumulation; few rows: operands swapped and K split",
+    "bf16 MMAs with fp32 accumulation; few rows: operands swapped and K split; M >= 256: dequantised to bf16 "
+    "in a prepass (a bf16 copy of each operand during the call), then cuBLAS",
 )
 def mx_scaled_mm_triton(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:
     return launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)

@@ -9,7 +9,9 @@ from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
     choose_config,
 )
 
-ROWS = {"small": 64, "large": 4096}  # rows per group: the launcher picks the plan from these and the formats
+# rows per group: the launcher picks the plan from these and the formats (from 256, MX x MX is dequantised in a
+# prepass and runs the bf16 grouped kernel; weight-only from 512)
+ROWS = {"small": 64, "large": 200, "weight-only-wide": 384}
 PAIRS = {
     "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),
     "e5m2": ("mxfp8_e5m2", "mxfp8_e5m2"),
@@ -41,7 +43,8 @@ def variant(pair: str, plan: str, out: str = "bf16") -> dict:
     )  # fmt: skip
 
 
-VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in ROWS}
+VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in ("small", "large")}
+VARIANTS |= {f"{p}-weight-only-wide": (lambda p=p: variant(p, "weight-only-wide")) for p in ("w-e4m3", "w-fp4")}
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The shared MX dequantisation helpers (interpreter): every fp8 code and every fp4 pair, under zero, NaN, small, unit
-and large scales, equal to the fp32 dequantisation of ``formats.from_mx`` (NaN where it is NaN, inf where it is inf)."""
+and large scales, equal to the fp32 dequantisation of ``formats.from_mx`` (NaN where it is NaN, inf where it is inf);
+the prepass kernel (``dequantize``) on whole operands: ragged tiles, strided rows, every code, poisoned outputs."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, e8m0_to_float
+from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, dequantize, e8m0_to_float, hw_cvt
 from fly_lightning.quant import formats
 
 
@@ -67,3 +68,23 @@ def test_scales():
     want = torch.exp2(torch.arange(256, dtype=torch.float32) - 127)
     want[255] = float("nan")
     assert _same(y, want)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"])
+def test_dequantize_whole_operands(fmt):
+    """Rows and columns off the program tile (16 x 512), every code under every scale, rows of a wider buffer."""
+    per_byte = 2 if fmt == "mxfp4_e2m1" else 1
+    r, c = 19, 544 * per_byte  # 544 bytes a row: every code at least twice
+    codes = torch.arange(r * c // per_byte, dtype=torch.int32).to(torch.uint8).view(r, -1)
+    wide = torch.zeros(r, codes.shape[1] + 64, dtype=torch.uint8)
+    wide[:, 32 : 32 + codes.shape[1]] = codes
+    data = wide[:, 32 : 32 + codes.shape[1]]  # row stride past the row's end
+    s = torch.tensor(SCALES * (r * c // 32 // len(SCALES) + 1), dtype=torch.uint8)[: r * c // 32].view(r, -1)
+    if per_byte == 1:
+        data = data.view(formats.FORMATS[fmt].torch_dtype)
+    y = dequantize(data, s.view(torch.float8_e8m0fnu), fmt)  # outputs are poisoned (NaN) in tests
+    want = formats.from_mx(data.contiguous(), s.view(torch.float8_e8m0fnu), fmt)
+    assert y.shape == (r, c) and y.dtype == torch.float32  # the interpreter's values in fp32: the same values
+    assert _same(y, want)
+    assert dequantize(data[:0], s[:0].view(torch.float8_e8m0fnu), fmt).shape == (0, c)
+    assert not hw_cvt(data)  # CPU: bit placement, no conversion instructions

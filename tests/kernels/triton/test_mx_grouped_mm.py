@@ -47,6 +47,7 @@ CONFIGS = {
     "interpreter": mk.INTERPRETER_CONFIG,
     "block_k128_m16": replace(mk.INTERPRETER_CONFIG, block_m=16, block_k=128, group_m=1),
     "block_n64_k32": replace(mk.INTERPRETER_CONFIG, block_n=64, block_k=32, group_m=4),
+    "prepass": mk.PREPASS,  # dequantised to bf16 in memory, then the bf16 grouped kernel
 }
 
 

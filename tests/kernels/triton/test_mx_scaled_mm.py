@@ -1,6 +1,7 @@
 """The Triton MX GEMM (interpreter): against the fp32 reference for every format pair and the weight-only form, in
-each launch plan (plain, swapped, split K), with rows and columns not multiples of the tile, zero and extreme scales
-and NaN blocks; every output element written (outputs are poisoned in tests); the inputs it leaves to ATen named."""
+each launch plan (plain, swapped, split K, dequantising prepass), with rows and columns not multiples of the tile,
+zero and extreme scales and NaN blocks; every output element written (outputs are poisoned in tests); the inputs it
+leaves to ATen named."""
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ PLANS = {
     "plain": MXMMConfig(16, 32, 128),
     "swap": MXMMConfig(16, 32, 128, swap=True),
     "split": MXMMConfig(32, 16, 128, swap=True, split_k=2),
+    "prepass": MXMMConfig(16, 32, 128, prepass=True),
     "auto": None,
 }
 
@@ -63,14 +65,16 @@ def test_matches_the_reference(a_fmt, b_fmt, plan_name):
     _check(a, a_s, a_fmt, b, bs, b_fmt, config=PLANS[plan_name])
 
 
+@pytest.mark.parametrize("plan_name", ["auto", "prepass"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
-def test_output_dtypes(out_dtype):
+def test_output_dtypes(out_dtype, plan_name):
     a, a_s, b, bs = _operands(20, 33, 128, "mxfp8_e4m3", "mxfp8_e4m3", seed=1, spread=2)  # within fp16
-    _check(a, a_s, "mxfp8_e4m3", b, bs, "mxfp8_e4m3", out_dtype)
+    _check(a, a_s, "mxfp8_e4m3", b, bs, "mxfp8_e4m3", out_dtype, PLANS[plan_name])
 
 
+@pytest.mark.parametrize("plan_name", ["auto", "prepass"])
 @pytest.mark.parametrize("a_fmt, b_fmt", PAIRS[:3] + PAIRS[4:5], ids=["e4m3", "e5m2", "fp4", "w-fp4"])
-def test_zero_extreme_and_nan_scales(a_fmt, b_fmt):
+def test_zero_extreme_and_nan_scales(a_fmt, b_fmt, plan_name):
     """Scales 0 (2^-127) and 254 (2^127) on the elements, a NaN block, and elements whose products leave bf16's normal
     range: exact agreement needs the tolerance only for underflow far below every other term."""
     m, n, k = 8, 24, 256
@@ -86,7 +90,7 @@ def test_zero_extreme_and_nan_scales(a_fmt, b_fmt):
         a_s[1, 0] = 0
         a_s[4, :] = 100
         a_s = a_s.view(torch.float8_e8m0fnu)
-    y, want = _check(a, a_s, a_fmt, b, bs, b_fmt)
+    y, want = _check(a, a_s, a_fmt, b, bs, b_fmt, config=PLANS[plan_name])
     assert y[:, 2].isnan().all() and not y[:, 3:].isnan().any()
     assert (y[:, 1] != 0).all()  # 2^127 times the first block: large, finite where the reference is
 
@@ -122,7 +126,10 @@ def test_plans():
     small = plan(16, 4096, 4096, None, "mxfp4_e2m1", cuda, sms=132)
     assert small.swap and 4096 % (small.block_k * small.split_k) == 0
     big = plan(8192, 8192, 8192, "mxfp8_e4m3", "mxfp8_e4m3", cuda, sms=132)
-    assert not big.swap and big.split_k == 1 and big.block_k == 128
+    assert big.prepass and big.label() == "prepass-cublas"  # many rows: dequantise once, then cuBLAS
+    mid = plan(128, 8192, 8192, "mxfp8_e4m3", "mxfp8_e4m3", cuda, sms=132)
+    assert not (mid.prepass or mid.swap) and mid.split_k == 1 and mid.block_k == 128
+    assert not plan(8192, 64, 128, "mxfp8_e4m3", "mxfp8_e4m3", torch.device("cpu")).prepass  # interpreter: in-loop
 
 
 def test_launch_rejects_a_split_that_does_not_divide_k():

@@ -119,24 +119,45 @@ DEQUANT_COLS = 512
 
 
 @triton.jit
-def _dequant_rows_kernel(
-    DATA, SCALE, OUT, R, C, stride_d, stride_s, stride_o,
+def _dequant_tile(
+    DATA, SCALE, OUT, R, C, stride_d, stride_s, stride_o, tile, n_col_tiles,
     FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    cols = tl.program_id(1) * BC + tl.arange(0, BC)
+    rows = (tile // n_col_tiles) * BR + tl.arange(0, BR)
+    cb = tile % n_col_tiles
+    cols = cb * BC + tl.arange(0, BC)
     rmask = rows[:, None] < R
     rows64 = rows.to(tl.int64)
-    g = tl.program_id(1) * (BC // 32) + tl.arange(0, BC // 32)
+    g = cb * (BC // 32) + tl.arange(0, BC // 32)
     s = tl.load(SCALE + rows64[:, None] * stride_s + g[None, :], mask=rmask & (g[None, :] < C // 32), other=127)
     if FMT == 3:
-        half = tl.program_id(1) * (BC // 2) + tl.arange(0, BC // 2)
+        half = cb * (BC // 2) + tl.arange(0, BC // 2)
         x = tl.load(DATA + rows64[:, None] * stride_d + half[None, :], mask=rmask & (half[None, :] < C // 2), other=0)
         v = dequant_fp4(x, s, FP32)
     else:
         x = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C), other=0)
         v = dequant_fp8(x, s, FMT == 2, FP32, HW_CVT)
     tl.store(OUT + rows64[:, None] * stride_o + cols[None, :], v, mask=rmask & (cols[None, :] < C))
+
+
+@triton.jit
+def _dequant_kernel(
+    A, A_SCALE, A_OUT, RA, stride_a, stride_as, stride_ao,
+    B, B_SCALE, B_OUT, RB, stride_b, stride_bs, stride_bo, C,
+    A_FMT: tl.constexpr, B_FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):  # fmt: skip
+    """Two operands of the same K in one launch (each launch costs the host tens of microseconds): the first
+    ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's."""
+    n_col_tiles = tl.cdiv(C, BC)
+    tiles_a = tl.cdiv(RA, BR) * n_col_tiles
+    pid = tl.program_id(0)
+    if pid < tiles_a:
+        _dequant_tile(A, A_SCALE, A_OUT, RA, C, stride_a, stride_as, stride_ao, pid, n_col_tiles,
+                      A_FMT, BR, BC, FP32, HW_CVT)  # fmt: skip
+    else:
+        _dequant_tile(B, B_SCALE, B_OUT, RB, C, stride_b, stride_bs, stride_bo, pid - tiles_a, n_col_tiles,
+                      B_FMT, BR, BC, FP32, HW_CVT)  # fmt: skip
 
 
 def hw_cvt(t: torch.Tensor) -> bool:
@@ -147,18 +168,32 @@ def hw_cvt(t: torch.Tensor) -> bool:
     return torch.cuda.get_device_capability(t.device) >= (8, 9)
 
 
-def dequantize(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
+def dequantize(
+    data: torch.Tensor, scale: torch.Tensor, fmt: str, *more: torch.Tensor | str
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MX rows ``data`` ``[R, C / per_byte]`` (last dim contiguous, any row stride) with E8M0 ``scale`` ``[R, C / 32]``
-    to a new ``[R, C]`` tensor: bf16 on the GPU; fp32 under the interpreter (same values: its bf16 is unreliable)."""
-    r, c = scale.shape[0], scale.shape[1] * 32
+    to a new ``[R, C]`` tensor: bf16 on the GPU; fp32 under the interpreter (same values: its bf16 is unreliable).
+
+    ``dequantize(a, a_scale, a_fmt, b, b_scale, b_fmt)``: two operands of the same K in one launch, a pair back."""
+    ops = [(data, scale, fmt)] if not more else [(data, scale, fmt), tuple(more)]
+    if len(ops[-1]) != 3 or scale.shape[1] != ops[-1][1].shape[1]:
+        raise ValueError("dequantize: one operand, or two (data, scale, fmt) of the same K")
+    c = scale.shape[1] * 32
     interp = data.device.type == "cpu"
-    out = outputs.empty(r, c, dtype=torch.float32 if interp else torch.bfloat16, device=data.device)
-    if r == 0 or c == 0:
-        return out
-    grid = (cdiv(r, DEQUANT_ROWS), cdiv(c, DEQUANT_COLS))
-    with on_device(data):
-        _dequant_rows_kernel[grid](
-            data.view(torch.uint8), scale.view(torch.uint8), out, r, c, data.stride(0), scale.stride(0), out.stride(0),
-            FMT=FMT_CODE[fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=interp, HW_CVT=hw_cvt(data), num_warps=4,
-        )  # fmt: skip
-    return out
+    outs = [
+        outputs.empty(s.shape[0], c, dtype=torch.float32 if interp else torch.bfloat16, device=data.device)
+        for _, s, _ in ops
+    ]
+    (a, a_s, a_fmt), (b, b_s, b_fmt) = ops[0], ops[-1]
+    ra, rb = a_s.shape[0], b_s.shape[0] if more else 0
+    tiles = (cdiv(ra, DEQUANT_ROWS) + cdiv(rb, DEQUANT_ROWS)) * cdiv(c, DEQUANT_COLS)
+    if tiles:
+        a_out, b_out = outs[0], outs[-1]
+        with on_device(data):
+            _dequant_kernel[(tiles,)](
+                a.view(torch.uint8), a_s.view(torch.uint8), a_out, ra, a.stride(0), a_s.stride(0), a_out.stride(0),
+                b.view(torch.uint8), b_s.view(torch.uint8), b_out, rb, b.stride(0), b_s.stride(0), b_out.stride(0),
+                c, A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=interp,
+                HW_CVT=hw_cvt(data), num_warps=4,
+            )  # fmt: skip
+    return outs[0] if not more else (outs[0], outs[1])

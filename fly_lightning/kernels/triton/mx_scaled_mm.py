@@ -24,6 +24,7 @@ the output's range on e5m2 data (mx_gemm suite and GPU tests at befd49a).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -146,8 +147,15 @@ def plan(
     m: int, n: int, k: int, a_fmt: str | None, b_fmt: str, device: torch.device, sms: int | None = None
 ) -> MXMMConfig:
     """The launch plan for a shape: swapped, K-split tiles for few rows, wide tiles with deep pipelines otherwise
-    (``sms``: the GPU's multiprocessors, read from ``device`` when not given)."""
-    if interpreting() and device.type == "cpu":  # the interpreter's cost is per program: few, small programs
+    (``sms``: the GPU's multiprocessors, read from ``device`` when not given). Cached: it runs on every call."""
+    return _plan(m, n, k, a_fmt, b_fmt, device, sms, interpreting() and device.type == "cpu")
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(
+    m: int, n: int, k: int, a_fmt: str | None, b_fmt: str, device: torch.device, sms: int | None, interp: bool
+) -> MXMMConfig:
+    if interp:  # the interpreter's cost is per program: few, small programs
         return MXMMConfig(min(64, max(16, next_pow2(m))), 64, K_ALIGN, swap=m <= 64)
     if m <= 64:
         bm = max(16, next_pow2(m))
@@ -225,8 +233,10 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
 
 def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:
     """Both operands dequantised in memory, then one GEMM (cuBLAS on the GPU; fp32 under the interpreter)."""
-    b_hp = dequantize(b, b_scale, b_fmt)
-    a_hp = a if a_fmt is None else dequantize(a, a_scale, a_fmt)
+    if a_fmt is None:
+        a_hp, b_hp = a, dequantize(b, b_scale, b_fmt)
+    else:
+        a_hp, b_hp = dequantize(a, a_scale, a_fmt, b, b_scale, b_fmt)  # one launch for both
     if b_hp.dtype == torch.float32:  # the interpreter's fp32 values: an fp32 GEMM, one rounding
         return torch.mm(a_hp.float(), b_hp.t()).to(out_dtype)
     if out_dtype == torch.bfloat16:

@@ -88,3 +88,15 @@ def test_dequantize_whole_operands(fmt):
     assert _same(y, want)
     assert dequantize(data[:0], s[:0].view(torch.float8_e8m0fnu), fmt).shape == (0, c)
     assert not hw_cvt(data)  # CPU: bit placement, no conversion instructions
+
+
+def test_dequantize_two_operands_in_one_launch():
+    """Two operands of the same K and different formats and row counts: each equals its own dequantisation."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 1024, generator=g), torch.randn(33, 1024, generator=g) * 1e3
+    xd, xs = formats.to_mx(x, "mxfp8_e5m2")
+    wd, ws = formats.to_mx(w, "mxfp4_e2m1")
+    xh, wh = dequantize(xd, xs, "mxfp8_e5m2", wd, ws, "mxfp4_e2m1")
+    assert _same(xh, formats.from_mx(xd, xs, "mxfp8_e5m2")) and _same(wh, formats.from_mx(wd, ws, "mxfp4_e2m1"))
+    with pytest.raises(ValueError, match="same K"):
+        dequantize(xd, xs, "mxfp8_e5m2", wd[:, :256], ws[:, :16], "mxfp4_e2m1")

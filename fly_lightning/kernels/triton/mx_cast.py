@@ -4,9 +4,9 @@ One program casts a tile of rows x 32-value blocks: the block's largest magnitud
 exponent field, the elements are scaled, saturated and rounded to nearest even: fp8 on NVIDIA GPUs from sm89 by the
 conversion instructions (``HW_CVT``); fp4 (Hopper has no fp4 conversion), other GPUs and the interpreter (whose
 float8 conversion differs) by integer arithmetic on the fp32 bits. Stored as bytes; fp4 two per byte, element ``2j``
-in the low nibble, written as 32-bit words of 8. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with
-torchao. ``rceil`` scales and the column-wise cast run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an
-fp32 ``log2``, whose rounding the kernel would have to reproduce.
+in the low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with torchao. ``rceil`` scales and the
+column-wise cast run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an fp32 ``log2``, whose rounding the
+kernel would have to reproduce.
 """
 
 from __future__ import annotations
@@ -91,13 +91,12 @@ def _mx_cast_rows(
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
     tl.store(SCALE + rows[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
-    if FP4:  # 8 codes to one int32 word (element 8w + j in nibble j): a sum within each thread's run of 8
-        shifts = (tl.arange(0, 8) * 4)[None, None, :]
-        words = tl.sum(tl.reshape(codes, (BR, BK // 8, 8)) << shifts, axis=2)
-        # stored one word per thread, as the sum leaves them: a wider store layout would shuffle through shared memory
-        wcols = tl.max_contiguous(tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8), 1)
-        wmask = (rows[:, None] < R) & (wcols[None, :] < K // 8)
-        tl.store(DATA + rows[:, None] * (K // 8) + wcols[None, :], words, mask=wmask)
+    if FP4:
+        lo, hi = tl.split(tl.reshape(codes, (BR, BK // 2, 2)))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        half = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
+        pmask = (rows[:, None] < R) & (half[None, :] < K // 2)
+        tl.store(DATA + rows[:, None] * (K // 2) + half[None, :], packed, mask=pmask)
     else:
         tl.store(DATA + rows[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
 
@@ -161,8 +160,7 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
         hw = _hw_cvt(x)
         with on_device(x):
             _mx_cast_rows[(cdiv(r, br), cdiv(k, g * formats.BLOCK))](
-                x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0),
-                data.view(torch.int32) if f.bits == 4 else data, scale, r, k, BR=br, G=g,
+                x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k, BR=br, G=g,
                 EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, HW=hw,
                 num_warps=warps,
             )  # fmt: skip

@@ -19,6 +19,8 @@ Function names and signatures are stable: other kernels import them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -165,7 +167,12 @@ def hw_cvt(t: torch.Tensor) -> bool:
     no fp8 type before); not ROCm, nor the interpreter."""
     if not t.is_cuda or torch.version.hip is not None or interpreting():
         return False
-    return torch.cuda.get_device_capability(t.device) >= (8, 9)
+    return _sm89(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm89(index: int) -> bool:  # the capability query costs the host microseconds on every call
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def dequantize(

@@ -20,7 +20,8 @@ import triton.language as tl
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device
+from fly_lightning.kernels.triton._mx_dequant import hw_cvt
+from fly_lightning.kernels.triton._support import device_reason, on_device
 from fly_lightning.ops.mx_cast import MX_CAST
 from fly_lightning.quant import formats
 
@@ -142,9 +143,7 @@ bit-exact with torchao: the GPU tests compare them on every special block (sm90)
 def _hw_cvt(x: torch.Tensor) -> bool:
     """Whether ``x``'s device rounds fp8 by ``HW_CVT``'s instructions. Not before sm89 (Triton has no fp8 type there)
     nor on ROCm, where Triton converts fp32 to OCP fp8 through fp16 before gfx950 (two roundings: not bit-exact)."""
-    if not (HW_CVT and x.is_cuda and torch.version.hip is None) or interpreting():
-        return False
-    return torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return HW_CVT and hw_cvt(x)
 
 
 def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,6 +81,7 @@ def test_unsupported_inputs_run_on_aten_with_the_reason(args, reason):
 
 def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
     """fp8 rounding by instructions needs Triton's fp8 types (sm89+) and a single rounding (not ROCm's fp16 detour)."""
+    from fly_lightning.kernels.triton import _mx_dequant
     from fly_lightning.kernels.triton import mx_cast as kernel
 
     class OnCuda:
@@ -90,8 +91,10 @@ def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
     monkeypatch.setattr(torch.version, "hip", None)
     for cap, want in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, cap=cap: cap)
+        _mx_dequant._sm89.cache_clear()  # the capability is cached per device
         assert kernel._hw_cvt(OnCuda()) is want
     monkeypatch.setattr(torch.version, "hip", "7.0")
     assert kernel._hw_cvt(OnCuda()) is False
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert kernel._hw_cvt(OnCuda()) is False and kernel._hw_cvt(torch.zeros(1)) is False
+    _mx_dequant._sm89.cache_clear()

@@ -11,7 +11,7 @@ fills the MMA's M side and the few tokens its N side, and splits K across progra
 that enough programs stream the weights. Result: fp32 accumulation of the exact dequantised values, so it matches
 ``mx_scaled_mm_reference`` up to summation order (and underflow below 2^-126, where bf16 keeps 7 bits).
 
-Many rows (M >= ``PREPASS_MIN_M``): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
+Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
 (``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs
 every output tile its own conversion of both operands (the loop reached about 300 TFLOP/s on the H200 against
 cuBLAS's 800); the prepass converts each element once, at the price of one bf16 copy of each operand alive during the
@@ -45,8 +45,11 @@ from fly_lightning.kernels.triton._support import (
 from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
 K_ALIGN = 128  # the fast kernel's K granularity (BLOCK_K); the reference takes K % 32
-PREPASS_MIN_M = 256
-"""Rows from which ``plan`` dequantises in a prepass and runs cuBLAS (the mx_gemm suite times both from M = 128)."""
+PREPASS_MIN_M = 128
+"""Rows from which ``plan`` dequantises in a prepass and runs cuBLAS. By device time (CUDA-graph replays, H200, 4e6f598)
+the prepass won from 128 rows (0.081 against 0.085 ms MXFP8, 0.074 against 0.119 MXFP4 at 128x14336x4096; 2.3x at
+256x4096x4096); with host-bound eager timing the in-loop plan's one launch wins below about 1024 rows, a cost hidden
+whenever the host runs ahead of the GPU, as in a training step."""
 FP8_CVT = "hw"
 """How ``plan`` converts fp8 elements on the GPU: "hw" (the float8 -> f16 conversion instructions) or "bits" (integer
 bit placement). Both exact; "hw" measured 1.3-1.76x faster on all 17 dense MXFP8 shapes (H200, mx_gemm suite)."""
@@ -251,7 +254,7 @@ def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor
     constraints="opt-in (select='measure' or op_backends); sm90+ (CUDA; ROCm on ATen); "
     "MXFP8 (e4m3/e5m2) x MXFP8, MXFP4 x MXFP4, bf16 x MX (weight-only); "
     "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
-    "bf16 MMAs with fp32 accumulation; few rows: operands swapped and K split; M >= 256: dequantised to bf16 "
+    "bf16 MMAs with fp32 accumulation; few rows: operands swapped and K split; M >= 128: dequantised to bf16 "
     "in a prepass (a bf16 copy of each operand during the call), then cuBLAS",
 )
 def mx_scaled_mm_triton(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:

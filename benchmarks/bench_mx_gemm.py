@@ -294,8 +294,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes, few repetitions (CPU interpreter or GPU)")
     args = p.parse_args()
-    # the Triton MX kernels are opt-in under the default policy (kernels/triton/_support.opt_in_reason): time them
-    fly_lightning.set_dispatch_config(op_backends={"mx_scaled_mm": ("triton",)})
     res = suite(smoke=args.smoke, reps=2 if args.smoke else 40, rounds=1 if args.smoke else 4)
     if args.smoke:
         print(res.markdown())

@@ -241,8 +241,6 @@ def main() -> None:
     p.add_argument("--only", help="run the cases whose name contains this")
     p.add_argument("--smoke", action="store_true", help="two tiny cases on the CPU (Triton interpreter)")
     args = p.parse_args()
-    # the Triton MX kernels are opt-in under the default policy (kernels/triton/_support.opt_in_reason): time them
-    fly_lightning.set_dispatch_config(op_backends={"mx_grouped_mm": ("triton",)})
     logging.getLogger("torchao").setLevel(logging.ERROR)
     start = time.perf_counter()
     if args.smoke:

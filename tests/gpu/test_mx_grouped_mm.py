@@ -12,20 +12,12 @@ import fly_lightning
 from fly_lightning import DISPATCH_LOG
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
-from fly_lightning.policy import dispatch_config
 
 pytestmark = pytest.mark.gpu
 
 COUNTS = [0, 130, 7, 0, 1000, 64, 1, 333]  # empty groups, a tiny one, one spanning many tiles, sizes off 16
 PAIRS = [(None, "mxfp8_e4m3"), (None, "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"),
          ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e5m2", "mxfp8_e4m3")]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _triton_opted_in():
-    """The Triton MX kernels are opt-in on GPUs (``opt_in_reason``): these tests ask for it."""
-    with dispatch_config(op_backends={"mx_grouped_mm": ("triton",)}):
-        yield
 
 
 def _problem(counts, k, n, x_fmt, w_fmt, tail=0, seed=0):

@@ -11,7 +11,6 @@ import torch
 import fly_lightning
 from fly_lightning import DISPATCH_LOG
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
-from fly_lightning.policy import dispatch_config
 from fly_lightning.quant import formats
 
 pytestmark = pytest.mark.gpu
@@ -36,8 +35,7 @@ def _operands(m, n, k, a_fmt, b_fmt, spread=8):
 
 
 def _mm(a, a_s, a_fmt, b, bs, b_fmt, out_dtype=torch.float32):
-    with dispatch_config(op_backends={"mx_scaled_mm": ("triton",)}):  # opt-in under the default policy
-        y = fly_lightning.mx_scaled_mm(a, b, bs, b_fmt, a_scale=a_s, a_fmt=a_fmt, out_dtype=out_dtype)
+    y = fly_lightning.mx_scaled_mm(a, b, bs, b_fmt, a_scale=a_s, a_fmt=a_fmt, out_dtype=out_dtype)  # default policy
     assert DISPATCH_LOG.records("mx_scaled_mm")[-1]["backend"] == "triton"
     return y
 

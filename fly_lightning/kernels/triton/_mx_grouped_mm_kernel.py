@@ -192,7 +192,8 @@ def choose_config(m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt:
     """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats."""
     if on_cpu:
         return INTERPRETER_CONFIG
-    if m / max(1, e) >= PREPASS_MIN_ROWS * (2 if x_fmt is None else 1):  # weight-only converts only w in the loop
+    # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
+    if x_fmt is not None and m / max(1, e) >= PREPASS_MIN_ROWS:
         return PREPASS
     return loop_config(m, e, x_fmt, w_fmt)
 

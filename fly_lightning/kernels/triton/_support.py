@@ -12,8 +12,6 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
-from fly_lightning.policy import get_dispatch_config
-
 ON_HIP = torch.version.hip is not None
 """A ROCm build of torch: its GPUs (gfx950) report CUDA-style capabilities (9.5) that Hopper checks would take."""
 
@@ -34,23 +32,6 @@ def device_reason(*tensors: torch.Tensor | None) -> str | None:
         if t.device.type not in ("cpu", "cuda"):
             return f"device {t.device.type}"
     return None
-
-
-def opt_in_reason(op: str, t: torch.Tensor) -> str | None:
-    """Why a GPU kernel not measured faster than ATen's path yet is passed over, or None when the policy asks for it:
-    ``select="measure"`` (timed against ATen per shape) or an ``op_backends`` entry for ``op``. The MX GEMMs
-    dequantise in registers, which a probe on the H200 (not a committed suite: ``bench_mx_gemm``,
-    ``bench_mx_grouped_mm``) put at 0.25-0.4x the bf16 GEMM rate, below ATen's dequantise-then-cuBLAS path on
-    compute-bound shapes. The CPU interpreter (tests) always runs the kernel."""
-    if t.device.type == "cpu":
-        return None
-    config = get_dispatch_config()
-    if config.select == "measure" or op in config.op_backends:
-        return None
-    return (
-        "opt-in: not measured faster than ATen's dequantise + cuBLAS path on compute-bound shapes (select='measure' "
-        f"or op_backends={{'{op}': ('triton',)}} enables it)"
-    )
 
 
 def interpreting() -> bool:

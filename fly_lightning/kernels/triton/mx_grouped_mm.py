@@ -9,7 +9,7 @@ import torch
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
-from fly_lightning.kernels.triton._support import ON_HIP, device_reason, opt_in_reason
+from fly_lightning.kernels.triton._support import ON_HIP, device_reason
 from fly_lightning.kernels.triton.grouped_mm import MAX_GROUPS  # each program loads all offsets as one vector
 from fly_lightning.ops.mx_grouped_mm import MX_GROUPED_MM
 from fly_lightning.quant import formats
@@ -40,17 +40,16 @@ def _supports(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> bool | s
         return "offs not contiguous"
     if w.shape[0] > MAX_GROUPS:
         return f"{w.shape[0]} groups (kernel takes at most {MAX_GROUPS})"
-    return opt_in_reason(MX_GROUPED_MM.name, x) or True
+    return True
 
 
 @MX_GROUPED_MM.implement(
     "triton",
     supports=_supports,
-    constraints="opt-in (select='measure' or op_backends); "
-    "x [M, K] MX (e4m3, e5m2, e2m1) or bf16/fp32 (rounded to bf16) x MX w [E, N, K] (blocks along K), "
+    constraints="x [M, K] MX (e4m3, e5m2, e2m1) or bf16/fp32 (rounded to bf16) x MX w [E, N, K] (blocks along K), "
     "int32 end offsets, E <= 4096, K % 128 == 0, last dims contiguous, sm80+; MX tiles dequantised to bf16 in "
-    "registers, bf16 dot, fp32 accumulation; >= 256 rows per group (512 weight-only): dequantised to bf16 in a "
-    "prepass (a bf16 copy of x and w during the call), then the bf16 grouped GEMM; not on ROCm",
+    "registers, bf16 dot, fp32 accumulation; MX x with >= 256 rows per group: dequantised to bf16 in a prepass (a "
+    "bf16 copy of x and w during the call), then the bf16 grouped GEMM; not on ROCm",
 )
 def mx_grouped_mm_triton(
     x: torch.Tensor,

@@ -40,7 +40,6 @@ from fly_lightning.kernels.triton._support import (
     interpreting,
     num_sms,
     on_device,
-    opt_in_reason,
 )
 from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
@@ -202,7 +201,7 @@ def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
         if t is not None and (reason := _copy_reason(name, t)) is not None:
             return reason
-    return opt_in_reason(MX_SCALED_MM.name, a) or True
+    return True
 
 
 def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig | None = None) -> torch.Tensor:
@@ -251,7 +250,7 @@ def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor
 @MX_SCALED_MM.implement(
     "triton",
     supports=_supports,
-    constraints="opt-in (select='measure' or op_backends); sm90+ (CUDA; ROCm on ATen); "
+    constraints="sm90+ (CUDA; ROCm on ATen); "
     "MXFP8 (e4m3/e5m2) x MXFP8, MXFP4 x MXFP4, bf16 x MX (weight-only); "
     "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
     "bf16 MMAs with fp32 accumulation; few rows: operands swapped and K split; M >= 128: dequantised to bf16 "

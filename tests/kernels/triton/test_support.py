@@ -54,18 +54,3 @@ def test_interpreter_row_blocks(monkeypatch):
     assert _support.rows_per_program(300, 16, t) == 512
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert _support.rows_per_program(2064, 32, t) == 32
-
-
-def test_mx_kernels_are_opt_in_on_gpus():
-    import fly_lightning  # noqa: F401  (registers the MX ops the policy names)
-    from fly_lightning.kernels.triton._support import opt_in_reason
-    from fly_lightning.policy import dispatch_config
-
-    gpu_like = torch.empty(1, device="meta")  # any non-CPU device takes the policy's word
-    assert "opt-in" in opt_in_reason("mx_scaled_mm", gpu_like)
-    with dispatch_config(select="measure"):  # timed against ATen per shape
-        assert opt_in_reason("mx_scaled_mm", gpu_like) is None
-    with dispatch_config(op_backends={"mx_grouped_mm": ("triton",)}):
-        assert opt_in_reason("mx_grouped_mm", gpu_like) is None
-        assert opt_in_reason("mx_scaled_mm", gpu_like) is not None  # asked for one op only
-    assert opt_in_reason("mx_scaled_mm", torch.empty(1)) is None  # the CPU interpreter: tests run the kernel

@@ -8,8 +8,8 @@ L2; every implementation checked against the fp32 reference first):
 - ``ours_q``: ours including the activation's quantisation (``mx_cast`` of bf16 activations, then the GEMM; the
   weights are cast once, as a frozen or cached weight would be); weight-only has no activation cast;
 - ``bf16``: cuBLAS ``torch.mm`` of bf16 operands of the same shape;
-- ``ours_graph``, ``bf16_graph`` (M <= 64, GPU): the same two as device time from CUDA-graph replays, without the
-  host launch cost that the event-timed columns carry at these sizes;
+- ``ours_graph``, ``bf16_graph`` (GPU): the same two as device time from CUDA-graph replays, without the host launch
+  cost that the event-timed columns carry (it dominates at small sizes);
 - ``emulated``: torchao's emulated path (``MXTensor`` dequantise to bf16, then ``torch.mm``), which is our ATen
   backend; torchao's own ``MXTensor`` dequantise is used when torchao is installed.
 

@@ -154,8 +154,8 @@ class MXExperts:
     H, the SwiGLU output along I) and weights (along their input dim, from the high-precision master every step) are
     cast to MX and back (``mx_round_trip``); the grouped GEMMs then run on exactly the products an MX GEMM with fp32
     accumulation computes (torchao's emulated path). Gradients pass straight through the casts. Hopper has no MX
-    tensor cores: ``mx_grouped_mm`` on the GPU runs these same bf16 GEMMs after dequantising (0.7-0.8x bf16 on the
-    grouped suite), so this changes precision, not speed.
+    tensor cores: with many rows per expert ``mx_grouped_mm`` runs these same bf16 GEMMs after dequantising (0.7-0.8x
+    bf16 on the grouped suite), so this changes precision, not speed.
 
     Args: ``weight`` / ``activation`` (None: weight-only) formats, scale ``mode``, as ``FlyMXConfig``'s; ``frozen``:
     the block's expert container holds the weights in MX itself (``FlyMXConfig(frozen=True)``: its ``projections()``

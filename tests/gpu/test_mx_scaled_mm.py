@@ -106,7 +106,7 @@ def test_prepass_dequantisation_equals_from_mx_on_every_code(fmt):
     from fly_lightning.kernels.triton._mx_dequant import dequantize, hw_cvt
 
     per_byte = 2 if fmt == "mxfp4_e2m1" else 1
-    r, c = 37, 1024  # rows and columns off the kernel's 16 x 512 tile
+    r, c = 37, 1088  # rows and columns off the kernel's 16 x 512 tile
     codes = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8).repeat(r, c // per_byte // 256)
     data = codes.roll(3, 1) if per_byte == 2 else codes.view(formats.FORMATS[fmt].torch_dtype)
     s = torch.randint(100, 150, (r, c // 32), device="cuda", dtype=torch.uint8)

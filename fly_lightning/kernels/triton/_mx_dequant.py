@@ -185,6 +185,9 @@ def dequantize(
     ops = [(data, scale, fmt)] if not more else [(data, scale, fmt), tuple(more)]
     if len(ops[-1]) != 3 or scale.shape[1] != ops[-1][1].shape[1]:
         raise ValueError("dequantize: one operand, or two (data, scale, fmt) of the same K")
+    for d, s, f in ops:
+        if d.shape != (s.shape[0], s.shape[1] * 32 // (2 if f == "mxfp4_e2m1" else 1)):
+            raise ValueError(f"dequantize: {f} data {tuple(d.shape)} does not match scales {tuple(s.shape)}")
     c = scale.shape[1] * 32
     interp = data.device.type == "cpu"
     outs = [

@@ -12,6 +12,9 @@ Design:
 - The weights are ``[E, N, K / per_byte]``: each output column's K run is contiguous, read as ``[BLOCK_N, BLOCK_K]``
   and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
 - ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
+- MX activations with >= ``PREPASS_MIN_ROWS`` rows per group skip this kernel: both operands are dequantised once
+  into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element converted once, not once
+  per tile). Weight-only never does: frozen MX experts exist to save memory, and that would hold all groups in bf16.
 - The interpreter's bf16 ``tl.dot`` and bf16 arithmetic are wrong: there the operands are dequantised to fp32 and
   stay fp32 (``UPCAST``).
 """

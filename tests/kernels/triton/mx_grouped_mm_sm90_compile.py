@@ -10,7 +10,7 @@ from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
 )
 
 # rows per group: the launcher picks the plan from these and the formats (from 256, MX x MX is dequantised in a
-# prepass and runs the bf16 grouped kernel; weight-only from 512)
+# prepass and runs the bf16 grouped kernel; weight-only never: it takes the WEIGHT_ONLY tiles from 256)
 ROWS = {"small": 64, "large": 200, "weight-only-wide": 384}
 PAIRS = {
     "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),

@@ -1,5 +1,6 @@
 """Compile the MX GEMM kernel for sm_90 without a GPU and report each variant as JSON (see ``_sm90.py``): every
-format pair the launcher runs, in the plans it picks for few, some and many rows."""
+format pair the launcher runs, in its in-loop plans for few and some rows and the wide in-loop plan the mx_gemm suite
+times beside the prepass (many rows run the prepass and cuBLAS, no kernel of this file)."""
 
 from _sm90 import compile_sm90, report, sass_loop
 

@@ -100,3 +100,5 @@ def test_dequantize_two_operands_in_one_launch():
     assert _same(xh, formats.from_mx(xd, xs, "mxfp8_e5m2")) and _same(wh, formats.from_mx(wd, ws, "mxfp4_e2m1"))
     with pytest.raises(ValueError, match="same K"):
         dequantize(xd, xs, "mxfp8_e5m2", wd[:, :256], ws[:, :16], "mxfp4_e2m1")
+    with pytest.raises(ValueError, match="does not match scales"):  # before any launch: no out-of-bounds read
+        dequantize(xd[:, :512], xs, "mxfp8_e5m2")

@@ -1,0 +1,106 @@
+"""Where an eager call's host time goes (GPU machine; diagnostic, not a suite with goals).
+
+Host microseconds per call for each layer of two paths, outer to inner, on inputs small enough that the host is the
+bottleneck (N calls, then one device sync): the MX GEMM's prepass plan (public ``mx_scaled_mm``, the dispatcher, the
+kernel module's ``launch``, the dequantising launch, cuBLAS) and RMSNorm (public call, dispatcher, Triton launch).
+Then a Triton launch through ``JITFunction`` (binder and cache lookup on every call) against the same compiled kernel
+launched directly, and the top functions of a ``cProfile`` of each public call. Writes ``host_profile.json``.
+
+    python -m benchmarks.profile_host
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import pstats
+
+import torch
+
+import fly_lightning
+from benchmarks.bench_dispatch_overhead import host_us
+from benchmarks.harness import Results
+from fly_lightning.kernels.triton import _mx_dequant
+from fly_lightning.kernels.triton import mx_scaled_mm as mx_kernel
+
+M, N, K = 128, 256, 256  # host-bound: the prepass plan from 128 rows
+
+
+def _profile(fn, calls: int = 2000, top: int = 25) -> str:
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    return s.getvalue()
+
+
+def main() -> None:
+    dev, bf16, fmt = "cuda", torch.bfloat16, "mxfp8_e4m3"
+    x = torch.randn(M, K, device=dev, dtype=bf16)
+    w = torch.randn(N, K, device=dev, dtype=bf16)
+    a, a_s = fly_lightning.mx_cast(x, fmt, "floor")
+    b, b_s = fly_lightning.mx_cast(w, fmt, "floor")
+    op = fly_lightning.get_op("mx_scaled_mm")
+    args = (a, a_s, fmt, b, b_s, fmt, bf16)
+    da, db = _mx_dequant.dequantize(a, a_s, fmt, b, b_s, fmt)
+    xr = torch.randn(16, 4096, device=dev, dtype=bf16)
+    wr = torch.randn(4096, device=dev, dtype=bf16)
+    rms = fly_lightning.get_op("rms_norm")
+    rms_args = (xr, wr, 1e-6, 0.0, False)
+    rms_triton = rms.impls["triton"].fn
+
+    # the dequantising launch through JITFunction, then the same compiled kernel launched directly
+    c = K
+    grid = (2 * (M // _mx_dequant.DEQUANT_ROWS) * max(1, c // _mx_dequant.DEQUANT_COLS),)
+    kargs = (
+        a.view(torch.uint8), a_s.view(torch.uint8), da, M, a.stride(0), a_s.stride(0), da.stride(0),
+        b.view(torch.uint8), b_s.view(torch.uint8), db, N, b.stride(0), b_s.stride(0), db.stride(0), c,
+    )  # fmt: skip
+    consts = dict(A_FMT=1, B_FMT=1, BR=_mx_dequant.DEQUANT_ROWS, BC=_mx_dequant.DEQUANT_COLS, FP32=False, HW_CVT=True)
+    compiled = _mx_dequant._dequant_kernel[grid](*kargs, **consts, num_warps=4)
+    direct = compiled[grid]
+    all_args = (*kargs, *consts.values())
+
+    cases = {
+        "mx_scaled_mm public": lambda: fly_lightning.mx_scaled_mm(
+            b=b, b_scale=b_s, b_fmt=fmt, a=a, a_scale=a_s, a_fmt=fmt
+        ),
+        "mx_scaled_mm dispatcher": lambda: op(*args),
+        "mx kernel launch()": lambda: mx_kernel.launch(*args),
+        "mx _prepass_mm": lambda: mx_kernel._prepass_mm(*args),
+        "dequantize (2 operands)": lambda: _mx_dequant.dequantize(a, a_s, fmt, b, b_s, fmt),
+        "dequant kernel via JITFunction": lambda: _mx_dequant._dequant_kernel[grid](*kargs, **consts, num_warps=4),
+        "dequant kernel, compiled launch": lambda: direct(*all_args),
+        "torch.mm bf16": lambda: torch.mm(da, db.t()),
+        "torch.empty x2": lambda: (torch.empty(M, K, device=dev), torch.empty(N, K, device=dev)),
+        "plan() (cached)": lambda: mx_kernel.plan(M, N, K, fmt, fmt, a.device),
+        "rms_norm public": lambda: fly_lightning.rms_norm(xr, wr, 1e-6),
+        "rms_norm dispatcher": lambda: rms(*rms_args),
+        "rms_norm triton impl": lambda: rms_triton(*rms_args),
+        "F.rms_norm": lambda: torch.nn.functional.rms_norm(xr, (4096,), wr, 1e-6),
+    }
+    res = Results("host_profile")
+    for name, fn in cases.items():
+        try:
+            us = round(host_us(fn), 2)
+        except Exception as exc:  # noqa: BLE001 (a layer whose private API differs is reported, not fatal)
+            us = f"{type(exc).__name__}: {str(exc)[:120]}"
+        res.add(case=name, host_us=us)
+        print(f"{name:40s} {us} us", flush=True)
+    for name in ("mx_scaled_mm public", "rms_norm public"):
+        text = _profile(cases[name])
+        res.details[f"cprofile {name}"] = text
+        print(f"--- cProfile: {name}\n{text}", flush=True)
+    res.notes.append(f"MXFP8 {M}x{N}x{K} (prepass plan), RMSNorm [16, 4096] bf16; host_us: 1000 calls, one sync")
+    res.save()
+
+
+if __name__ == "__main__":
+    main()

@@ -65,7 +65,7 @@ def main() -> None:
     )  # fmt: skip
     consts = dict(A_FMT=1, B_FMT=1, BR=_mx_dequant.DEQUANT_ROWS, BC=_mx_dequant.DEQUANT_COLS, FP32=False, HW_CVT=True)
     compiled = _mx_dequant._dequant_kernel[grid](*kargs, **consts, num_warps=4)
-    direct = compiled[grid]
+    direct = compiled[(*grid, 1, 1)]
     all_args = (*kargs, *consts.values())
 
     cases = {
@@ -78,6 +78,7 @@ def main() -> None:
         "dequantize (2 operands)": lambda: _mx_dequant.dequantize(a, a_s, fmt, b, b_s, fmt),
         "dequant kernel via JITFunction": lambda: _mx_dequant._dequant_kernel[grid](*kargs, **consts, num_warps=4),
         "dequant kernel, compiled launch": lambda: direct(*all_args),
+        "dequant kernel via FastLaunch": lambda: _mx_dequant._DEQUANT(grid, kargs, consts, num_warps=4),
         "torch.mm bf16": lambda: torch.mm(da, db.t()),
         "torch.empty x2": lambda: (torch.empty(M, K, device=dev), torch.empty(N, K, device=dev)),
         "plan() (cached)": lambda: mx_kernel.plan(M, N, K, fmt, fmt, a.device),

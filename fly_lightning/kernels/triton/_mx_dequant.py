@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv
 from fly_lightning.kernels.triton._support import interpreting, on_device
 
@@ -175,35 +176,45 @@ def _sm89(index: int) -> bool:  # the capability query costs the host microsecon
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
+_DEQUANT = FastLaunch(_dequant_kernel)
+
+
+def _rows(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> int:
+    """``data``'s rows after checking it against its scales (before any launch: no out-of-bounds read)."""
+    r, g = scale.shape
+    if data.shape != (r, g * 32 // (2 if fmt == "mxfp4_e2m1" else 1)):
+        raise ValueError(f"dequantize: {fmt} data {tuple(data.shape)} does not match scales {tuple(scale.shape)}")
+    return r
+
+
 def dequantize(
     data: torch.Tensor, scale: torch.Tensor, fmt: str, *more: torch.Tensor | str
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MX rows ``data`` ``[R, C / per_byte]`` (last dim contiguous, any row stride) with E8M0 ``scale`` ``[R, C / 32]``
     to a new ``[R, C]`` tensor: bf16 on the GPU; fp32 under the interpreter (same values: its bf16 is unreliable).
 
-    ``dequantize(a, a_scale, a_fmt, b, b_scale, b_fmt)``: two operands of the same K in one launch, a pair back."""
-    ops = [(data, scale, fmt)] if not more else [(data, scale, fmt), tuple(more)]
-    if len(ops[-1]) != 3 or scale.shape[1] != ops[-1][1].shape[1]:
+    ``dequantize(a, a_scale, a_fmt, b, b_scale, b_fmt)``: two operands of the same K in one launch, a pair back.
+    Runs on every GEMM call of the prepass plans: its host time is kept low (one shape check per operand, and
+    ``FastLaunch``)."""
+    if more and (len(more) != 3 or scale.shape[1] != more[1].shape[1]):
         raise ValueError("dequantize: one operand, or two (data, scale, fmt) of the same K")
-    for d, s, f in ops:
-        if d.shape != (s.shape[0], s.shape[1] * 32 // (2 if f == "mxfp4_e2m1" else 1)):
-            raise ValueError(f"dequantize: {f} data {tuple(d.shape)} does not match scales {tuple(s.shape)}")
+    ra = _rows(data, scale, fmt)
+    b, b_s, b_fmt = more if more else (data, scale, fmt)
+    rb = _rows(b, b_s, b_fmt) if more else 0
     c = scale.shape[1] * 32
-    interp = data.device.type == "cpu"
-    outs = [
-        outputs.empty(s.shape[0], c, dtype=torch.float32 if interp else torch.bfloat16, device=data.device)
-        for _, s, _ in ops
-    ]
-    (a, a_s, a_fmt), (b, b_s, b_fmt) = ops[0], ops[-1]
-    ra, rb = a_s.shape[0], b_s.shape[0] if more else 0
+    dev = data.device
+    dtype = torch.bfloat16 if data.is_cuda else torch.float32
+    a_out = outputs.empty(ra, c, dtype=dtype, device=dev)
+    b_out = outputs.empty(rb, c, dtype=dtype, device=dev) if more else a_out
     tiles = (cdiv(ra, DEQUANT_ROWS) + cdiv(rb, DEQUANT_ROWS)) * cdiv(c, DEQUANT_COLS)
     if tiles:
-        a_out, b_out = outs[0], outs[-1]
         with on_device(data):
-            _dequant_kernel[(tiles,)](
-                a.view(torch.uint8), a_s.view(torch.uint8), a_out, ra, a.stride(0), a_s.stride(0), a_out.stride(0),
-                b.view(torch.uint8), b_s.view(torch.uint8), b_out, rb, b.stride(0), b_s.stride(0), b_out.stride(0),
-                c, A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=interp,
-                HW_CVT=hw_cvt(data), num_warps=4,
+            _DEQUANT(
+                (tiles,),
+                (data.view(torch.uint8), scale.view(torch.uint8), a_out, ra, data.stride(0), scale.stride(0), c,
+                 b.view(torch.uint8), b_s.view(torch.uint8), b_out, rb, b.stride(0), b_s.stride(0), c, c),
+                {"A_FMT": FMT_CODE[fmt], "B_FMT": FMT_CODE[b_fmt], "BR": DEQUANT_ROWS, "BC": DEQUANT_COLS,
+                 "FP32": not data.is_cuda, "HW_CVT": hw_cvt(data)},
+                num_warps=4,
             )  # fmt: skip
-    return outs[0] if not more else (outs[0], outs[1])
+    return (a_out, b_out) if more else a_out

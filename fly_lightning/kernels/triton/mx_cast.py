@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import hw_cvt
 from fly_lightning.kernels.triton._support import device_reason, on_device
@@ -165,6 +166,9 @@ def _hw_cvt(x: torch.Tensor) -> bool:
     return HW_CVT and hw_cvt(x)
 
 
+_CAST = FastLaunch(_mx_cast_rows)
+
+
 def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise floor cast of a supported ``x`` (``_supports``) in one launch ``plan`` (the benchmark times others)."""
     f = formats.as_format(fmt)
@@ -180,9 +184,11 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
         ebits, mbits, bias = _BITS[f.name]
         hw = _hw_cvt(x)
         with on_device(x):
-            _mx_cast_rows[(cdiv(r, br), cdiv(k, g * formats.BLOCK))](
-                x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k, BR=br, G=g,
-                EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, HW=hw,
+            _CAST(
+                (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
+                (x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k),
+                {"BR": br, "G": g, "EMAX": f.emax, "MAX": f.max, "EBITS": ebits, "MBITS": mbits, "BIAS": bias,
+                 "FP4": f.bits == 4, "BF16": bf16, "HW": hw},
                 num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

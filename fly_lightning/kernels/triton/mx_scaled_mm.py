@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize
 from fly_lightning.kernels.triton._support import (
@@ -211,6 +212,9 @@ def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
     return True
 
 
+_MX_MM = FastLaunch(_mx_mm_kernel)
+
+
 def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig | None = None) -> torch.Tensor:
     m, n = a.shape[0], b.shape[0]
     k = b_scale.shape[1] * 32
@@ -228,12 +232,14 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     a_s = (b_scale if a_scale is None else a_scale).view(torch.uint8)  # b's scales: a placeholder for bf16 a
     grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
     with on_device(a):
-        _mx_mm_kernel[grid](
-            a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), dst, m, n, k,
-            a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n,
-            A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split, HW_CVT=cfg.fp8_cvt == "hw",
-            INTERPRET=interpreting() and a.device.type == "cpu", num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _MX_MM(
+            grid,
+            (a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), dst, m, n, k,
+             a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n),
+            {"A_FMT": FMT_CODE[a_fmt], "B_FMT": FMT_CODE[b_fmt], "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+             "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "SWAP": cfg.swap, "SPLIT_K": split,
+             "INTERPRET": interpreting() and a.device.type == "cpu", "HW_CVT": cfg.fp8_cvt == "hw"},
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if split > 1:
         torch.sum(dst, dim=0, out=out) if out_dtype == torch.float32 else out.copy_(dst.sum(0))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fly_lightning.kernels.triton import _launch
-from fly_lightning.kernels.triton._launch import FastLaunch, _spec
+from fly_lightning.kernels.triton._launch import FastLaunch, _key, _spec
 
 
 class FakeKernel:
@@ -45,6 +45,10 @@ def test_spec_separates_what_triton_specialises_on():
     assert _spec(x) != _spec(x.to(torch.float64))
     assert len({_spec(1), _spec(16), _spec(17), _spec(2**31 + 16)}) == 4  # 1, divisible by 16, other, 64-bit
     assert _spec(True) != _spec(1)
+    same = [(x, 32), (x, 48), (x.clone(), 64)]
+    assert len({_key(a) for a in same}) == 1
+    differ = [(x, 32), (x[1:], 32), (x, 1), (x, 33), (x, 2**31 + 16), (x.double(), 32), (x, True), (x, 0.5)]
+    assert len({_key(a) for a in differ}) == len(differ)
 
 
 def test_constants_must_follow_runtime_arguments():

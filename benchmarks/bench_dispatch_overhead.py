@@ -23,14 +23,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 import timeit
 from collections.abc import Callable
 
 import torch
 
 import fly_lightning
-from benchmarks.harness import Results
+from benchmarks.harness import Results, host_us
 from fly_lightning.ops.rms_norm import rms_norm_op
 
 RMS_NORM = fly_lightning.get_op("rms_norm")
@@ -48,22 +47,6 @@ def bare_op(
 def per_call_us(fn: Callable[[], object], number: int = 5000, repeat: int = 5) -> float:
     fn()
     return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
-
-
-def host_us(fn: Callable[[], object], number: int = 1000, repeat: int = 5) -> float:
-    """Per call: ``number`` calls then one device sync, best of ``repeat`` (the device finishes each call's small
-    kernel before the host issues the next, so this is the host's time)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return best / number * 1e6
 
 
 def cpu_cases() -> dict[str, float]:

@@ -90,6 +90,22 @@ def time_ms(
     return _stats(times)
 
 
+def host_us(fn: Callable[[], object], number: int = 1000, repeat: int = 5) -> float:
+    """Per call: ``number`` calls then one device sync, best of ``repeat`` (the device finishes each call's small
+    kernel before the host issues the next, so this is the host's time)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best / number * 1e6
+
+
 def _turns(names: list[str], rounds: int) -> list[list[str]]:
     """The order of each round: rotated by one each round, the rounds rounded up to a multiple of the number of
     names so that each goes first equally often."""

@@ -18,8 +18,7 @@ import pstats
 import torch
 
 import fly_lightning
-from benchmarks.bench_dispatch_overhead import host_us
-from benchmarks.harness import Results
+from benchmarks.harness import Results, host_us
 from fly_lightning.kernels.triton import _mx_dequant
 from fly_lightning.kernels.triton import mx_scaled_mm as mx_kernel
 

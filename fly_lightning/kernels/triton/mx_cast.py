@@ -8,8 +8,11 @@ in the low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so w
 column-wise cast run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an fp32 ``log2``, whose rounding the
 kernel would have to reproduce.
 
-Not kept: fp4 codes stored as int32 words of 8 (no shared-memory shuffle for the packed store). MXFP4 stayed at 53% of
-copy bandwidth on the H200 (3668b6c; 52-54% with byte stores), so that store is not what bounds it.
+The fp4 cast is bound by instructions, not bytes: 26.75 SASS instructions per element (sm90) against 12.25 for fp8,
+which converts by instruction; ``_encode_fp4_narrow`` (bf16 input) took it to 21.75 and from 52-54% to 61-62% of copy
+bandwidth on the H200 (mx_cast suite, 80049ec; every launch plan within 3%). What remains: the clamp and scale
+multiplies, the packing's register shuffle through shared memory, and the integer rounding itself.
+Not kept: fp4 codes stored as int32 words of 8 (no shared-memory shuffle for the packed store): 53%, as byte stores.
 """
 
 from __future__ import annotations

@@ -24,6 +24,10 @@ call (``(M + N) * K * 2`` bytes). Same values, cuBLAS's fp32 accumulation, excep
 cuBLAS run in bf16 for a bf16 output (``allow_bf16_reduced_precision_reduction``, on by default), as in any bf16
 layer; ``out_dtype=torch.float32`` keeps every sum in fp32.
 
+Not kept: only the activations dequantised in a prepass, the weights converted in registers as the swapped MMA's
+register operand (no shared-memory round trip for converted data): 1.7-2.4x slower than the prepass plan on five
+shapes from M = 1024, both formats, in the best of six tile shapes (``benchmarks/probe_mx_half_prepass.py``, H200,
+6c1666e); the per-tile conversion still bounds it.
 Not kept: fp8 MMAs on the raw bytes per 32-wide K slice, each slice's product scaled (no conversion). On the H200 it
 ran 0.35-0.45x this kernel (the per-slice scaling outweighs the MMA) and Hopper's fp8 accumulation lost about 1e-4 of
 the output's range on e5m2 data (mx_gemm suite and GPU tests at befd49a).

@@ -138,6 +138,12 @@ def test_launch_rejects_a_split_that_does_not_divide_k():
         launch(a, a_s, "mxfp8_e4m3", b, bs, "mxfp8_e4m3", torch.float32, MXMMConfig(16, 16, 128, split_k=2))
 
 
+def test_launch_rejects_swapped_mxfp4_plans_off_the_planned_block_k():
+    a, a_s, b, bs = _operands(4, 8, 128, None, "mxfp4_e2m1")
+    with pytest.raises(ValueError, match="need block_k 128"):  # before any launch
+        launch(a, a_s, None, b, bs, "mxfp4_e2m1", torch.float32, MXMMConfig(16, 16, 64, swap=True))
+
+
 def test_dispatch_serves_it_and_records_fallbacks():
     a, a_s, b, bs = _operands(9, 16, 128, "mxfp8_e4m3", "mxfp8_e4m3")
     with dispatch_config(backends=("triton",)):

@@ -52,6 +52,7 @@ from fly_lightning.kernels.triton._grouped_mm_config import (
     table_config,
     tune_candidates,
 )
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._support import ON_HIP, interpreting, num_sms, on_device
 
@@ -386,6 +387,12 @@ def launch(
     return out
 
 
+_SCHEDULE = FastLaunch(_tile_schedule_kernel)
+
+
+_GROUPED_MM = FastLaunch(_grouped_mm_kernel)
+
+
 def _launch(
     plan: LaunchPlan, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out: torch.Tensor, idx: torch.Tensor | None
 ) -> None:
@@ -396,9 +403,9 @@ def _launch(
     if plan.table:  # per-group tile counts first, by a one-program kernel (still no host sync)
         tile_end = outputs.empty_like(offs)
         m, n, _, e = plan.scalars[:4]
-        _tile_schedule_kernel[(1,)](offs, tile_end, m, n, e, **plan.schedule_consts)
+        _SCHEDULE((1,), (offs, tile_end, m, n, e), **plan.schedule_consts)
     index = idx if idx is not None else offs  # placeholder pointer, never read without GATHER/SCATTER
-    _grouped_mm_kernel[(plan.programs,)](x, w, out, offs, index, tile_end, *plan.scalars, **plan.consts)
+    _GROUPED_MM((plan.programs,), (x, w, out, offs, index, tile_end, *plan.scalars), **plan.consts)
 
 
 def _plan_key(

@@ -29,29 +29,23 @@ except ImportError:  # older: plain launches only
     knobs = driver = None
 
 
-def _spec(a: Any) -> tuple:
-    """What Triton's specialisation reads of one runtime argument (over-keyed where unsure: never under-keyed)."""
-    if isinstance(a, torch.Tensor):
-        return (a.dtype, a.data_ptr() % 16 == 0)
-    if isinstance(a, bool):  # before int: a bool is an int
-        return (bool, a)
-    if isinstance(a, int):
-        return (int, a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
-    return (type(a),)
-
-
 def _key(args: Sequence[Any]) -> tuple:
-    """``_spec`` of every argument, flattened, with the common cases inline: this runs on every launch (3 us for the
-    dequantising kernel's 15 arguments against 6 through ``_spec`` alone, on a 2-core CI-class CPU)."""
+    """What Triton's specialisation reads of the runtime arguments, flattened (over-keyed where unsure, never
+    under-keyed): dtype and 16-byte alignment of tensors; of ints whether they equal 1, divide by 16, pass 32 bits;
+    the type of floats and None. Anything else (a tensor descriptor, ...) raises ``TypeError``: not keyed here.
+    This runs on every launch: 3 us for 15 arguments on a 2-core CI-class CPU, against 6 through a helper per
+    argument."""
     k: list[Any] = []
     for a in args:
-        if type(a) is int:  # 1, divisible by 16, beyond 32 bits: one small int
+        if type(a) is int:  # one small int
             k.append((a % 16 == 0) + 2 * (a == 1) + 4 * (not -(2**31) <= a < 2**31))
         elif isinstance(a, torch.Tensor):
             k.append(a.dtype)
             k.append(a.data_ptr() % 16 == 0)
+        elif a is None or type(a) is float:
+            k.append(type(a))
         else:
-            k.append(_spec(a))
+            raise TypeError(f"no specialisation key for a {type(a).__name__}")
     return tuple(k)
 
 
@@ -64,36 +58,44 @@ def _stream(device: int) -> int:
 
 
 class FastLaunch:
-    """``FastLaunch(kernel)(grid, args, constants, num_warps=...)`` launches ``kernel`` like
-    ``kernel[grid](*args, **constants, num_warps=...)``. ``args`` are the runtime arguments, in order, before every
-    constexpr parameter; ``constants`` the constexpr values (by name, in parameter order)."""
+    """``FastLaunch(kernel)(grid, args, **kwargs)`` launches ``kernel`` as ``kernel[grid](*args, **kwargs)`` does:
+    ``args`` are all runtime arguments, positional and in order; ``kwargs`` the constexprs (omitted ones take their
+    defaults) and launch options (``num_warps``, ...)."""
 
     def __init__(self, kernel: Any) -> None:
         params = getattr(kernel, "params", None)  # None under the interpreter (an InterpretedFunction)
         flags = [p.is_constexpr for p in params or ()]
-        if flags != sorted(flags):  # the launcher takes every parameter in order: constants must come last
-            raise ValueError(f"{kernel.fn.__name__}: constexpr parameters must follow the runtime ones")
         self.kernel = kernel
-        self.constexprs = [p.name for p in params or () if p.is_constexpr]
-        self.compiled: dict[tuple, Any] = {}
-        # the shortcut failed once (or cannot apply): plain launches from then on
-        self.broken = params is None or knobs is None
+        self.constexprs = [p for p in params or () if p.is_constexpr]
+        self.n_runtime = len(flags) - len(self.constexprs)
+        self.compiled: dict[tuple, tuple[Any, tuple]] = {}
+        # plain launches for good: interpreted, constexprs between runtime parameters (the launcher takes every
+        # parameter in order: here constants follow the arguments), no launch knobs (older Triton), or a launcher
+        # that refused the arguments once
+        self.broken = params is None or flags != sorted(flags) or knobs is None
 
-    def __call__(self, grid: Sequence[int], args: Sequence[Any], constants: dict[str, Any], **options: Any) -> None:
-        if self.broken:
-            self.kernel[tuple(grid)](*args, **constants, **options)
+    def __call__(self, grid: Sequence[int], args: Sequence[Any], **kwargs: Any) -> None:
+        hit = key = None
+        if not self.broken and len(args) == self.n_runtime:
+            try:
+                key = (_device(), tuple(kwargs.items()), _key(args))
+                hit = self.compiled.get(key)
+            except TypeError:  # an argument not keyed here, or an unhashable option: the plain launch
+                key = None
+        if hit is None:
+            k = self.kernel[tuple(grid)](*args, **kwargs)
+            if key is not None and k is not None:
+                try:
+                    consts = tuple(kwargs[p.name] if p.name in kwargs else p.default for p in self.constexprs)
+                except AttributeError:  # another Triton's parameters: plain launches for good
+                    self.broken = True
+                    return
+                self.compiled[key] = (k, consts)
             return
-        device = _device()
-        key = (device, tuple(constants.items()), tuple(options.items()), _key(args))
-        k = self.compiled.get(key)
-        if k is None:
-            if list(constants) != self.constexprs:
-                raise ValueError(f"{self.kernel.fn.__name__}: constants {list(constants)}, want {self.constexprs}")
-            self.compiled[key] = self.kernel[tuple(grid)](*args, **constants, **options)
-            return
+        k, consts = hit
         g = (*grid, 1, 1)
         try:  # what the compiled kernel's own runner does, launch hooks (profilers) included
-            stream, all_args = _stream(device), (*args, *constants.values())
+            stream, all_args = _stream(key[0]), (*args, *consts)
             hooks = knobs.runtime
             k.run(
                 g[0], g[1], g[2], stream, k.function, k.packed_metadata, k.launch_metadata(g[:3], stream, *all_args),
@@ -101,4 +103,4 @@ class FastLaunch:
             )  # fmt: skip
         except (AttributeError, TypeError, ValueError):  # another Triton's launcher: the plain launch for good
             self.broken = True
-            self.kernel[tuple(grid)](*args, **constants, **options)
+            self.kernel[tuple(grid)](*args, **kwargs)

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize
 from fly_lightning.kernels.triton._support import num_sms, on_device
@@ -218,6 +219,9 @@ def _bytes(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.view(torch.uint8)
 
 
+_MX_GROUPED = FastLaunch(_mx_grouped_mm_kernel)
+
+
 def launch(
     x: torch.Tensor,
     x_scale: torch.Tensor | None,
@@ -255,10 +259,12 @@ def launch(
     xs = _bytes(x_scale) if x_scale is not None else x  # placeholder pointer, never read for high precision x
     xb = x if x_fmt is None else _bytes(x)
     with on_device(x):
-        _mx_grouped_mm_kernel[(progs,)](
-            xb, xs, _bytes(w), _bytes(w_scale), out, offs, m, n, k, e,
-            x.stride(0), xs.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
-            progs, X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=max(1024, next_pow2(e)),
+        _MX_GROUPED(
+            (progs,),
+            (xb, xs, _bytes(w), _bytes(w_scale), out, offs, m, n, k, e,
+             x.stride(0), xs.stride(0), w.stride(0), w.stride(1), w_scale.stride(0), w_scale.stride(1), out.stride(0),
+             progs),
+            X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=max(1024, next_pow2(e)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             UPCAST=interp, INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip

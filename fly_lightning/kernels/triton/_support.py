@@ -12,6 +12,8 @@ import torch
 import triton
 from triton.runtime.autotuner import Autotuner
 
+from fly_lightning.kernels.triton._launch import FastLaunch
+
 ON_HIP = torch.version.hip is not None
 """A ROCm build of torch: its GPUs (gfx950) report CUDA-style capabilities (9.5) that Hopper checks would take."""
 
@@ -60,7 +62,7 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 def launch_tuned(tuned: Autotuner, grid: Callable[[dict], tuple], args: tuple, consts: dict[str, Any]) -> None:
     """Launch the ``triton.autotune`` kernel ``tuned``: through its autotuner the first time a tuning key is seen
-    (which measures the configs), then straight through the kernel with the config it picked. The autotuner's
+    (which measures the configs), then straight through the kernel with the config it picked (``FastLaunch``). The autotuner's
     bookkeeping on every call cost 8.4-15 us of host time per RMSNorm launch on the H200 host (its launch against the
     picked config's, ``host_ab_d531afd_6d2294d.md``).
 
@@ -80,4 +82,5 @@ def launch_tuned(tuned: Autotuner, grid: Callable[[dict], tuple], args: tuple, c
         picks[key] = config
         return
     meta = {**consts, **config.all_kwargs()}
-    tuned.fn[grid(meta)](*args, **meta)
+    fast = tuned.__dict__.get("_fly_fast") or tuned.__dict__.setdefault("_fly_fast", FastLaunch(tuned.fn))
+    fast(grid(meta), args, **meta)

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._support import device_reason, on_device, rows_per_program
 from fly_lightning.ops.moe_combine import MOE_COMBINE, MOE_DISPATCH
@@ -87,6 +88,9 @@ def _plan(h: int, itemsize: int) -> tuple[int, int]:
     return max(1, 4096 // bh), bh
 
 
+_COMBINE = FastLaunch(_moe_combine_fwd)
+
+
 @MOE_COMBINE.implement(
     "triton",
     supports=_supports,
@@ -107,17 +111,20 @@ def moe_combine_triton(
     bt = rows_per_program(t, bt, rows)
     grid = (cdiv(t, bt), cdiv(h, bh))
     with on_device(rows):
-        _moe_combine_fwd[grid](
-            rows,
-            rows.stride(0),
-            weights,
-            weights.stride(0),
-            weights.stride(1),
-            rows if index is None else index,  # unused without an index
-            y,
-            y.stride(0),
-            t,
-            h,
+        _COMBINE(
+            grid,
+            (
+                rows,
+                rows.stride(0),
+                weights,
+                weights.stride(0),
+                weights.stride(1),
+                rows if index is None else index,  # unused without an index
+                y,
+                y.stride(0),
+                t,
+                h,
+            ),
             K=k,
             BT=bt,
             BH=bh,
@@ -169,6 +176,9 @@ def _supports_dispatch(
     return True
 
 
+_DISPATCH = FastLaunch(_moe_dispatch_fwd)
+
+
 @MOE_DISPATCH.implement(
     "triton",
     supports=_supports_dispatch,
@@ -185,15 +195,9 @@ def moe_dispatch_triton(
     bs, bh = _plan(h, x.element_size())
     bs = rows_per_program(s, bs, x)
     with on_device(x):
-        _moe_dispatch_fwd[(cdiv(s, bs), cdiv(h, bh))](
-            x,
-            x.stride(0),
-            x if weights is None else weights,  # unused without weights
-            perm,
-            y,
-            y.stride(0),
-            s,
-            h,
+        _DISPATCH(
+            (cdiv(s, bs), cdiv(h, bh)),
+            (x, x.stride(0), x if weights is None else weights, perm, y, y.stride(0), s, h),  # weights unused without
             TOPK=topk,
             BS=bs,
             BH=bh,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._moe_route_config import (
     NEWER_TRITON,
@@ -183,6 +184,15 @@ def packed_tail_fits(n_tokens: int, k: int, programs: int) -> bool:
     return n_tokens * k < 1 << PACK_BITS and programs <= (1 << (64 - 2 * PACK_BITS)) - 1
 
 
+_ROUTE = FastLaunch(_moe_route_fwd)
+
+
+_PERM_BASE = FastLaunch(_perm_base)
+
+
+_PERM_SCATTER = FastLaunch(_perm_scatter)
+
+
 @MOE_ROUTE.implement(
     "triton",
     supports=_supports,
@@ -242,35 +252,33 @@ def moe_route_triton(
             ws = _workspace(dev, 2 * n_experts)[: 2 * n_experts].view(torch.int64)
         else:
             ws = _workspace(dev, 1 + n_experts)
-        _moe_route_fwd[(plan.programs,)](
-            logits_TE,
-            logits_TE.stride(0),
-            bias_E if bias_E is not None else logits_TE,
-            weights,
-            ids,
-            slot_pos if return_permutation else ids,
-            hist,
-            counts,
-            offsets,
-            ws,
-            n_tokens,
-            plan.tiles,
-            plan.tiles_per_program,
-            route_scale,
+        _ROUTE(
+            (plan.programs,),
+            (
+                logits_TE,
+                logits_TE.stride(0),
+                bias_E if bias_E is not None else logits_TE,
+                weights,
+                ids,
+                slot_pos if return_permutation else ids,
+                hist,
+                counts,
+                offsets,
+                ws,
+                n_tokens,
+                plan.tiles,
+                plan.tiles_per_program,
+                route_scale,
+            ),
             **plan.constexprs,
         )
         if return_permutation:
-            _perm_base[(cdiv(n_experts, 32),)](hist, counts, offsets, plan.programs, n_experts, EB=32, PB=64,
-                                               OFFSETS_HERE=plan.packed_tail)  # fmt: skip
+            _PERM_BASE((cdiv(n_experts, 32),), (hist, counts, offsets, plan.programs, n_experts), EB=32, PB=64,
+                       OFFSETS_HERE=plan.packed_tail)  # fmt: skip
             n_slots = n_tokens * k
-            _perm_scatter[(cdiv(n_slots, 1024),)](
-                ids,
-                slot_pos,
-                hist,
-                sorted_slots,
-                n_slots,
-                n_experts,
-                plan.tiles_per_program * plan.rows,
+            _PERM_SCATTER(
+                (cdiv(n_slots, 1024),),
+                (ids, slot_pos, hist, sorted_slots, n_slots, n_experts, plan.tiles_per_program * plan.rows),
                 K=k,
                 BLOCK=1024,
                 num_warps=4,

@@ -190,7 +190,7 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
             _CAST(
                 (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
                 (x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k),
-                {"BR": br, "G": g, "EMAX": f.emax, "MAX": f.max, "EBITS": ebits, "MBITS": mbits, "BIAS": bias,
+                **{"BR": br, "G": g, "EMAX": f.emax, "MAX": f.max, "EBITS": ebits, "MBITS": mbits, "BIAS": bias,
                  "FP4": f.bits == 4, "BF16": bf16, "HW": hw},
                 num_warps=warps,
             )  # fmt: skip

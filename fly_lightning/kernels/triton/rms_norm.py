@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv
 from fly_lightning.kernels.triton._support import device_reason, interpreting, launch_tuned, on_device
 from fly_lightning.ops.rms_norm import RMS_NORM
@@ -250,6 +251,12 @@ def _plan(
     return _Plan(cfg, config is None and not interpret, consts)
 
 
+_UNALIGNED = FastLaunch(_rms_norm_unaligned)
+
+
+_ROWS = FastLaunch(_rms_norm_rows)
+
+
 def _launch(
     plan: _Plan,
     x2: torch.Tensor,
@@ -266,13 +273,13 @@ def _launch(
         if plan.tuned:
             launch_tuned(_rms_norm_unaligned_tuned, lambda meta: (n_rows,), args, consts)
         else:
-            _rms_norm_unaligned[(n_rows,)](*args, num_warps=cfg.num_warps, **consts)
+            _UNALIGNED((n_rows,), args, num_warps=cfg.num_warps, **consts)
     else:
         args = (x2, w, y, rstd, n_rows, x2.stride(0), consts["H"], eps, offset)
         if plan.tuned:
             launch_tuned(_rms_norm_rows_tuned, lambda meta: (cdiv(n_rows, meta["ROWS"]),), args, consts)
         else:
-            _rms_norm_rows[(cdiv(n_rows, cfg.rows),)](*args, ROWS=cfg.rows, num_warps=cfg.num_warps, **consts)
+            _ROWS((cdiv(n_rows, cfg.rows),), args, ROWS=cfg.rows, num_warps=cfg.num_warps, **consts)
 
 
 @RMS_NORM.implement(

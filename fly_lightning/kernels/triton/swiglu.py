@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._support import device_reason, on_device, rows_per_program
 from fly_lightning.ops.swiglu import ACTIVATIONS, SWIGLU, split_gate_up
@@ -55,6 +56,9 @@ def _plan(i: int) -> tuple[int, int]:
     return max(1, 2048 // bi), bi
 
 
+_SWIGLU = FastLaunch(_swiglu_fwd)
+
+
 @SWIGLU.implement(
     "triton",
     supports=_supports,
@@ -70,7 +74,8 @@ def swiglu_triton(gate: torch.Tensor, up: torch.Tensor | None, activation: str =
     bt, bi = _plan(i)
     bt = rows_per_program(s, bt, g)
     with on_device(g):
-        _swiglu_fwd[(cdiv(s, bt), cdiv(i, bi))](
-            g, g.stride(0), u, u.stride(0), y, s, i, BT=bt, BI=bi, ACT=_ACT[activation], num_warps=4
-        )
+        _SWIGLU(
+            (cdiv(s, bt), cdiv(i, bi)), (g, g.stride(0), u, u.stride(0), y, s, i), BT=bt, BI=bi, ACT=_ACT[activation],
+            num_warps=4,
+        )  # fmt: skip
     return y

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._select import (
     BF16_INF,
@@ -163,6 +164,9 @@ def _plan(n: int, k: int, dtype: torch.dtype, row_stride: int, rows_total: int, 
     return cdiv(rows_total, rows), constexprs
 
 
+_TOPK = FastLaunch(_topk_fwd)
+
+
 @TOPK.implement(
     "triton",
     supports=_supports,
@@ -178,5 +182,5 @@ def topk_triton(x: torch.Tensor, k: int, config: LaunchConfig | None = None) -> 
     x2 = x.view(-1, n)
     grid, constexprs = _plan(n, k, x.dtype, x2.stride(0), x2.shape[0], config)
     with on_device(x):
-        _topk_fwd[(grid,)](x2, x2.stride(0), values, indices, x2.shape[0], **constexprs)
+        _TOPK((grid,), (x2, x2.stride(0), values, indices, x2.shape[0]), **constexprs)
     return values, indices

@@ -2,20 +2,27 @@
 launch wherever the shortcut could differ. A fake kernel stands in for Triton's (no GPU here); the GPU tests run the
 real launchers (every MX GEMM, cast and dequantisation test goes through it)."""
 
+import inspect
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from fly_lightning.kernels.triton import _launch
-from fly_lightning.kernels.triton._launch import FastLaunch, _key, _spec
+from fly_lightning.kernels.triton._launch import FastLaunch, _key
+
+needs_knobs = pytest.mark.skipif(_launch.knobs is None, reason="Triton without launch knobs: plain launches only")
 
 
 class FakeKernel:
     """A JITFunction's surface: ``params``, ``fn``, ``kernel[grid](...)`` returning a compiled kernel."""
 
-    def __init__(self, names, constexpr):
-        self.params = [SimpleNamespace(name=n, is_constexpr=n in constexpr) for n in names]
+    def __init__(self, names, constexpr, defaults=None):
+        defaults = defaults or {}
+        self.params = [
+            SimpleNamespace(name=n, is_constexpr=n in constexpr, default=defaults.get(n, inspect.Parameter.empty))
+            for n in names
+        ]
         self.fn = SimpleNamespace(__name__="fake")
         self.plain: list[tuple] = []
         self.launched: list[tuple] = []
@@ -39,44 +46,43 @@ def on_gpu0(monkeypatch):
     monkeypatch.setattr(_launch, "_stream", lambda device: 1234)
 
 
-def test_spec_separates_what_triton_specialises_on():
+def test_key_separates_what_triton_specialises_on():
     x = torch.zeros(64)
-    assert _spec(x) != _spec(x[1:])  # 16-byte alignment of the pointer
-    assert _spec(x) != _spec(x.to(torch.float64))
-    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31 + 16)}) == 4  # 1, divisible by 16, other, 64-bit
-    assert _spec(True) != _spec(1)
     same = [(x, 32), (x, 48), (x.clone(), 64)]
     assert len({_key(a) for a in same}) == 1
-    differ = [(x, 32), (x[1:], 32), (x, 1), (x, 33), (x, 2**31 + 16), (x.double(), 32), (x, True), (x, 0.5)]
+    differ = [(x, 32), (x[1:], 32), (x, 1), (x, 33), (x, 2**31 + 16), (x.double(), 32), (x, 0.5), (x, None)]
     assert len({_key(a) for a in differ}) == len(differ)
+    with pytest.raises(TypeError, match="no specialisation key"):
+        _key((x, True))  # bools, descriptors, ...: not keyed here (the plain launch runs)
 
 
-def test_constants_must_follow_runtime_arguments():
-    with pytest.raises(ValueError, match="must follow"):
-        FastLaunch(FakeKernel(["X", "BLOCK", "n"], {"BLOCK"}))
+def test_constants_between_runtime_arguments_keep_the_plain_launch():
+    assert FastLaunch(FakeKernel(["X", "BLOCK", "n"], {"BLOCK"})).broken
 
 
-@pytest.mark.skipif(_launch.knobs is None, reason="Triton without launch knobs: plain launches only")
+@needs_knobs
 def test_first_call_compiles_then_launcher_is_called_directly(on_gpu0):
-    k = FakeKernel(["X", "n", "BLOCK"], {"BLOCK"})
+    k = FakeKernel(["X", "n", "BLOCK", "FLAG"], {"BLOCK", "FLAG"}, defaults={"FLAG": False})
     fast = FastLaunch(k)
     x = torch.zeros(64)
-    fast((4,), (x, 32), {"BLOCK": 16}, num_warps=4)
+    fast((4,), (x, 32), BLOCK=16, num_warps=4)
     assert len(k.plain) == 1 and not k.launched
-    fast((5, 2), (x, 48), {"BLOCK": 16}, num_warps=4)  # same specialisation: the launcher, grid padded to 3-D
+    fast((5, 2), (x, 48), BLOCK=16, num_warps=4)  # same specialisation: the launcher, grid padded to 3-D
     assert len(k.plain) == 1
     hooks = _launch.knobs.runtime
     want = (5, 2, 1, 1234, "fn", "meta", "launch-meta", hooks.launch_enter_hook, hooks.launch_exit_hook, x, 48, 16)
-    assert k.launched[-1] == want
-    fast((4,), (x[1:], 48), {"BLOCK": 16}, num_warps=4)  # misaligned pointer: a new key, Triton decides
-    fast((4,), (x, 49), {"BLOCK": 16}, num_warps=4)  # not divisible by 16 any more: likewise
-    fast((4,), (x, 48), {"BLOCK": 32}, num_warps=4)  # another constant
-    fast((4,), (x, 48), {"BLOCK": 16}, num_warps=8)  # another option
-    assert len(k.plain) == 5 and len(k.launched) == 1
-    with pytest.raises(ValueError, match="want"):
-        fast((4,), (x, 48, 16), {}, num_warps=2)
+    assert k.launched[-1] == (*want, False)  # the omitted constexpr at its default
+    fast((4,), (x[1:], 48), BLOCK=16, num_warps=4)  # misaligned pointer: a new key, Triton decides
+    fast((4,), (x, 49), BLOCK=16, num_warps=4)  # not divisible by 16 any more: likewise
+    fast((4,), (x, 48), BLOCK=32, num_warps=4)  # another constant
+    fast((4,), (x, 48), BLOCK=16, num_warps=8)  # another option
+    fast((4,), (x, 48), BLOCK=16, FLAG=True, num_warps=4)  # a default overridden
+    assert len(k.plain) == 6 and len(k.launched) == 1
+    fast((4,), (x, 48, 16), num_warps=2)  # not the runtime arguments the kernel takes: Triton's launch reports it
+    assert len(k.plain) == 7
 
 
+@needs_knobs
 def test_refused_launcher_falls_back_for_good(on_gpu0):
     k = FakeKernel(["X", "BLOCK"], {"BLOCK"})
     fast = FastLaunch(k)
@@ -87,10 +93,10 @@ def test_refused_launcher_falls_back_for_good(on_gpu0):
     k._launcher = refuse
     x = torch.zeros(16)
     for _ in range(3):
-        fast((1,), (x,), {"BLOCK": 16})
-    assert len(k.plain) == 3 and fast.broken == (_launch.knobs is not None)
+        fast((1,), (x,), BLOCK=16)
+    assert len(k.plain) == 3 and fast.broken
 
 
 def test_interpreted_kernels_take_the_plain_launch():
-    interpreted = FastLaunch(SimpleNamespace(fn=SimpleNamespace(__name__="f"), __getitem__=None))
+    interpreted = FastLaunch(SimpleNamespace(fn=SimpleNamespace(__name__="f")))
     assert interpreted.broken

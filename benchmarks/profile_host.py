@@ -77,7 +77,7 @@ def main() -> None:
         "dequantize (2 operands)": lambda: _mx_dequant.dequantize(a, a_s, fmt, b, b_s, fmt),
         "dequant kernel via JITFunction": lambda: _mx_dequant._dequant_kernel[grid](*kargs, **consts, num_warps=4),
         "dequant kernel, compiled launch": lambda: direct(*all_args),
-        "dequant kernel via FastLaunch": lambda: _mx_dequant._DEQUANT(grid, kargs, consts, num_warps=4),
+        "dequant kernel via FastLaunch": lambda: _mx_dequant._DEQUANT(grid, kargs, **consts, num_warps=4),
         "torch.mm bf16": lambda: torch.mm(da, db.t()),
         "torch.empty x2": lambda: (torch.empty(M, K, device=dev), torch.empty(N, K, device=dev)),
         "plan() (cached)": lambda: mx_kernel.plan(M, N, K, fmt, fmt, a.device),

@@ -8,7 +8,11 @@ compiled kernel's own launcher, as Inductor's generated code does. The first cal
 ``kernel[grid](...)`` (compiling if needed) and keeps the kernel it returns. Host time per launch of the MX
 dequantising kernel on the H200 host (``host_profile``, 90680a5 and 80049ec, two sessions): 17-29 us through
 ``JITFunction`` (as long as cuBLAS's whole call, or longer), 15-22 us through ``FastLaunch``, 8-13 us for the
-compiled launcher alone; most of what is left is building the key in Python.
+compiled launcher alone; most of what is left is building the key in Python. Every Triton launch of the package goes
+through it: host time of whole eager calls against 4f2fd6c in alternating processes (``bench_dispatch_overhead
+--against``, c7f1cff, H200 host): grouped GEMM 0.54x, gathered MoE GEMM 0.71x, RMSNorm 0.79x, routing 0.99x, with
+the unchanged controls at 0.82-0.98x (that run was not committed: its CPU cases read 12.6 us of dispatch on both
+trees, a busy host; the committed ``dispatch_overhead`` is a836208's).
 
 Launch hooks (profilers such as proton) are called as Triton calls them. The plain launch is kept under the
 interpreter, and for good once the compiled kernel lacks a field used here (another Triton's internals) or its

@@ -62,9 +62,9 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
 
 def launch_tuned(tuned: Autotuner, grid: Callable[[dict], tuple], args: tuple, consts: dict[str, Any]) -> None:
     """Launch the ``triton.autotune`` kernel ``tuned``: through its autotuner the first time a tuning key is seen
-    (which measures the configs), then straight through the kernel with the config it picked (``FastLaunch``). The autotuner's
-    bookkeeping on every call cost 8.4-15 us of host time per RMSNorm launch on the H200 host (its launch against the
-    picked config's, ``host_ab_d531afd_6d2294d.md``).
+    (which measures the configs), then straight through the kernel with the config it picked (``FastLaunch``). The
+    autotuner's bookkeeping on every call cost 8.4-15 us of host time per RMSNorm launch on the H200 host (its launch
+    against the picked config's, ``host_ab_d531afd_6d2294d.md``).
 
     The key holds what the autotuner's does (its key arguments, which must be in ``consts``, and every tensor's
     dtype); the picks live on ``tuned`` itself. Configs with a ``pre_hook`` are refused (the fast path would skip it).

@@ -21,6 +21,7 @@ import fly_lightning
 from benchmarks.harness import Results, host_us
 from fly_lightning.kernels.triton import _mx_dequant
 from fly_lightning.kernels.triton import mx_scaled_mm as mx_kernel
+from fly_lightning.kernels.triton._math import cdiv
 
 M, N, K = 128, 256, 256  # host-bound: the prepass plan from 128 rows
 
@@ -57,7 +58,8 @@ def main() -> None:
 
     # the dequantising launch through JITFunction, then the same compiled kernel launched directly
     c = K
-    grid = (2 * (M // _mx_dequant.DEQUANT_ROWS) * max(1, c // _mx_dequant.DEQUANT_COLS),)
+    rows, cols = _mx_dequant.DEQUANT_ROWS, _mx_dequant.DEQUANT_COLS
+    grid = ((cdiv(M, rows) + cdiv(N, rows)) * cdiv(c, cols),)  # as dequantize launches: both operands' tiles
     kargs = (
         a.view(torch.uint8), a_s.view(torch.uint8), da, M, a.stride(0), a_s.stride(0), da.stride(0),
         b.view(torch.uint8), b_s.view(torch.uint8), db, N, b.stride(0), b_s.stride(0), db.stride(0), c,

@@ -14,9 +14,10 @@ through it: host time of whole eager calls against 4f2fd6c in alternating proces
 the unchanged controls at 0.82-0.98x (that run was not committed: its CPU cases read 12.6 us of dispatch on both
 trees, a busy host; the committed ``dispatch_overhead`` is a836208's).
 
-Launch hooks (profilers such as proton) are called as Triton calls them. The plain launch is kept under the
-interpreter, and for good once the compiled kernel lacks a field used here (another Triton's internals) or its
-launcher refuses the arguments.
+Launch hooks (profilers such as proton) are called as Triton calls them; a change of Triton's debug or
+instrumentation settings misses the cache, as it recompiles there. The plain launch is kept under the interpreter,
+on ROCm (whose Triton also specialises on storage size), for kernels with pre-run hooks, and for good once the
+launcher refuses the arguments (another Triton's internals).
 """
 
 from __future__ import annotations
@@ -34,15 +35,15 @@ except ImportError:  # older: plain launches only
 
 
 def _key(args: Sequence[Any]) -> tuple:
-    """What Triton's specialisation reads of the runtime arguments, flattened (over-keyed where unsure, never
-    under-keyed): dtype and 16-byte alignment of tensors; of ints whether they equal 1, divide by 16, pass 32 bits;
+    """What Triton's specialisation reads of the runtime arguments on CUDA, flattened (over-keyed where unsure):
+    dtype and 16-byte alignment of tensors; of ints whether they equal 1, divide by 16, pass 32 or 63 bits;
     the type of floats and None. Anything else (a tensor descriptor, ...) raises ``TypeError``: not keyed here.
     This runs on every launch: 3 us for 15 arguments on a 2-core CI-class CPU, against 6 through a helper per
     argument."""
     k: list[Any] = []
     for a in args:
         if type(a) is int:  # one small int
-            k.append((a % 16 == 0) + 2 * (a == 1) + 4 * (not -(2**31) <= a < 2**31))
+            k.append((a % 16 == 0) + 2 * (a == 1) + 4 * (not -(2**31) <= a < 2**31) + 8 * (a >= 2**63))
         elif isinstance(a, torch.Tensor):
             k.append(a.dtype)
             k.append(a.data_ptr() % 16 == 0)
@@ -61,6 +62,17 @@ def _stream(device: int) -> int:
     return driver.active.get_current_stream(device)
 
 
+def _hooks_set(hook: Any) -> bool:
+    """Whether a launch hook would run (Triton 3.6 keeps None when unset, later ones an empty ``HookChain``)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _state() -> tuple:
+    """Runtime settings ``JITFunction.run`` compiles under (debug, instrumentation): a change compiles anew there,
+    so it must miss here too."""
+    return (getattr(knobs.runtime, "debug", None), getattr(knobs.compilation, "instrumentation_mode", None))
+
+
 class FastLaunch:
     """``FastLaunch(kernel)(grid, args, **kwargs)`` launches ``kernel`` as ``kernel[grid](*args, **kwargs)`` does:
     ``args`` are all runtime arguments, positional and in order; ``kwargs`` the constexprs (omitted ones take their
@@ -73,16 +85,18 @@ class FastLaunch:
         self.constexprs = [p for p in params or () if p.is_constexpr]
         self.n_runtime = len(flags) - len(self.constexprs)
         self.compiled: dict[tuple, tuple[Any, tuple]] = {}
-        # plain launches for good: interpreted, constexprs between runtime parameters (the launcher takes every
-        # parameter in order: here constants follow the arguments), no launch knobs (older Triton), or a launcher
-        # that refused the arguments once
-        self.broken = params is None or flags != sorted(flags) or knobs is None
+        self.verified = False  # one direct launch went through: the launcher takes our arguments
+        # plain launches for good: interpreted; constexprs between runtime parameters (the launcher takes every
+        # parameter in order: here constants follow the arguments); no launch knobs (older Triton); ROCm, whose
+        # Triton also specialises tensors on their storage size (32-bit buffer offsets), not keyed here; or a
+        # launcher that refused the arguments once
+        self.broken = params is None or flags != sorted(flags) or knobs is None or torch.version.hip is not None
 
     def __call__(self, grid: Sequence[int], args: Sequence[Any], **kwargs: Any) -> None:
         hit = key = None
-        if not self.broken and len(args) == self.n_runtime:
+        if not self.broken and len(args) == self.n_runtime and not getattr(self.kernel, "pre_run_hooks", None):
             try:
-                key = (_device(), tuple(kwargs.items()), _key(args))
+                key = (_device(), _state(), tuple(kwargs.items()), _key(args))
                 hit = self.compiled.get(key)
             except TypeError:  # an argument not keyed here, or an unhashable option: the plain launch
                 key = None
@@ -97,14 +111,32 @@ class FastLaunch:
                 self.compiled[key] = (k, consts)
             return
         k, consts = hit
-        g = (*grid, 1, 1)
-        try:  # what the compiled kernel's own runner does, launch hooks (profilers) included
-            stream, all_args = _stream(key[0]), (*args, *consts)
-            hooks = knobs.runtime
-            k.run(
-                g[0], g[1], g[2], stream, k.function, k.packed_metadata, k.launch_metadata(g[:3], stream, *all_args),
-                hooks.launch_enter_hook, hooks.launch_exit_hook, *all_args,
-            )  # fmt: skip
-        except (AttributeError, TypeError, ValueError):  # another Triton's launcher: the plain launch for good
+        if self.verified:  # what the compiled kernel's own runner does, launch hooks (profilers) included
+            k.run(*_launch_args(k, grid, key[0], args, consts))
+            return
+        try:
+            launch = _launch_args(k, grid, key[0], args, consts)
+        except AttributeError:  # another Triton's compiled kernel: plain launches for good
             self.broken = True
             self.kernel[tuple(grid)](*args, **kwargs)
+            return
+        try:
+            k.run(*launch)
+        except (AttributeError, TypeError, ValueError):
+            self.broken = True
+            if _hooks_set(knobs.runtime.launch_enter_hook) or _hooks_set(knobs.runtime.launch_exit_hook):
+                raise  # a hook may have failed after the kernel was queued: never launch it twice
+            self.kernel[tuple(grid)](*args, **kwargs)  # another Triton's launcher refused the arguments
+            return
+        self.verified = True
+
+
+def _launch_args(k: Any, grid: Sequence[int], device: int, args: Sequence[Any], consts: tuple) -> tuple:
+    """The compiled launcher's arguments, as the compiled kernel's own runner passes them."""
+    g = (*grid, 1, 1)
+    stream, all_args = _stream(device), (*args, *consts)
+    hooks = knobs.runtime
+    return (
+        g[0], g[1], g[2], stream, k.function, k.packed_metadata, k.launch_metadata(g[:3], stream, *all_args),
+        hooks.launch_enter_hook, hooks.launch_exit_hook, *all_args,
+    )  # fmt: skip

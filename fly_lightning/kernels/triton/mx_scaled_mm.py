@@ -225,7 +225,7 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device)
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
-    if cfg.swap and not cfg.prepass and b_fmt == "mxfp4_e2m1" and cfg.block_k != K_ALIGN:
+    if cfg.swap and not cfg.prepass and "mxfp4_e2m1" in (a_fmt, b_fmt) and cfg.block_k != K_ALIGN:
         # plan() never emits it; an explicit 128x128x64 swapped plan (8 warps, 4 stages) gave wrong results on the H200
         raise ValueError(f"mx_scaled_mm: swapped MXFP4 plans need block_k {K_ALIGN} (others are untrusted): {cfg}")
     if m == 0 or n == 0 or k == 0:

@@ -50,7 +50,8 @@ def test_key_separates_what_triton_specialises_on():
     x = torch.zeros(64)
     same = [(x, 32), (x, 48), (x.clone(), 64)]
     assert len({_key(a) for a in same}) == 1
-    differ = [(x, 32), (x[1:], 32), (x, 1), (x, 33), (x, 2**31 + 16), (x.double(), 32), (x, 0.5), (x, None)]
+    differ = [(x, 32), (x[1:], 32), (x, 1), (x, 33), (x, 2**31 + 16), (x, 2**63 + 16), (x.double(), 32), (x, 0.5),
+              (x, None)]  # fmt: skip
     assert len({_key(a) for a in differ}) == len(differ)
     with pytest.raises(TypeError, match="no specialisation key"):
         _key((x, True))  # bools, descriptors, ...: not keyed here (the plain launch runs)
@@ -95,6 +96,73 @@ def test_refused_launcher_falls_back_for_good(on_gpu0):
     for _ in range(3):
         fast((1,), (x,), BLOCK=16)
     assert len(k.plain) == 3 and fast.broken
+
+
+@needs_knobs
+def test_after_one_direct_launch_errors_propagate_and_nothing_launches_twice(on_gpu0):
+    k = FakeKernel(["X", "BLOCK"], {"BLOCK"})
+    fast = FastLaunch(k)
+    x = torch.zeros(16)
+    for _ in range(2):
+        fast((1,), (x,), BLOCK=16)
+    assert fast.verified and len(k.plain) == 1 and len(k.launched) == 1
+
+    def fails_late(*args):  # e.g. a profiler's exit hook raising after the kernel was queued
+        k.launched.append(args)
+        raise ValueError("hook failed")
+
+    compiled, _ = next(iter(fast.compiled.values()))
+    compiled.run = fails_late
+    with pytest.raises(ValueError, match="hook failed"):
+        fast((1,), (x,), BLOCK=16)
+    assert len(k.plain) == 1 and len(k.launched) == 2
+
+
+@needs_knobs
+def test_a_first_direct_launch_failing_with_hooks_set_is_not_replayed(on_gpu0, monkeypatch):
+    k = FakeKernel(["X", "BLOCK"], {"BLOCK"})
+    fast = FastLaunch(k)
+    monkeypatch.setattr(_launch.knobs.runtime, "launch_exit_hook", lambda *a: None)
+
+    def fails_late(*args):
+        raise TypeError("hook failed")
+
+    k._launcher = fails_late
+    x = torch.zeros(16)
+    fast((1,), (x,), BLOCK=16)
+    with pytest.raises(TypeError, match="hook failed"):
+        fast((1,), (x,), BLOCK=16)
+    assert len(k.plain) == 1 and fast.broken
+
+
+@needs_knobs
+def test_debug_settings_and_pre_run_hooks_miss_the_cache(on_gpu0, monkeypatch):
+    k = FakeKernel(["X", "BLOCK"], {"BLOCK"})
+    fast = FastLaunch(k)
+    x = torch.zeros(16)
+    fast((1,), (x,), BLOCK=16)
+    monkeypatch.setattr(_launch.knobs.runtime, "debug", not _launch.knobs.runtime.debug)
+    fast((1,), (x,), BLOCK=16)  # Triton recompiles under the other setting: so does the cache
+    assert len(k.plain) == 2 and not k.launched
+    k.pre_run_hooks = [lambda *a, **kw: None]
+    fast((1,), (x,), BLOCK=16)
+    assert len(k.plain) == 3 and not k.launched
+
+
+@needs_knobs
+def test_a_compiled_kernel_without_the_launch_fields_takes_the_plain_launch(on_gpu0):
+    k = FakeKernel(["X", "BLOCK"], {"BLOCK"})
+    fast = FastLaunch(k)
+    x = torch.zeros(16)
+    fast((1,), (x,), BLOCK=16)
+    del next(iter(fast.compiled.values()))[0].packed_metadata  # another Triton's CompiledKernel
+    fast((1,), (x,), BLOCK=16)
+    assert fast.broken and len(k.plain) == 2 and not k.launched
+
+
+def test_rocm_keeps_the_plain_launch(monkeypatch):
+    monkeypatch.setattr(torch.version, "hip", "6.4")  # its Triton also keys tensors on storage size
+    assert FastLaunch(FakeKernel(["X", "BLOCK"], {"BLOCK"})).broken
 
 
 def test_interpreted_kernels_take_the_plain_launch():

@@ -388,8 +388,6 @@ def launch(
 
 
 _SCHEDULE = FastLaunch(_tile_schedule_kernel)
-
-
 _GROUPED_MM = FastLaunch(_grouped_mm_kernel)
 
 

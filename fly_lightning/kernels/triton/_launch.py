@@ -6,13 +6,9 @@ integers equal to 1 or divisible by 16, 32- or 64-bit), builds a cache key and l
 cheaper to compute here than the binder's general path) plus the caller's constants, and launches through the
 compiled kernel's own launcher, as Inductor's generated code does. The first call of a key goes through
 ``kernel[grid](...)`` (compiling if needed) and keeps the kernel it returns. Host time per launch of the MX
-dequantising kernel on the H200 host (``host_profile``, 90680a5 and 80049ec, two sessions): 17-29 us through
-``JITFunction`` (as long as cuBLAS's whole call, or longer), 15-22 us through ``FastLaunch``, 8-13 us for the
-compiled launcher alone; most of what is left is building the key in Python. Every Triton launch of the package goes
-through it: host time of whole eager calls against 4f2fd6c in alternating processes (``bench_dispatch_overhead
---against``, c7f1cff, H200 host): grouped GEMM 0.54x, gathered MoE GEMM 0.71x, RMSNorm 0.79x, routing 0.99x, with
-the unchanged controls at 0.82-0.98x (that run was not committed: its CPU cases read 12.6 us of dispatch on both
-trees, a busy host; the committed ``dispatch_overhead`` is a836208's).
+dequantising kernel on the H200 host (``host_profile``, 80049ec): 29 us through ``JITFunction`` (longer than
+cuBLAS's whole call there), 22 us through ``FastLaunch``, 13 us for the compiled launcher alone; most of what is left
+is building the key in Python.
 
 Launch hooks (profilers such as proton) are called as Triton calls them; a change of Triton's debug or
 instrumentation settings misses the cache, as it recompiles there. The plain launch is kept under the interpreter,
@@ -38,8 +34,7 @@ def _key(args: Sequence[Any]) -> tuple:
     """What Triton's specialisation reads of the runtime arguments on CUDA, flattened (over-keyed where unsure):
     dtype and 16-byte alignment of tensors; of ints whether they equal 1, divide by 16, pass 32 or 63 bits;
     the type of floats and None. Anything else (a tensor descriptor, ...) raises ``TypeError``: not keyed here.
-    This runs on every launch: 3 us for 15 arguments on a 2-core CI-class CPU, against 6 through a helper per
-    argument."""
+    This runs on every launch: the common cases inline, no helper call per argument."""
     k: list[Any] = []
     for a in args:
         if type(a) is int:  # one small int

@@ -213,8 +213,8 @@ def dequantize(
                 (tiles,),
                 (data.view(torch.uint8), scale.view(torch.uint8), a_out, ra, data.stride(0), scale.stride(0), c,
                  b.view(torch.uint8), b_s.view(torch.uint8), b_out, rb, b.stride(0), b_s.stride(0), c, c),
-                **{"A_FMT": FMT_CODE[fmt], "B_FMT": FMT_CODE[b_fmt], "BR": DEQUANT_ROWS, "BC": DEQUANT_COLS,
-                 "FP32": not data.is_cuda, "HW_CVT": hw_cvt(data)},
+                A_FMT=FMT_CODE[fmt], B_FMT=FMT_CODE[b_fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=not data.is_cuda,
+                HW_CVT=hw_cvt(data),
                 num_warps=4,
             )  # fmt: skip
     return (a_out, b_out) if more else a_out

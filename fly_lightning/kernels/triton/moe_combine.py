@@ -197,7 +197,7 @@ def moe_dispatch_triton(
     with on_device(x):
         _DISPATCH(
             (cdiv(s, bs), cdiv(h, bh)),
-            (x, x.stride(0), x if weights is None else weights, perm, y, y.stride(0), s, h),  # weights unused without
+            (x, x.stride(0), x if weights is None else weights, perm, y, y.stride(0), s, h),  # x: placeholder weights
             TOPK=topk,
             BS=bs,
             BH=bh,

@@ -185,11 +185,7 @@ def packed_tail_fits(n_tokens: int, k: int, programs: int) -> bool:
 
 
 _ROUTE = FastLaunch(_moe_route_fwd)
-
-
 _PERM_BASE = FastLaunch(_perm_base)
-
-
 _PERM_SCATTER = FastLaunch(_perm_scatter)
 
 

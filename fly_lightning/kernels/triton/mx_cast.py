@@ -59,8 +59,9 @@ def _encode_fp4_narrow(t, sign_of):
 
     ``t * 2^-126`` puts e2m1's grid on fp32's: 0.5 becomes the subnormal 0x00400000, 1 the smallest normal, and each
     e2m1 step below 6 one step of the fp32 bits' bit 22 (exact: 8 significant bits stay within the subnormals' 23), so
-    the code is those bits rounded to a multiple of 2^22, ties to even, by integer arithmetic. Five instructions per
-    element where ``_encode`` takes about ten; fp32 input keeps ``_encode`` (its extra bits would be rounded twice)."""
+    the code is those bits rounded to a multiple of 2^22, ties to even, by integer arithmetic: fewer instructions than
+    ``_encode``'s two paths (the whole cast, sm90 SASS: 26.75 -> 21.75 per element). fp32 input keeps ``_encode``
+    (its extra bits would be rounded twice)."""
     b = (t * 2.0**-126).to(tl.uint32, bitcast=True)  # unsigned: logical shifts, no sign extension
     code = (b + 0x1FFFFF + ((b >> 22) & 1)) >> 22
     return (code | ((sign_of.to(tl.uint32, bitcast=True) >> 28) & 8)).to(tl.int32)
@@ -104,17 +105,14 @@ def _mx_cast_rows(
     scaled = x3 * (1.0 / divisor)[:, :, None]
     if FP4 and BF16:  # the sign from x; the magnitude saturated by one min (NaN elements are unspecified)
         codes = tl.reshape(_encode_fp4_narrow(tl.minimum(tl.abs(scaled), MAX), x3), (BR, BK))
-    else:
-        scaled = tl.minimum(tl.maximum(scaled, -MAX), MAX)
-    if FP4 and BF16:
-        pass
     elif HW and not FP4:  # the GPU's fp32 -> fp8 conversion: round to nearest even, as torchao's .to() (finite here)
+        scaled = tl.reshape(tl.minimum(tl.maximum(scaled, -MAX), MAX), (BR, BK))
         if EBITS == 5:
-            codes = tl.reshape(scaled, (BR, BK)).to(tl.float8e5).to(tl.uint8, bitcast=True)
+            codes = scaled.to(tl.float8e5).to(tl.uint8, bitcast=True)
         else:
-            codes = tl.reshape(scaled, (BR, BK)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            codes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        codes = tl.reshape(_encode(scaled, EBITS, MBITS, BIAS), (BR, BK))
+        codes = tl.reshape(_encode(tl.minimum(tl.maximum(scaled, -MAX), MAX), EBITS, MBITS, BIAS), (BR, BK))
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
     tl.store(SCALE + rows[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
@@ -190,8 +188,8 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
             _CAST(
                 (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
                 (x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k),
-                **{"BR": br, "G": g, "EMAX": f.emax, "MAX": f.max, "EBITS": ebits, "MBITS": mbits, "BIAS": bias,
-                 "FP4": f.bits == 4, "BF16": bf16, "HW": hw},
+                BR=br, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16,
+                HW=hw,
                 num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

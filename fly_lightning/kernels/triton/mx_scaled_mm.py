@@ -243,9 +243,9 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
             grid,
             (a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), dst, m, n, k,
              a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n),
-            **{"A_FMT": FMT_CODE[a_fmt], "B_FMT": FMT_CODE[b_fmt], "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-             "BLOCK_K": cfg.block_k, "GROUP_M": cfg.group_m, "SWAP": cfg.swap, "SPLIT_K": split,
-             "INTERPRET": interpreting() and a.device.type == "cpu", "HW_CVT": cfg.fp8_cvt == "hw"},
+            A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split,
+            INTERPRET=interpreting() and a.device.type == "cpu", HW_CVT=cfg.fp8_cvt == "hw",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if split > 1:

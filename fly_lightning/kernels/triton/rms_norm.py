@@ -252,8 +252,6 @@ def _plan(
 
 
 _UNALIGNED = FastLaunch(_rms_norm_unaligned)
-
-
 _ROWS = FastLaunch(_rms_norm_rows)
 
 

@@ -52,12 +52,32 @@ def test_bit_exact_with_torchao(fmt, dtype, plan):
     _assert_same(data, scale, *mx_cast_reference(x, fmt, "floor", -1))
 
 
-@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"])
 def test_both_roundings_agree(fmt, monkeypatch):
-    """The conversion instructions (the GPU default) and the integer rounding the interpreter runs, both compiled."""
+    """The conversion instructions (the GPU default; fp4: PTX f16x2 conversion and min) and the integer rounding or
+    per-element conversions the interpreter runs, both compiled."""
     x = _blocks(torch.bfloat16)
     hw = kernel.launch(x, fmt)
     monkeypatch.setattr(kernel, "HW_CVT", False)
     bits = kernel.launch(x, fmt)
     assert torch.equal(hw[1].view(torch.uint8), bits[1].view(torch.uint8))
     _assert_same(hw[0], hw[1], *bits)
+
+
+def test_fp4_pairs_on_every_bf16_value(monkeypatch):
+    """Every bf16 value, alone in its block and under larger ones, cast to MXFP4 by the pair kernel in its PTX form
+    and in its portable form: the same bits as torchao's ``to_mx``."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 32)
+    blocks = [bits]
+    for top in (1.0, 6.0, 7.9, 3e38, 1e-38, 2.0**-130, 448.0):
+        y = bits.clone()
+        y[:, 0] = top
+        blocks.append(y)
+    x = torch.cat(blocks).reshape(-1, 256).cuda()
+    want_scale, want_data = to_mx(x, formats.FORMATS["mxfp4_e2m1"].torch_dtype, 32, ScaleCalculationMode.FLOOR)
+    _assert_same(*kernel.launch(x, "mxfp4_e2m1"), want_data, want_scale)
+    monkeypatch.setattr(kernel, "HW_CVT", False)
+    _assert_same(*kernel.launch(x, "mxfp4_e2m1"), want_data, want_scale)

@@ -3,7 +3,7 @@ bf16 and fp8, ``mx_cast.HW_CVT``), for each format and input dtype; report each 
 
 from _sm90 import compile_sm90, report
 
-from fly_lightning.kernels.triton.mx_cast import _BITS, PLAN, _mx_cast_rows
+from fly_lightning.kernels.triton.mx_cast import _BITS, PLAN, _mx_cast_fp4_pairs, _mx_cast_rows
 from fly_lightning.quant import formats
 
 
@@ -24,9 +24,24 @@ def variant(fmt: str, dtype: str) -> dict:
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
 
 
+def fp4_pairs() -> dict:
+    """The bf16 -> MXFP4 kernel the launcher picks (``_mx_cast_fp4_pairs``) in its PTX form."""
+    br, g, warps = PLAN
+    sig = {a: "i32" for a in _mx_cast_fp4_pairs.arg_names}
+    sig.update(X="*i32", DATA="*u8", SCALE="*u8")
+    aligned = ("X", "DATA", "SCALE", "K", "stride_x")
+    kernel, spill, regs = compile_sm90(
+        _mx_cast_fp4_pairs, sig, dict(BR=br, G=g, PTX=True), aligned, num_warps=warps, num_stages=1
+    )
+    ptx = kernel.asm["ptx"]
+    return dict(spill_bytes=spill, registers=regs, fp8_cvt=0,
+                f16x2_cvt=ptx.count("cvt.rn.f16x2.f32"), f16x2_min=ptx.count("min.f16x2"))  # fmt: skip
+
+
 VARIANTS = {
     f"{fmt}-{dtype}": (lambda f=fmt, d=dtype: variant(f, d)) for fmt in formats.FORMATS for dtype in ("bf16", "fp32")
 }
+VARIANTS["mxfp4_e2m1-bf16-pairs"] = fp4_pairs
 
 if __name__ == "__main__":
     report(VARIANTS)

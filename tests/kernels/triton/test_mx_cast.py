@@ -50,6 +50,36 @@ def test_other_launch_plans(plan):
         _check(x, fmt, plan)
 
 
+def _every_bf16(block_tops: tuple[float, ...] = (1.0, 6.0, 7.9, 3e38, 1e-38, 2.0**-130, 448.0)) -> torch.Tensor:
+    """Every bf16 bit pattern, in 32-value blocks as they come and again with each block's first value replaced by
+    one of ``block_tops`` (so that every value is also cast under scales set by others), 256 values per row."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 32)
+    blocks = [x]
+    for top in block_tops:
+        y = x.clone()
+        y[:, 0] = top
+        blocks.append(y)
+    return torch.cat(blocks).reshape(-1, 256)
+
+
+def test_fp4_pairs_bit_exact_on_every_bf16_value():
+    """bf16 to MXFP4 reads pairs (``_mx_cast_fp4_pairs``, its rounding on f16 bits): every bf16 value, alone in its
+    block and under larger ones, gives the reference's code."""
+    _check(_every_bf16(), "mxfp4_e2m1")
+
+
+def test_fp4_rows_not_readable_as_pairs_take_the_element_kernel(monkeypatch):
+    """An odd storage offset cannot be read as int32 pairs: ``_mx_cast_rows`` casts it, with the same bits."""
+    from fly_lightning.kernels.triton import mx_cast as kernel
+
+    x = _cases(torch.bfloat16).reshape(-1)[1 : 1 + 16 * 64].reshape(16, 64)
+    assert kernel._as_pairs(x) is None
+    calls = []
+    monkeypatch.setattr(kernel, "_CAST_FP4_PAIRS", lambda *a, **k: calls.append(a))
+    _check(x, "mxfp4_e2m1")
+    assert calls == []
+
+
 def test_leading_dims_and_strided_rows():
     x = _cases(torch.bfloat16)[:36].reshape(2, 9, 64)
     _check(x, "mxfp4_e2m1")

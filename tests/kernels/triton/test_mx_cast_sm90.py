@@ -1,5 +1,6 @@
 """The MX cast kernel compiles for the H200 (sm_90) in its GPU form for every format and input dtype: no register
-spills, and fp8 elements rounded by the conversion instructions (fp4 by integer arithmetic: Hopper has none for it).
+spills, fp8 elements rounded by the conversion instructions, fp4 from bf16 by f16x2 conversions and integer rounding
+(Hopper has no fp4 conversion).
 Runs Triton's compiler and bundled ptxas on the CPU, in a subprocess without the interpreter."""
 
 from fly_lightning.quant import formats
@@ -7,7 +8,9 @@ from fly_lightning.quant import formats
 
 def test_compiles_for_sm90(compiled_variants):
     results = compiled_variants("mx_cast_sm90_compile.py")
-    assert len(results) == 2 * len(formats.FORMATS)
+    assert len(results) == 2 * len(formats.FORMATS) + 1
     for name, r in results.items():
         assert r["spill_bytes"] == 0, (name, r)
         assert (r["fp8_cvt"] > 0) == name.startswith("mxfp8"), (name, r)
+    pairs = results["mxfp4_e2m1-bf16-pairs"]  # bf16 -> MXFP4: two elements per f16x2 conversion and clamp
+    assert pairs["f16x2_cvt"] > 0 and pairs["f16x2_min"] > 0, pairs

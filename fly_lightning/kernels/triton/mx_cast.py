@@ -8,10 +8,11 @@ in the low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so w
 column-wise cast run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an fp32 ``log2``, whose rounding the
 kernel would have to reproduce.
 
-The fp4 cast is bound by instructions, not bytes: 26.75 SASS instructions per element (sm90) against 12.25 for fp8,
-which converts by instruction; ``_encode_fp4_narrow`` (bf16 input) took it to 21.75 and from 52-54% to 61-62% of copy
-bandwidth on the H200 (mx_cast suite, 80049ec; every launch plan within 3%). What remains: the clamp and scale
-multiplies, the packing's register shuffle through shared memory, and the integer rounding itself.
+bf16 -> fp4 takes ``_mx_cast_fp4_pairs``: the fp4 cast is bound by instructions, not bytes (Hopper has no fp4
+conversion), and working on bf16 pairs held in one int32 with f16x2 instructions halves most of them. sm90 SASS per
+element: 26.75 (``_encode``), then 21.75 (fp32 subnormal rounding per element), 13.3 for the pairs (fp8: 12.25);
+copy bandwidth on the H200: 52-54%, 61-62%, then 78-79% (mx_cast suite, e204651). fp32 input, and bf16 rows whose
+storage offset or row stride is odd (not readable as int32 pairs), keep ``_mx_cast_rows``.
 Not kept: fp4 codes stored as int32 words of 8 (no shared-memory shuffle for the packed store): 53%, as byte stores.
 """
 

@@ -102,16 +102,49 @@ def dequant_fp8(
 
 
 @triton.jit
-def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False):
+def _fp4_pair_bits(packed_u8):
+    """Bytes of two e2m1 codes ``[R, CP]`` to uint32 words of two bf16 bit patterns (element ``2j``, the low nibble,
+    in the low half), each ``value * 2^-126``: two multiplies place both nibbles' sign and exponent-mantissa bits
+    (the byte's copies at 6 and 18, and at 12 and 24, never overlap), two masks keep them."""
+    b = _as_u8(packed_u8).to(tl.uint32)
+    return ((b * 0x00040040) & 0x01C001C0) | ((b * 0x01001000) & 0x80008000)
+
+
+@triton.jit
+def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False, PTX: tl.constexpr = False):
     """MXFP4 tile packed two e2m1 codes per byte along the last dim (element ``2j`` in the low nibble), ``[R, C / 2]``
-    uint8, with scales ``[R, C / 32]`` (uint8) to bf16 ``[R, C]`` (fp32 with ``FP32``)."""
+    uint8, with scales ``[R, C / 32]`` (uint8) to bf16 ``[R, C]`` (fp32 with ``FP32``).
+
+    ``PTX`` (NVIDIA GPUs, not with ``FP32``): each byte's pair stays in one 32-bit word through both power-of-two
+    multiplies (``fma.rn.bf16x2`` with a -0 addend, exact) and is split into bf16 halves only for the dot."""
     R: tl.constexpr = packed_u8.shape[0]
     CP: tl.constexpr = packed_u8.shape[1]
-    p = _as_u8(packed_u8).to(tl.int32)
-    codes = tl.reshape(tl.join(p & 0xF, p >> 4), (R, CP * 2))  # join puts the low nibble first: element 2j
-    bits = ((codes & 8) << 12) | ((codes & 7) << 6)  # sign; exponent (2 bits) and mantissa (1) at bf16's, bias 1
-    v = _from_bf16_bits(bits, FP32) * 2.0**126
-    return _apply_scale(v, scale, FP32)
+    if PTX and not FP32:
+        w = _fp4_pair_bits(packed_u8)
+        G: tl.constexpr = CP // 16
+        s = _as_u8(scale).to(tl.uint32)
+        s16 = (s << 7) | tl.where((s == 0) | (s == 255), 0x40, 0)  # e8m0_to_float's bits
+        s_pair = tl.broadcast_to((s16 | (s16 << 16))[:, :, None], (R, G, 16))
+        w = tl.inline_asm_elementwise(
+            "{ .reg .b32 c, z; mov.b32 c, 0x7E807E80; mov.b32 z, 0x80008000; "
+            "fma.rn.bf16x2 $0, $1, c, z; fma.rn.bf16x2 $0, $0, $2, z; }",
+            "=r,r,r",
+            [tl.reshape(w, (R, G, 16)), s_pair],
+            dtype=tl.uint32,
+            is_pure=True,
+            pack=1,
+        )
+        w = tl.reshape(w, (R, CP))
+        lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        out = tl.reshape(tl.join(lo, hi), (R, CP * 2))
+    else:  # per element (the pair form costs the fp4 x fp4 grouped kernel's large plan 16 bytes of spills)
+        p = _as_u8(packed_u8).to(tl.int32)
+        codes = tl.reshape(tl.join(p & 0xF, p >> 4), (R, CP * 2))  # join puts the low nibble first: element 2j
+        bits = ((codes & 8) << 12) | ((codes & 7) << 6)  # sign; exponent (2 bits) and mantissa (1) at bf16's, bias 1
+        v = _from_bf16_bits(bits, FP32) * 2.0**126
+        out = _apply_scale(v, scale, FP32)
+    return out
 
 
 # Prepass dequantisation: a whole MX operand to bf16 in memory, for the GEMM plans that then run a bf16 GEMM
@@ -136,7 +169,7 @@ def _dequant_tile(
     if FMT == 3:
         half = cb * (BC // 2) + tl.arange(0, BC // 2)
         x = tl.load(DATA + rows64[:, None] * stride_d + half[None, :], mask=rmask & (half[None, :] < C // 2), other=0)
-        v = dequant_fp4(x, s, FP32)
+        v = dequant_fp4(x, s, FP32, HW_CVT)
     else:
         x = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C), other=0)
         v = dequant_fp8(x, s, FMT == 2, FP32, HW_CVT)

@@ -44,6 +44,7 @@ def _operand(
     BLOCK_K: tl.constexpr,
     FMT: tl.constexpr,
     UPCAST: tl.constexpr,
+    PTX: tl.constexpr = False,
 ):
     """K slab ``kk`` of a tile's rows as the dot's operand ``[rows, BLOCK_K]`` (bf16, fp32 when ``UPCAST``).
 
@@ -60,7 +61,7 @@ def _operand(
         s = tl.load(scale_ptrs + kk * G + tl.arange(0, G)[None, :])
         if FMT == 3:
             b = tl.load(row_ptrs + kk * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-            v = dequant_fp4(b, s, FP32=UPCAST)
+            v = dequant_fp4(b, s, FP32=UPCAST, PTX=PTX)
         else:
             b = tl.load(row_ptrs + kk * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
             # the hardware float8 -> f16 conversion on the GPU (1.3-1.76x faster in the dense MX GEMM); the
@@ -102,7 +103,8 @@ def _mx_tile(
     else:
         for kk in range(0, k_tiles):
             a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST)
-            b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST)
+            # pairwise fp4 weights (dequant_fp4's PTX) but not beside fp4 activations: 16 bytes of spills there
+            b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST, PTX=X_FMT != 3)
             acc = tl.dot(a, tl.trans(b), acc)
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])

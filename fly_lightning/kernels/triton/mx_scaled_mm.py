@@ -103,7 +103,7 @@ def _load_tile(
     elif FMT == 3:
         s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
         x = tl.load(P + rows[:, None] + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-        x = dequant_fp4(x, s, INTERPRET)
+        x = dequant_fp4(x, s, INTERPRET, PTX=not INTERPRET)
     else:
         s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
         x = tl.load(P + rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])

@@ -36,7 +36,7 @@ def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt:
     r = dict(
         spill_bytes=spill, registers=regs, shared=kernel.metadata.shared,
         wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
-        async_copies=ttgir.count("ttg.async_copy_global_to_local"),
+        async_copies=ttgir.count("ttg.async_copy_global_to_local"), bf16x2_fma=ptx.count("fma.rn.bf16x2"),
     )  # fmt: skip
     if loop:
         r.update(sass_loop(kernel))

@@ -7,7 +7,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton._mx_dequant import dequant_fp4, dequant_fp8, dequantize, e8m0_to_float, hw_cvt
+from fly_lightning.kernels.triton._mx_dequant import (
+    _fp4_pair_bits,
+    dequant_fp4,
+    dequant_fp8,
+    dequantize,
+    e8m0_to_float,
+    hw_cvt,
+)
 from fly_lightning.quant import formats
 
 
@@ -26,6 +33,12 @@ def _fp4_kernel(X, S, OUT, R: tl.constexpr, C: tl.constexpr):
     x = tl.load(X + r[:, None] * (C // 2) + tl.arange(0, C // 2)[None, :])
     s = tl.load(S + r[:, None] * (C // 32) + tl.arange(0, C // 32)[None, :])
     tl.store(OUT + r[:, None] * C + tl.arange(0, C)[None, :], dequant_fp4(x, s, True))
+
+
+@triton.jit
+def _fp4_pair_bits_kernel(X, OUT, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(OUT + i[None, :], _fp4_pair_bits(tl.load(X + i[None, :])).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -59,6 +72,20 @@ def test_fp4_every_pair():
     _fp4_kernel[(1,)](x, s, y, R=2, C=512)
     want = formats.from_mx(x, s.view(torch.float8_e8m0fnu), "mxfp4_e2m1")
     assert _same(y, want)
+
+
+def test_fp4_pair_bits_on_every_byte():
+    """The GPU's pairwise fp4 decode (``dequant_fp4`` with ``PTX``) starts from these words: for every byte, both
+    nibbles' bf16 bit patterns (value * 2^-126), the low nibble in the low half."""
+    x = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(256, dtype=torch.int32)
+    _fp4_pair_bits_kernel[(1,)](x, out, N=256)
+    codes = torch.stack([x.int() & 0xF, x.int() >> 4])
+    halves = ((codes & 8) << 12) | ((codes & 7) << 6)
+    assert torch.equal(out, halves[0] | (halves[1] << 16))  # int32 wraps like the kernel's uint32 for sign bit 31
+    values = halves.to(torch.int16).view(torch.bfloat16).float() * 2.0**126
+    unit = torch.full((1, 16), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # scale 1
+    assert torch.equal(values, formats.from_mx(x.reshape(1, 256), unit, "mxfp4_e2m1").reshape(256, 2).t())
 
 
 def test_scales():

@@ -15,6 +15,8 @@ def test_compiles_for_sm90(compiled_variants):
         assert r["shared"] <= 232448, (name, r)  # H100/H200: 227 KB of shared memory per block
         if "mid" in name or "large" in name:
             assert r["async_copies"] > 0, (name, r)
+        # fp4 pairs scaled in one word each (dequant_fp4's PTX form), fp8 by its own conversion
+        assert (r["bf16x2_fma"] > 0) == name.startswith(("fp4", "w-fp4")), (name, r)
     for pair in ("e4m3", "e5m2"):  # the conversion instructions take a third of the bit path's loop or less
         bits, hw = results[f"{pair}-large-bits-loop"], results[f"{pair}-large-hwcvt-loop"]
         assert 0 < hw["loop_instructions"] < bits["loop_instructions"] / 2, (bits, hw)

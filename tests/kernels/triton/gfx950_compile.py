@@ -77,6 +77,13 @@ def mx_cast_rows(fmt: str, bf16: bool) -> dict:
     return compile_gfx950(mx_cast._mx_cast_rows, sig, const, ("X", "DATA", "SCALE", "stride_x", "K"), num_warps=4)
 
 
+def mx_cast_fp4_pairs() -> dict:
+    """bf16 -> MXFP4 as the launcher runs it on ROCm: pairs, without the PTX conversion (``PTX=False``)."""
+    sig = dict(X="*i32", stride_x="i32", DATA="*u8", SCALE="*u8", R="i32", K="i32")
+    const = dict(BR=16, G=8, PTX=False)
+    return compile_gfx950(mx_cast._mx_cast_fp4_pairs, sig, const, ("X", "DATA", "SCALE", "stride_x", "K"), num_warps=4)
+
+
 def grouped(cfg: GroupedMMConfig, gather: bool = False, scatter: bool = False) -> dict:
     """As the launcher runs ``cfg`` on ROCm: the pointer path (``tma_available`` is False there)."""
     cfg = _effective_config(replace(cfg, tma=False, tma_store=False), False, False, False, interp=False)
@@ -108,6 +115,7 @@ VARIANTS = {
     "topk-64-k8-bf16": lambda: topk_fwd(64, 8, torch.bfloat16),
     "mx_cast-mxfp8_e4m3-bf16": lambda: mx_cast_rows("mxfp8_e4m3", True),
     "mx_cast-mxfp4_e2m1-fp32": lambda: mx_cast_rows("mxfp4_e2m1", False),
+    "mx_cast-mxfp4_e2m1-bf16-pairs": mx_cast_fp4_pairs,
     "grouped_mm-pre-hopper": lambda: grouped(PRE_HOPPER_CONFIG),
     "grouped_mm-pre-hopper-gather": lambda: grouped(PRE_HOPPER_CONFIG, gather=True),
     "grouped_mm-pre-hopper-scatter": lambda: grouped(PRE_HOPPER_CONFIG, scatter=True),

@@ -75,6 +75,11 @@ def _f16x2_clamped(lo, hi, PTX: tl.constexpr):
 
 
 @triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _mx_cast_fp4_pairs(X, stride_x, DATA, SCALE, R, K, BR: tl.constexpr, G: tl.constexpr, PTX: tl.constexpr):
     """bf16 rows to MXFP4 (floor scales), two elements at a time: ``X`` is read as int32 words, each a bf16 pair
     (element ``2j`` in the low half), and each word becomes the byte that packs the pair's codes.
@@ -105,17 +110,11 @@ def _mx_cast_fp4_pairs(X, stride_x, DATA, SCALE, R, K, BR: tl.constexpr, G: tl.c
     h = _f16x2_clamped(lo * inv[:, :, None], hi * inv[:, :, None], PTX)
     r = h + 0x00FF00FF + ((h >> 9) & 0x00010001)  # codes at bits 9-11 and 25-27, round to nearest even
     v = r | ((w3 >> 3) & 0x10001000)  # the bf16 signs (bits 15, 31) beside them, at bits 12 and 28
-    lo_code = v >> 9
-    packed = tl.reshape((lo_code ^ ((lo_code ^ (v >> 21)) & 0xF0)).to(tl.uint8), (BR, BW))
+    packed = tl.reshape((((v >> 9) & 0x0F) | ((v >> 21) & 0xF0)).to(tl.uint8), (BR, BW))
     tl.store(DATA + rows[:, None] * (K // 2) + words[None, :], packed, mask=mask)
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
     tl.store(SCALE + rows[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
-
-
-@triton.jit
-def _max_nan(a, b):
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -206,8 +205,9 @@ PLAN = (16, 8, 4)
 """(rows, 32-value blocks along K, warps) per program."""
 HW_CVT = True
 """On NVIDIA GPUs from sm89 on, bf16 widened and fp8 elements rounded by conversion instructions rather than the
-integer arithmetic the interpreter needs (``_encode``; fp4 always takes it: Hopper has no fp4 conversion). Both
-bit-exact with torchao: the GPU tests compare them on every special block (sm90)."""
+integer arithmetic the interpreter needs (``_encode``), and bf16 -> fp4 pairs converted by PTX f16x2 instructions
+rather than per element (``_f16x2_clamped``). Both forms bit-exact with torchao: the GPU tests compare them on every
+special block, and fp4 on every bf16 value (sm90)."""
 
 
 def _hw_cvt(x: torch.Tensor) -> bool:

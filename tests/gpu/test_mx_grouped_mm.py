@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 COUNTS = [0, 130, 7, 0, 1000, 64, 1, 333]  # empty groups, a tiny one, one spanning many tiles, sizes off 16
 PAIRS = [(None, "mxfp8_e4m3"), (None, "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"),
-         ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e5m2", "mxfp8_e4m3")]  # fmt: skip
+         ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e5m2", "mxfp8_e4m3"), ("mxfp8_e4m3", "mxfp4_e2m1")]  # fmt: skip
 
 
 def _problem(counts, k, n, x_fmt, w_fmt, tail=0, seed=0):

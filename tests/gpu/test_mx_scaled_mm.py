@@ -109,8 +109,9 @@ def test_prepass_dequantisation_equals_from_mx_on_every_code(fmt):
     r, c = 37, 1088  # rows and columns off the kernel's 16 x 512 tile
     codes = (torch.arange(c // per_byte, device="cuda", dtype=torch.int32) % 256).to(torch.uint8).repeat(r, 1)
     data = codes.roll(3, 1) if per_byte == 2 else codes.view(formats.FORMATS[fmt].torch_dtype)
-    s = torch.randint(100, 150, (r, c // 32), device="cuda", dtype=torch.uint8)
-    s[0, 0], s[1, 1] = 255, 254  # a NaN block; 2^127 (e4m3 and e5m2 overflow bf16 to inf, as from_mx's rounding)
+    # every scale: 0 (2^-127) and small ones (subnormal bf16 products), 254 (2^127: e4m3 and e5m2 overflow bf16 to
+    # inf, as from_mx's rounding), 255 (NaN blocks)
+    s = (torch.arange(r * (c // 32), device="cuda", dtype=torch.int32) % 256).to(torch.uint8).reshape(r, c // 32)
     s = s.view(torch.float8_e8m0fnu)
     y = dequantize(data, s, fmt)
     want = formats.from_mx(data, s, fmt).bfloat16()

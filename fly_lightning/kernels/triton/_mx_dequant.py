@@ -115,8 +115,9 @@ def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False, PTX: tl.constexpr 
     """MXFP4 tile packed two e2m1 codes per byte along the last dim (element ``2j`` in the low nibble), ``[R, C / 2]``
     uint8, with scales ``[R, C / 32]`` (uint8) to bf16 ``[R, C]`` (fp32 with ``FP32``).
 
-    ``PTX`` (NVIDIA GPUs, not with ``FP32``): each byte's pair stays in one 32-bit word through both power-of-two
-    multiplies (``fma.rn.bf16x2`` with a -0 addend, exact) and is split into bf16 halves only for the dot."""
+    ``PTX`` (NVIDIA sm80+, ``ptx_pairs``; ignored with ``FP32``): each byte's pair stays in one 32-bit word through
+    both power-of-two multiplies (``fma.rn.bf16x2`` with a -0 addend, exact) and is split into bf16 halves only for
+    the dot."""
     R: tl.constexpr = packed_u8.shape[0]
     CP: tl.constexpr = packed_u8.shape[1]
     if PTX and not FP32:
@@ -138,7 +139,7 @@ def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False, PTX: tl.constexpr 
         lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
         hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
         out = tl.reshape(tl.join(lo, hi), (R, CP * 2))
-    else:  # per element (the pair form costs the fp4 x fp4 grouped kernel's large plan 16 bytes of spills)
+    else:  # per element: the interpreter (FP32), ROCm, pre-sm80, and fp4 x fp4 grouped tiles (16 bytes of spills)
         p = _as_u8(packed_u8).to(tl.int32)
         codes = tl.reshape(tl.join(p & 0xF, p >> 4), (R, CP * 2))  # join puts the low nibble first: element 2j
         bits = ((codes & 8) << 12) | ((codes & 7) << 6)  # sign; exponent (2 bits) and mantissa (1) at bf16's, bias 1
@@ -158,6 +159,7 @@ DEQUANT_COLS = 512
 def _dequant_tile(
     DATA, SCALE, OUT, R, C, stride_d, stride_s, stride_o, tile, n_col_tiles,
     FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr, HW_CVT: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
     rows = (tile // n_col_tiles) * BR + tl.arange(0, BR)
     cb = tile % n_col_tiles
@@ -169,7 +171,7 @@ def _dequant_tile(
     if FMT == 3:
         half = cb * (BC // 2) + tl.arange(0, BC // 2)
         x = tl.load(DATA + rows64[:, None] * stride_d + half[None, :], mask=rmask & (half[None, :] < C // 2), other=0)
-        v = dequant_fp4(x, s, FP32, HW_CVT)
+        v = dequant_fp4(x, s, FP32, PTX)
     else:
         x = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C), other=0)
         v = dequant_fp8(x, s, FMT == 2, FP32, HW_CVT)
@@ -181,7 +183,7 @@ def _dequant_kernel(
     A, A_SCALE, A_OUT, RA, stride_a, stride_as, stride_ao,
     B, B_SCALE, B_OUT, RB, stride_b, stride_bs, stride_bo, C,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr,
-    HW_CVT: tl.constexpr,
+    HW_CVT: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     """Two operands of the same K in one launch (each launch costs the host tens of microseconds): the first
     ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's."""
@@ -190,10 +192,10 @@ def _dequant_kernel(
     pid = tl.program_id(0)
     if pid < tiles_a:
         _dequant_tile(A, A_SCALE, A_OUT, RA, C, stride_a, stride_as, stride_ao, pid, n_col_tiles,
-                      A_FMT, BR, BC, FP32, HW_CVT)  # fmt: skip
+                      A_FMT, BR, BC, FP32, HW_CVT, PTX)  # fmt: skip
     else:
         _dequant_tile(B, B_SCALE, B_OUT, RB, C, stride_b, stride_bs, stride_bo, pid - tiles_a, n_col_tiles,
-                      B_FMT, BR, BC, FP32, HW_CVT)  # fmt: skip
+                      B_FMT, BR, BC, FP32, HW_CVT, PTX)  # fmt: skip
 
 
 def hw_cvt(t: torch.Tensor) -> bool:
@@ -207,6 +209,19 @@ def hw_cvt(t: torch.Tensor) -> bool:
 @functools.cache
 def _sm89(index: int) -> bool:  # the capability query costs the host microseconds on every call
     return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def ptx_pairs(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device runs the inline-PTX pair forms (``dequant_fp4``'s ``PTX``, the bf16 -> MXFP4 cast):
+    NVIDIA from sm80 (``cvt.rn.f16x2.f32``, ``min.f16x2``, ``fma.rn.bf16x2``); not ROCm, nor the interpreter."""
+    if not t.is_cuda or torch.version.hip is not None or interpreting():
+        return False
+    return _sm80(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm80(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 _DEQUANT = FastLaunch(_dequant_kernel)
@@ -247,7 +262,7 @@ def dequantize(
                 (data.view(torch.uint8), scale.view(torch.uint8), a_out, ra, data.stride(0), scale.stride(0), c,
                  b.view(torch.uint8), b_s.view(torch.uint8), b_out, rb, b.stride(0), b_s.stride(0), c, c),
                 A_FMT=FMT_CODE[fmt], B_FMT=FMT_CODE[b_fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=not data.is_cuda,
-                HW_CVT=hw_cvt(data),
+                HW_CVT=hw_cvt(data), PTX=ptx_pairs(data),
                 num_warps=4,
             )  # fmt: skip
     return (a_out, b_out) if more else a_out

@@ -31,7 +31,7 @@ from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize, ptx_pairs
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
 
@@ -76,7 +76,7 @@ def _mx_tile(
     tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr,
 ):
     """Compute and store output tile ``tile`` (of group g, whose rows are [g_start, g_start + g_size))."""
     pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
@@ -104,7 +104,7 @@ def _mx_tile(
         for kk in range(0, k_tiles):
             a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST)
             # pairwise fp4 weights (dequant_fp4's PTX) but not beside fp4 activations: 16 bytes of spills there
-            b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST, PTX=X_FMT != 3)
+            b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST, PTX=PTX and X_FMT != 3)
             acc = tl.dot(a, tl.trans(b), acc)
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -116,7 +116,7 @@ def _mx_grouped_mm_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, NUM_PROGS,
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, INTERPRET: tl.constexpr,
+    UPCAST: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -140,7 +140,7 @@ def _mx_grouped_mm_kernel(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
             _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
                      stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
-                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET)
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX)
             tile += NUM_PROGS
     else:
         for tile in range(pid, total, NUM_PROGS):
@@ -148,7 +148,7 @@ def _mx_grouped_mm_kernel(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
             _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
                      stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
-                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET)
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX)
 # fmt: on
 
 
@@ -268,7 +268,7 @@ def launch(
              progs),
             X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=max(1024, next_pow2(e)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            UPCAST=interp, INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            UPCAST=interp, INTERPRET=interp, PTX=ptx_pairs(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out
 

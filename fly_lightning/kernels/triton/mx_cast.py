@@ -2,11 +2,12 @@
 
 One program casts a tile of rows x 32-value blocks: the block's largest magnitude gives its E8M0 scale from the fp32
 exponent field, the elements are scaled, saturated and rounded to nearest even: fp8 on NVIDIA GPUs from sm89 by the
-conversion instructions (``HW_CVT``); fp4 (Hopper has no fp4 conversion), other GPUs and the interpreter (whose
-float8 conversion differs) by integer arithmetic on the fp32 bits. Stored as bytes; fp4 two per byte, element ``2j``
-in the low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with torchao. ``rceil`` scales and the
-column-wise cast run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an fp32 ``log2``, whose rounding the
-kernel would have to reproduce.
+conversion instructions (``HW_CVT``); fp4 from bf16 on f16 bits (below); fp4 from fp32, other GPUs and the
+interpreter (whose float8 conversion differs) by integer arithmetic on the fp32 bits. Stored as bytes; fp4 two per
+byte, element ``2j`` in the low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with torchao
+(in NaN-scale blocks: finite values +-0, NaN and inf codes unspecified). ``rceil`` scales and the column-wise cast
+run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an fp32 ``log2``, whose rounding the kernel would have
+to reproduce.
 
 bf16 -> fp4 takes ``_mx_cast_fp4_pairs``: the fp4 cast is bound by instructions, not bytes (Hopper has no fp4
 conversion), and working on bf16 pairs held in one int32 with f16x2 instructions halves most of them. sm90 SASS per
@@ -25,7 +26,7 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import hw_cvt
+from fly_lightning.kernels.triton._mx_dequant import hw_cvt, ptx_pairs
 from fly_lightning.kernels.triton._support import device_reason, on_device
 from fly_lightning.ops.mx_cast import MX_CAST
 from fly_lightning.quant import formats
@@ -92,29 +93,32 @@ def _mx_cast_fp4_pairs(X, stride_x, DATA, SCALE, R, K, BR: tl.constexpr, G: tl.c
     crosses a half: each is at most 0x0F00), and the two signs and codes are moved into one byte."""
     BW: tl.constexpr = G * 16  # words per row tile: G blocks of 32 values
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rows64 = rows.to(tl.int64)  # offsets past 2^31 elements
     words = tl.program_id(1) * BW + tl.arange(0, BW)
     mask = (rows[:, None] < R) & (words[None, :] < K // 2)  # K % 32 == 0: a block is wholly in or out
-    w = tl.load(X + rows[:, None] * stride_x + words[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True)
+    w = tl.load(X + rows64[:, None] * stride_x + words[None, :], mask=mask, other=0).to(tl.uint32, bitcast=True)
     w3 = tl.reshape(w, (BR, G, 16))
     a = w3 & 0x7FFF7FFF  # both magnitudes
     lo = (a << 16).to(tl.float32, bitcast=True)
     hi = (a & 0xFFFF0000).to(tl.float32, bitcast=True)
-    m = tl.maximum(lo, hi, propagate_nan=tl.PropagateNan.ALL)
-    amax = tl.reduce(m, 2, _max_nan)
+    amax = tl.reduce(_max_nan(lo, hi), 2, _max_nan)
     field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0 for zero and subnormals
-    biased = tl.minimum(tl.maximum(field - 2, 0), 255)  # e2m1's emax: 2
-    biased = tl.where(amax != amax, 255, biased)
-    # 2^(127 - max(biased, 1)) * 2^-14 (torchao divides by the scale clamped to 2^-126), subnormal from biased 240
+    biased = tl.maximum(field - 2, 0)  # e2m1's emax: 2
+    nan = amax != amax
+    biased = tl.where(nan, 255, biased)
+    # 2^(127 - max(biased, 1)) * 2^-14 (torchao divides by the scale clamped to 2^-126), subnormal from biased 240;
+    # 0 in a NaN block, whose scale torchao divides by as inf: its finite values become +-0 there too
     e = 113 - tl.maximum(biased, 1)
     inv = tl.where(e >= -126, (e + 127) << 23, 1 << tl.minimum(e + 149, 31)).to(tl.float32, bitcast=True)
+    inv = tl.where(nan, 0.0, inv)
     h = _f16x2_clamped(lo * inv[:, :, None], hi * inv[:, :, None], PTX)
     r = h + 0x00FF00FF + ((h >> 9) & 0x00010001)  # codes at bits 9-11 and 25-27, round to nearest even
     v = r | ((w3 >> 3) & 0x10001000)  # the bf16 signs (bits 15, 31) beside them, at bits 12 and 28
     packed = tl.reshape((((v >> 9) & 0x0F) | ((v >> 21) & 0xF0)).to(tl.uint8), (BR, BW))
-    tl.store(DATA + rows[:, None] * (K // 2) + words[None, :], packed, mask=mask)
+    tl.store(DATA + rows64[:, None] * (K // 2) + words[None, :], packed, mask=mask)
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
-    tl.store(SCALE + rows[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
+    tl.store(SCALE + rows64[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
 
 
 @triton.jit
@@ -138,9 +142,10 @@ def _mx_cast_rows(
 ):
     BK: tl.constexpr = G * 32
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rows64 = rows.to(tl.int64)  # offsets past 2^31 elements
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows[:, None] < R) & (cols[None, :] < K)  # K % 32 == 0: a block is wholly in or out
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0)
+    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0)
     if BF16 and not HW:  # bf16 bits (int16) widened by hand: the interpreter's bf16 -> fp32 mangles subnormals
         x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     else:
@@ -163,15 +168,15 @@ def _mx_cast_rows(
         codes = tl.reshape(_encode(tl.minimum(tl.maximum(scaled, -MAX), MAX), EBITS, MBITS, BIAS), (BR, BK))
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
-    tl.store(SCALE + rows[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
+    tl.store(SCALE + rows64[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
     if FP4:
         lo, hi = tl.split(tl.reshape(codes, (BR, BK // 2, 2)))
         packed = (lo | (hi << 4)).to(tl.uint8)
         half = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
         pmask = (rows[:, None] < R) & (half[None, :] < K // 2)
-        tl.store(DATA + rows[:, None] * (K // 2) + half[None, :], packed, mask=pmask)
+        tl.store(DATA + rows64[:, None] * (K // 2) + half[None, :], packed, mask=pmask)
     else:
-        tl.store(DATA + rows[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
+        tl.store(DATA + rows64[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
 
 
 def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
@@ -204,10 +209,10 @@ def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[tor
 PLAN = (16, 8, 4)
 """(rows, 32-value blocks along K, warps) per program."""
 HW_CVT = True
-"""On NVIDIA GPUs from sm89 on, bf16 widened and fp8 elements rounded by conversion instructions rather than the
+"""On NVIDIA GPUs, bf16 widened and fp8 elements rounded by conversion instructions (from sm89) rather than the
 integer arithmetic the interpreter needs (``_encode``), and bf16 -> fp4 pairs converted by PTX f16x2 instructions
-rather than per element (``_f16x2_clamped``). Both forms bit-exact with torchao: the GPU tests compare them on every
-special block, and fp4 on every bf16 value (sm90)."""
+(from sm80, ``ptx_pairs``) rather than per element (``_f16x2_clamped``). Both forms bit-exact with torchao: the
+GPU tests compare them on every special block, and fp4 on every bf16 value (sm90)."""
 
 
 def _hw_cvt(x: torch.Tensor) -> bool:
@@ -248,7 +253,7 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
                 _CAST_FP4_PAIRS(
                     (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
                     (pairs, pairs.stride(0), data, scale, r, k),
-                    BR=br, G=g, PTX=hw, num_warps=warps,
+                    BR=br, G=g, PTX=HW_CVT and ptx_pairs(x), num_warps=warps,
                 )  # fmt: skip
             return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
         with on_device(x):

@@ -46,7 +46,7 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize, ptx_pairs
 from fly_lightning.kernels.triton._support import (
     ON_HIP,
     device_reason,
@@ -93,7 +93,16 @@ class MXMMConfig:
 
 @triton.jit
 def _load_tile(
-    P, S, rows, s_rows, k0, FMT: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr, HW_CVT: tl.constexpr
+    P,
+    S,
+    rows,
+    s_rows,
+    k0,
+    FMT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    HW_CVT: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     """Rows ``rows`` (element offsets) x K ``[k0, k0 + BLOCK_K)`` of one operand, dequantised: bf16 (fp32 when
     interpreting, whose bf16 arithmetic and dot are unreliable)."""
@@ -104,7 +113,7 @@ def _load_tile(
     elif FMT == 3:
         s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
         x = tl.load(P + rows[:, None] + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-        x = dequant_fp4(x, s, INTERPRET, PTX=not INTERPRET)
+        x = dequant_fp4(x, s, INTERPRET, PTX)
     else:
         s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
         x = tl.load(P + rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
@@ -120,6 +129,7 @@ def _mx_mm_kernel(
     A_FMT: tl.constexpr, B_FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, HW_CVT: tl.constexpr,
+    PTX: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -144,8 +154,8 @@ def _mx_mm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT)
-        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT)
+        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX)
+        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX)
         if SWAP:
             acc = tl.dot(b, tl.trans(a), acc)
         else:
@@ -246,7 +256,7 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
              a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n),
             A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split,
-            INTERPRET=interpreting() and a.device.type == "cpu", HW_CVT=cfg.fp8_cvt == "hw",
+            INTERPRET=interpreting() and a.device.type == "cpu", HW_CVT=cfg.fp8_cvt == "hw", PTX=ptx_pairs(a),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if split > 1:

@@ -34,7 +34,8 @@ def fp4_pairs() -> dict:
         _mx_cast_fp4_pairs, sig, dict(BR=br, G=g, PTX=True), aligned, num_warps=warps, num_stages=1
     )
     ptx = kernel.asm["ptx"]
-    return dict(spill_bytes=spill, registers=regs, fp8_cvt=0,
+    fp8_cvt = ptx.count("cvt.rn.satfinite.e4m3x2.f32") + ptx.count("cvt.rn.satfinite.e5m2x2.f32")
+    return dict(spill_bytes=spill, registers=regs, fp8_cvt=fp8_cvt,
                 f16x2_cvt=ptx.count("cvt.rn.f16x2.f32"), f16x2_min=ptx.count("min.f16x2"))  # fmt: skip
 
 

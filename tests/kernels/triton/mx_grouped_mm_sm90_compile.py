@@ -18,6 +18,7 @@ PAIRS = {
     "fp4": ("mxfp4_e2m1", "mxfp4_e2m1"),
     "w-e4m3": (None, "mxfp8_e4m3"),
     "w-fp4": (None, "mxfp4_e2m1"),
+    "e4m3-fp4": ("mxfp8_e4m3", "mxfp4_e2m1"),
 }
 
 
@@ -30,7 +31,7 @@ def variant(pair: str, plan: str, out: str = "bf16") -> dict:
                OUT=f"*{out}", OFFS="*i32")  # fmt: skip
     const = dict(
         X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=1024, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, INTERPRET=False,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, INTERPRET=False, PTX=True,
     )  # fmt: skip
     aligned = ("X", "XS", "W", "WS", "OUT", "OFFS", "N", "K", "stride_xm", "stride_xsm", "stride_we", "stride_wn",
                "stride_wse", "stride_wsn", "stride_om")  # fmt: skip
@@ -39,7 +40,7 @@ def variant(pair: str, plan: str, out: str = "bf16") -> dict:
     return dict(
         spill_bytes=spill, registers=regs, shared=kernel.metadata.shared,
         wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
-        async_copies=ttgir.count("ttg.async_copy_global_to_local"),
+        async_copies=ttgir.count("ttg.async_copy_global_to_local"), bf16x2_fma=ptx.count("fma.rn.bf16x2"),
     )  # fmt: skip
 
 

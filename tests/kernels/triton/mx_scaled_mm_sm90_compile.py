@@ -28,7 +28,7 @@ def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt:
     sig.update(A="*bf16" if a_fmt is None else "*u8", A_SCALE="*u8", B="*u8", B_SCALE="*u8", OUT=f"*{out}")
     const = dict(
         A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt,
+        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt, PTX=True,
     )  # fmt: skip
     aligned = ("A", "A_SCALE", "B", "B_SCALE", "OUT", "K", "stride_am", "stride_asm", "stride_bn", "stride_bsn")
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

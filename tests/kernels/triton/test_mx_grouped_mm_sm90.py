@@ -5,8 +5,10 @@ configurations have (``_mx_grouped_mm_kernel``'s table). Says nothing about spee
 
 def test_every_variant_compiles_to_wgmma_within_the_known_spills(compiled_variants):
     results = compiled_variants("mx_grouped_mm_sm90_compile.py")
-    assert len(results) == 13
+    assert len(results) == 15
     for name, r in results.items():
+        # fp4 weights decode pairwise (dequant_fp4's PTX form) except beside fp4 activations (spills there)
+        assert (r["bf16x2_fma"] > 0) == (name.startswith(("w-fp4", "e4m3-fp4"))), (name, r)
         assert r["spill_bytes"] <= 8, (name, r)  # the table's sweep timed these spills; more would be news
         assert r["shared"] <= 232448, (name, r)  # H100/H200: 227 KB of shared memory per block
         assert r["wgmma"] > 0 and r["mma"] == 0, (name, r)  # Hopper's warpgroup MMA, not Ampere's mma.sync

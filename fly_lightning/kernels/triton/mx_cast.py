@@ -12,8 +12,8 @@ to reproduce.
 bf16 -> fp4 takes ``_mx_cast_fp4_pairs``: the fp4 cast is bound by instructions, not bytes (Hopper has no fp4
 conversion), and working on bf16 pairs held in one int32 with f16x2 instructions halves most of them. sm90 SASS per
 element: 26.75 (``_encode``), then 21.75 (fp32 subnormal rounding per element), 13.3 for the pairs (fp8: 12.25);
-copy bandwidth on the H200: 52-54%, 61-62%, then 78-79% (mx_cast suite, e204651). fp32 input, and bf16 rows whose
-storage offset or row stride is odd (not readable as int32 pairs), keep ``_mx_cast_rows``.
+copy bandwidth on the H200: 52-54%, 61-62%, then 78-80% (mx_cast suite, e204651 and 3216fa7). fp32 input, and bf16
+rows whose storage offset or row stride is odd (not readable as int32 pairs), keep ``_mx_cast_rows``.
 Not kept: fp4 codes stored as int32 words of 8 (no shared-memory shuffle for the packed store): 53%, as byte stores.
 """
 

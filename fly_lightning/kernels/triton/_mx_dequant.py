@@ -201,27 +201,25 @@ def _dequant_kernel(
 def hw_cvt(t: torch.Tensor) -> bool:
     """Whether ``t``'s device converts fp8 by instruction (``dequant_fp8``'s ``HW_CVT``): NVIDIA from sm89 (Triton has
     no fp8 type before); not ROCm, nor the interpreter."""
-    if not t.is_cuda or torch.version.hip is not None or interpreting():
-        return False
-    return _sm89(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm89(index: int) -> bool:  # the capability query costs the host microseconds on every call
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    return _nvidia_capability(t) >= (8, 9)
 
 
 def ptx_pairs(t: torch.Tensor) -> bool:
     """Whether ``t``'s device runs the inline-PTX pair forms (``dequant_fp4``'s ``PTX``, the bf16 -> MXFP4 cast):
     NVIDIA from sm80 (``cvt.rn.f16x2.f32``, ``min.f16x2``, ``fma.rn.bf16x2``); not ROCm, nor the interpreter."""
+    return _nvidia_capability(t) >= (8, 0)
+
+
+def _nvidia_capability(t: torch.Tensor) -> tuple[int, int]:
+    """``t``'s compute capability when compiled Triton runs it on an NVIDIA GPU, else (0, 0)."""
     if not t.is_cuda or torch.version.hip is not None or interpreting():
-        return False
-    return _sm80(t.device.index if t.device.index is not None else torch.cuda.current_device())
+        return (0, 0)
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
-def _sm80(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 0)
+def _capability(index: int) -> tuple[int, int]:  # the query costs the host microseconds on every call
+    return torch.cuda.get_device_capability(index)
 
 
 _DEQUANT = FastLaunch(_dequant_kernel)
@@ -256,13 +254,14 @@ def dequantize(
     b_out = outputs.empty(rb, c, dtype=dtype, device=dev) if more else a_out
     tiles = (cdiv(ra, DEQUANT_ROWS) + cdiv(rb, DEQUANT_ROWS)) * cdiv(c, DEQUANT_COLS)
     if tiles:
+        hw = hw_cvt(data)
         with on_device(data):
             _DEQUANT(
                 (tiles,),
                 (data.view(torch.uint8), scale.view(torch.uint8), a_out, ra, data.stride(0), scale.stride(0), c,
                  b.view(torch.uint8), b_s.view(torch.uint8), b_out, rb, b.stride(0), b_s.stride(0), c, c),
                 A_FMT=FMT_CODE[fmt], B_FMT=FMT_CODE[b_fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=not data.is_cuda,
-                HW_CVT=hw_cvt(data), PTX=ptx_pairs(data),
+                HW_CVT=hw, PTX=hw or ptx_pairs(data),  # sm89 (hw) implies sm80
                 num_warps=4,
             )  # fmt: skip
     return (a_out, b_out) if more else a_out

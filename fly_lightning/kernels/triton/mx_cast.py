@@ -246,8 +246,6 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
         r = x2.shape[0]
         br, g, warps = plan
         g = min(g, next_pow2(k // formats.BLOCK))
-        ebits, mbits, bias = _BITS[f.name]
-        hw = _hw_cvt(x)
         if f.bits == 4 and bf16 and (pairs := _as_pairs(x2)) is not None:
             with on_device(x):
                 _CAST_FP4_PAIRS(
@@ -256,6 +254,8 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
                     BR=br, G=g, PTX=HW_CVT and ptx_pairs(x), num_warps=warps,
                 )  # fmt: skip
             return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
+        ebits, mbits, bias = _BITS[f.name]
+        hw = _hw_cvt(x)
         with on_device(x):
             _CAST(
                 (cdiv(r, br), cdiv(k, g * formats.BLOCK)),

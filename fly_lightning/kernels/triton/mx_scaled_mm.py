@@ -10,12 +10,13 @@ Small M (decode, weight-only at M <= 64) swaps the operands, ``out^T = dequant(b
 fills the MMA's M side and the few tokens its N side, and splits K across programs (fp32 partials summed after) so
 that enough programs stream the weights. Result: fp32 accumulation of the exact dequantised values, so it matches
 ``mx_scaled_mm_reference`` up to summation order (and underflow below 2^-126, where bf16 keeps 7 bits).
-Its bound is the decode, not bandwidth: at 16x28672x4096 (MXFP4 weights, H200) it streams 62 MB of weights in 56 us
-of device time (875892f), 50 us since the fp4 pairs decode in one word each (``dequant_fp4``'s PTX form, 8182f20:
-the sm90 main loop 630 -> 509 instructions per thread, 8 per weight element), 1.2 TB/s, as long as cuBLAS takes for
-4x the bytes in bf16. The weight-only goal (2.5x bf16) needs a decode of about one instruction per element (values
-and their bits laid out in memory so that one register's nibbles decode together, as triton_kernels' Hopper MXFP4
-path does) and the scales applied per 32-wide K slice to the MMA's partial sums rather than to every element.
+Its bound is the decode, not bandwidth: at 16x28672x4096 (MXFP4 weights, H200, mx_gemm suite at 8182f20) it streams
+62 MB of weights in 50 us of device time, 1.2 TB/s, against cuBLAS's 58 us for 4x the bytes in bf16. That is with the
+fp4 pairs decoded in one word each (``dequant_fp4``'s PTX form: 56 us before; the sm90 main loop, compiled on the CPU,
+630 -> 509 instructions per thread, 8 per weight element). The weight-only goal (2.5x bf16) needs a decode of about
+one instruction per element (values and their bits laid out in memory so that one register's nibbles decode
+together, as triton_kernels' Hopper MXFP4 path does) and the scales applied per 32-wide K slice to the MMA's partial
+sums rather than to every element.
 
 Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
 (``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs

@@ -135,11 +135,11 @@ def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
     try:
         for cap, want in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, cap=cap: cap)
-            _mx_dequant._sm89.cache_clear()  # the capability is cached per device
+            _mx_dequant._capability.cache_clear()  # the capability is cached per device
             assert kernel._hw_cvt(OnCuda()) is want
         monkeypatch.setattr(torch.version, "hip", "7.0")
         assert kernel._hw_cvt(OnCuda()) is False
         monkeypatch.setenv("TRITON_INTERPRET", "1")
         assert kernel._hw_cvt(OnCuda()) is False and kernel._hw_cvt(torch.zeros(1)) is False
     finally:
-        _mx_dequant._sm89.cache_clear()  # no faked capability left for later tests
+        _mx_dequant._capability.cache_clear()  # no faked capability left for later tests

@@ -6,7 +6,9 @@ ours adds the dispatcher (signature, cached decision lookup, call count). Also: 
 against ``F.rms_norm``, and the dispatcher alone (the op's call on a cached decision) without the custom op.
 
 CUDA cases (GPU machine): the public ops on small inputs, so that the host is the bottleneck: N calls, then one
-device sync, per call. These include the launch of the Triton kernels and their per-call planning.
+device sync, per call. These include the launch of the Triton kernels and their per-call planning. The MX GEMM
+cases: MXFP8 x MXFP8 at 128 rows (the dequantising prepass, then cuBLAS) and weight-only MXFP4 at 16 rows (K split
+across programs).
 
 ``--against DIR`` times the same cases for another copy of the package (``DIR/fly_lightning``, e.g. the previous
 revision laid out as an install does) in alternating processes, rounds in turn, and reports both side by side.
@@ -77,6 +79,11 @@ def cuda_cases() -> dict[str, float]:
     logits = torch.randn(t, 64, device=dev)
     perm = torch.randperm(t * k, device=dev).to(torch.int32)
     route_k = 8
+    fp8, fp4 = "mxfp8_e4m3", "mxfp4_e2m1"
+    xm, wm = torch.randn(128, 256, device=dev, dtype=bf16), torch.randn(256, 256, device=dev, dtype=bf16)
+    a8, a8_s = fly_lightning.mx_cast(xm, fp8, "floor")
+    b8, b8_s = fly_lightning.mx_cast(wm, fp8, "floor")
+    w4, w4_s = fly_lightning.mx_cast(torch.randn(4096, 4096, device=dev, dtype=bf16), fp4, "floor")
     return {
         "cuda rms_norm [16, 4096] bf16": host_us(lambda: fly_lightning.rms_norm(x, w, 1e-6)),
         "cuda rms_norm, x requires grad": host_us(lambda: fly_lightning.rms_norm(xg, w, 1e-6)),
@@ -89,6 +96,14 @@ def cuda_cases() -> dict[str, float]:
         "cuda moe_route [128, 64] top-8 + permutation": host_us(
             lambda: fly_lightning.moe_route(logits, route_k, return_permutation=True)
         ),
+        "cuda mx_cast MXFP8 [16, 4096]": host_us(lambda: fly_lightning.mx_cast(x, fp8, "floor")),
+        "cuda mx_scaled_mm MXFP8 [128, 256] x [256, 256]": host_us(
+            lambda: fly_lightning.mx_scaled_mm(a8, b8, b8_s, fp8, a_scale=a8_s, a_fmt=fp8)
+        ),
+        "cuda mx_scaled_mm bf16 x MXFP4 [16, 4096] x [4096, 4096]": host_us(
+            lambda: fly_lightning.mx_scaled_mm(x, w4, w4_s, fp4)
+        ),
+        "cuda torch.mm bf16 [128, 256] x [256, 256]": host_us(lambda: torch.mm(xm, wm.t())),
     }
 
 

@@ -130,8 +130,7 @@ def _launch_args(k: Any, grid: Sequence[int], device: int, args: Sequence[Any], 
     """The compiled launcher's arguments, as the compiled kernel's own runner passes them."""
     g = (*grid, 1, 1)
     stream, all_args = _stream(device), (*args, *consts)
-    hooks = knobs.runtime
-    return (
-        g[0], g[1], g[2], stream, k.function, k.packed_metadata, k.launch_metadata(g[:3], stream, *all_args),
-        hooks.launch_enter_hook, hooks.launch_exit_hook, *all_args,
-    )  # fmt: skip
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    # without an enter hook Triton's launch_metadata returns None: skip the call (and its argument packing)
+    meta = k.launch_metadata(g[:3], stream, *all_args) if _hooks_set(enter) else None
+    return (g[0], g[1], g[2], stream, k.function, k.packed_metadata, meta, enter, leave, *all_args)

@@ -250,8 +250,8 @@ def dequantize(
     c = scale.shape[1] * 32
     dev = data.device
     dtype = torch.bfloat16 if data.is_cuda else torch.float32
-    a_out = outputs.empty(ra, c, dtype=dtype, device=dev)
-    b_out = outputs.empty(rb, c, dtype=dtype, device=dev) if more else a_out
+    out = outputs.empty(ra + rb, c, dtype=dtype, device=dev)  # one allocation for both (host time)
+    a_out, b_out = (out[:ra], out[ra:]) if more else (out, out)
     tiles = (cdiv(ra, DEQUANT_ROWS) + cdiv(rb, DEQUANT_ROWS)) * cdiv(c, DEQUANT_COLS)
     if tiles:
         hw = hw_cvt(data)

@@ -124,7 +124,7 @@ def _load_tile(
 
 @triton.jit
 def _mx_mm_kernel(
-    A, A_SCALE, B, B_SCALE, OUT,
+    A, A_SCALE, B, B_SCALE, OUT, PARTIAL, ARRIVED,
     M, N, K,
     stride_am, stride_asm, stride_bn, stride_bsn, stride_om, stride_split,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr,
@@ -163,10 +163,21 @@ def _mx_mm_kernel(
             acc = tl.dot(a, tl.trans(b), acc)
     if SWAP:
         acc = tl.trans(acc)
-    OUT = OUT + tl.program_id(1).to(tl.int64) * stride_split
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     ptrs = OUT + rm.to(tl.int64)[:, None] * stride_om + rn[None, :]
-    tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+    if SPLIT_K == 1:
+        tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        # split K: each program stores its fp32 partial; the tile's last program to arrive sums all of them in split
+        # order (the same sums whichever arrives last) and writes the output: no reduction launches after the GEMM
+        tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
+        tl.store(PARTIAL + tl.program_id(1).to(tl.int64) * stride_split + tile, acc, mask=mask)
+        # acq_rel: this program's partial is visible before its arrival counts, the others' before the last reads
+        if tl.atomic_add(ARRIVED + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            total = tl.zeros_like(acc)
+            for s in range(SPLIT_K):
+                total += tl.load(PARTIAL + s * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(ptrs, total.to(OUT.dtype.element_ty), mask=mask)
 
 
 def plan(
@@ -246,22 +257,24 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
         return _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
     split = cfg.split_k
     out = outputs.empty(m, n, dtype=out_dtype, device=a.device)
-    dst = out if split == 1 else outputs.empty(split, m, n, dtype=torch.float32, device=a.device)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    if split == 1:
+        partial = arrived = out  # unused
+    else:  # fp32 partials, and per output tile the count of its programs done (zeroed per call: no shared state)
+        partial = outputs.empty(split, m, n, dtype=torch.float32, device=a.device)
+        arrived = torch.zeros(tiles, dtype=torch.int32, device=a.device)
     a_arg = a if a_fmt is None else a.view(torch.uint8)  # float8 / e8m0 tensors cannot be kernel arguments
     a_s = (b_scale if a_scale is None else a_scale).view(torch.uint8)  # b's scales: a placeholder for bf16 a
-    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), split)
     with on_device(a):
         _MX_MM(
-            grid,
-            (a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), dst, m, n, k,
+            (tiles, split),
+            (a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), out, partial, arrived, m, n, k,
              a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n),
             A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split,
             INTERPRET=interpreting() and a.device.type == "cpu", HW_CVT=cfg.fp8_cvt == "hw", PTX=ptx_pairs(a),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if split > 1:
-        torch.sum(dst, dim=0, out=out) if out_dtype == torch.float32 else out.copy_(dst.sum(0))
     return out
 
 

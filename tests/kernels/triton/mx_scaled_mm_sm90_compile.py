@@ -25,7 +25,15 @@ def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt:
     cfg = PLANS[plan]
     fn = _mx_mm_kernel
     sig = {a: "i32" for a in fn.arg_names}
-    sig.update(A="*bf16" if a_fmt is None else "*u8", A_SCALE="*u8", B="*u8", B_SCALE="*u8", OUT=f"*{out}")
+    sig.update(
+        A="*bf16" if a_fmt is None else "*u8",
+        A_SCALE="*u8",
+        B="*u8",
+        B_SCALE="*u8",
+        OUT=f"*{out}",
+        PARTIAL="*fp32",
+        ARRIVED="*i32",
+    )
     const = dict(
         A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt, PTX=True,

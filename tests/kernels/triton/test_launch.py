@@ -71,7 +71,8 @@ def test_first_call_compiles_then_launcher_is_called_directly(on_gpu0):
     fast((5, 2), (x, 48), BLOCK=16, num_warps=4)  # same specialisation: the launcher, grid padded to 3-D
     assert len(k.plain) == 1
     hooks = _launch.knobs.runtime
-    want = (5, 2, 1, 1234, "fn", "meta", "launch-meta", hooks.launch_enter_hook, hooks.launch_exit_hook, x, 48, 16)
+    # no enter hook: no launch metadata (Triton's launch_metadata would return None too)
+    want = (5, 2, 1, 1234, "fn", "meta", None, hooks.launch_enter_hook, hooks.launch_exit_hook, x, 48, 16)
     assert k.launched[-1] == (*want, False)  # the omitted constexpr at its default
     fast((4,), (x[1:], 48), BLOCK=16, num_warps=4)  # misaligned pointer: a new key, Triton decides
     fast((4,), (x, 49), BLOCK=16, num_warps=4)  # not divisible by 16 any more: likewise
@@ -168,3 +169,15 @@ def test_rocm_keeps_the_plain_launch(monkeypatch):
 def test_interpreted_kernels_take_the_plain_launch():
     interpreted = FastLaunch(SimpleNamespace(fn=SimpleNamespace(__name__="f")))
     assert interpreted.broken
+
+
+@needs_knobs
+def test_an_enter_hook_gets_the_compiled_kernels_launch_metadata(on_gpu0, monkeypatch):
+    k = FakeKernel(["X", "BLOCK"], {"BLOCK"})
+    fast = FastLaunch(k)
+    x = torch.zeros(16)
+    hook = lambda *a: None  # noqa: E731 (a profiler's enter hook)
+    monkeypatch.setattr(_launch.knobs.runtime, "launch_enter_hook", hook)
+    for _ in range(2):
+        fast((1,), (x,), BLOCK=16)
+    assert k.launched[-1][6:8] == ("launch-meta", hook)

@@ -132,6 +132,27 @@ def test_plans():
     assert not plan(8192, 64, 128, "mxfp8_e4m3", "mxfp8_e4m3", torch.device("cpu")).prepass  # interpreter: in-loop
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_split_k_sums_in_the_kernel_in_split_order(out_dtype):
+    """Four K splits over several output tiles: the last program of each tile sums the fp32 partials in split order,
+    so the result is the same sums as adding the four partial products in order, on every call (bf16: within
+    ``_check``'s tolerance, as the interpreter's float -> bf16 conversion truncates)."""
+    m, n, k, split = 37, 45, 512, 4
+    a, a_s, b, bs = _operands(m, n, k, None, "mxfp4_e2m1", seed=5)
+    cfg = MXMMConfig(16, 16, 128, swap=True, split_k=split)
+    y, _ = _check(a, a_s, None, b, bs, "mxfp4_e2m1", out_dtype, cfg)
+    assert torch.equal(y, launch(a, a_s, None, b, bs, "mxfp4_e2m1", out_dtype, cfg))
+    q = k // split
+    parts = [
+        launch(a[:, i * q : (i + 1) * q], None, None, b[:, i * q // 2 : (i + 1) * q // 2],
+               bs[:, i * q // 32 : (i + 1) * q // 32], "mxfp4_e2m1", torch.float32, MXMMConfig(16, 16, 128, swap=True))
+        for i in range(split)
+    ]  # fmt: skip
+    total = parts[0] + parts[1] + parts[2] + parts[3]
+    if out_dtype == torch.float32:
+        assert torch.equal(y, total)
+
+
 def test_launch_rejects_a_split_that_does_not_divide_k():
     a, a_s, b, bs = _operands(4, 8, 128, "mxfp8_e4m3", "mxfp8_e4m3")
     with pytest.raises(ValueError, match="multiple of block_k"):

@@ -21,11 +21,12 @@ from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
 
 @dataclass(frozen=True)
 class MXSpec:
-    """What ``FlyMXLinear`` casts to: the weight's format, the activations' (None: weight-only) and the scale mode."""
+    """What ``FlyMXLinear`` casts to: the weight's format, the activations' (None: weight-only) and the scale mode
+    (``FlyMXConfig`` resolves its default)."""
 
     weight: str = "mxfp8_e4m3"
     activation: str | None = "mxfp8_e4m3"
-    mode: str = "floor"
+    mode: str = "rceil"
 
 
 class _MXLinearFunction(torch.autograd.Function):

@@ -31,13 +31,14 @@ def _blocks(dtype: torch.dtype, rows: int = 300, k: int = 640) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _assert_same(x, data, scale, want_data, want_scale):
-    """Scales equal; data bytes equal but those holding a NaN or inf input in a NaN-scale block (finite values there
-    are +-0, as torchao's division by an infinite scale gives; NaN and inf codes are unspecified)."""
+def _assert_same(x, data, scale, want_data, want_scale, mode="floor"):
+    """Scales equal; data bytes equal but those holding a NaN or inf input in a NaN-scale block (floor: finite values
+    there are +-0, as torchao's division by an infinite scale gives; NaN and inf codes are unspecified), and with
+    rceil none of a NaN block's (torchao's codes there are NaN)."""
     assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
     per_block = x.shape[-1] // scale.shape[-1]
     in_nan_block = (want_scale.view(torch.uint8) == formats.E8M0_NAN).repeat_interleave(per_block, dim=-1)
-    ok = ~in_nan_block | x.isfinite()
+    ok = ~in_nan_block | (x.isfinite() if mode == "floor" else False)
     valid = ok.reshape(*ok.shape[:-1], data.shape[-1], -1).all(-1)
     assert torch.equal(data.view(torch.uint8)[valid], want_data.view(torch.uint8)[valid])
 
@@ -86,3 +87,20 @@ def test_fp4_pairs_on_every_bf16_value(monkeypatch):
     _assert_same(x, *kernel.launch(x, "mxfp4_e2m1"), want_data, want_scale)
     monkeypatch.setattr(kernel, "HW_CVT", False)
     _assert_same(x, *kernel.launch(x, "mxfp4_e2m1"), want_data, want_scale)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["hw", "portable"])
+@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
+def test_rceil_from_bf16_bit_exact_with_torchao(fmt, portable, monkeypatch):
+    """rceil scales from bf16 (exponent and mantissa bits, no log2) on the special blocks and on every bf16 value as
+    a block's largest: torchao's ``to_mx`` with ``RCEIL`` (fp32 quotient, ``ceil(log2)``) on the GPU."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    if portable:
+        monkeypatch.setattr(kernel, "HW_CVT", False)
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 32)
+    for x in (_blocks(torch.bfloat16), every.cuda()):
+        want_scale, want_data = to_mx(x, formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode.RCEIL)
+        _assert_same(x, *kernel.launch(x, fmt, mode="rceil"), want_data, want_scale, "rceil")
+        _assert_same(x, *kernel.launch(x, fmt, mode="rceil"), *mx_cast_reference(x, fmt, "rceil", -1), "rceil")

@@ -127,7 +127,7 @@ def test_mismatched_files_raise_and_leave_the_model_untouched(tmp_path):
     cases = [
         (_net(1, FlyMXConfig("mxfp4_e2m1", frozen=True)), r"proj.weight has format 'mxfp8_e4m3' in the file, "
          r"'mxfp4_e2m1' in the model"),
-        (_net(1, FlyMXConfig("mxfp8_e4m3", mode="rceil", frozen=True)), "has mode 'floor' in the file, 'rceil'"),
+        (_net(1, FlyMXConfig("mxfp8_e4m3", mode="floor", frozen=True)), "has mode 'rceil' in the file, 'floor'"),
         (_net(1, FlyMXConfig("mxfp8_e4m3", frozen=True), hidden=96), r"has shape \[64, 64\] in the file, \[96, 96\]"),
     ]  # fmt: skip
     for net, match in cases:

@@ -37,7 +37,7 @@ def test_swaps_linears_with_whole_blocks_and_warns_about_the_rest():
     "config, tol",
     # two stacked layers: each cast rounds to 3 (e4m3) or 1 (e2m1) mantissa bits
     [(FlyMXConfig(), 0.1), (FlyMXConfig(activation=None), 0.08), (FlyMXConfig("mxfp4_e2m1", "mxfp4_e2m1"), 0.35),
-     (FlyMXConfig(mode="rceil"), 0.1)],
+     (FlyMXConfig(mode="floor"), 0.1)],
 )  # fmt: skip
 def test_forward_in_mx_backward_straight_through(config, tol):
     ref = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
@@ -58,6 +58,13 @@ def test_forward_in_mx_backward_straight_through(config, tol):
     assert torch.allclose(xl.grad, grad_h @ model[0].weight, rtol=1e-4, atol=1e-5)
     ops = {r["op"] for r in fly_lightning.DISPATCH_LOG.records()}
     assert {"mx_cast", "mx_scaled_mm"} <= ops
+
+
+def test_default_scale_mode_is_rceil_for_mxfp8_and_floor_with_mxfp4():
+    assert FlyMXConfig().mode == "rceil" and FlyMXConfig("mxfp8_e5m2", None).mode == "rceil"
+    assert FlyMXConfig("mxfp4_e2m1").mode == "floor" and FlyMXConfig("mxfp4_e2m1", None).mode == "floor"
+    assert FlyMXConfig("mxfp8_e4m3", "mxfp4_e2m1").mode == "floor"  # one mode for both casts: fp4's
+    assert FlyMXConfig(mode="floor").mode == "floor" and FlyMXConfig("mxfp4_e2m1", mode="rceil").mode == "rceil"
 
 
 def test_invalid_config_is_named():

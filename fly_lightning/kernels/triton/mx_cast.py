@@ -76,14 +76,32 @@ def _f16x2_clamped(lo, hi, PTX: tl.constexpr):
 
 
 @triton.jit
+def _rceil_biased(amax, EMAX: tl.constexpr, MANT_MAX: tl.constexpr):
+    """``rceil`` E8M0 scales of bf16 blocks (``amax`` their largest magnitude, in fp32; not NaN): ``ceil(log2(amax /
+    max))`` clamped to +-127, plus 127, where ``max = (1 + MANT_MAX * 2^-23) * 2^EMAX`` is the format's largest value.
+    From the bits: ``exponent(amax) - EMAX``, plus one where amax's mantissa exceeds max's. torchao takes ``ceil`` of
+    an fp32 ``log2`` of the fp32 quotient; for bf16 ``amax`` (8 significant bits) that quotient is a power of two or
+    at least 0.4% above one, so the rounding of ``log2`` never reaches the integer and the two agree (fp32 input can
+    land within an ulp of a power of two: not taken here). Zero and subnormal blocks (exponent field 0): 0; inf: 254."""
+    bits = amax.to(tl.int32, bitcast=True)
+    field = (bits >> 23) & 0xFF
+    up = ((bits & 0x7FFFFF) > MANT_MAX).to(tl.int32)
+    biased = tl.minimum(tl.maximum(field - EMAX + up, 0), 254)  # field - 127 - EMAX + up, clamped to +-127, + 127
+    return tl.where(field == 255, 254, biased)
+
+
+@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
-def _mx_cast_fp4_pairs(X, stride_x, DATA, SCALE, R, K, BR: tl.constexpr, G: tl.constexpr, PTX: tl.constexpr):
-    """bf16 rows to MXFP4 (floor scales), two elements at a time: ``X`` is read as int32 words, each a bf16 pair
-    (element ``2j`` in the low half), and each word becomes the byte that packs the pair's codes.
+def _mx_cast_fp4_pairs(
+    X, stride_x, DATA, SCALE, R, K, BR: tl.constexpr, G: tl.constexpr, PTX: tl.constexpr, RCEIL: tl.constexpr = False
+):
+    """bf16 rows to MXFP4 (floor scales, or ``RCEIL``: ``_rceil_biased``), two elements at a time: ``X`` is read as
+    int32 words, each a bf16 pair (element ``2j`` in the low half), and each word becomes the byte that packs the
+    pair's codes.
 
     Per pair: both halves widened to fp32 by bit moves; the block's NaN-propagating amax; both scaled by
     ``2^-(scale exponent) * 2^-14`` (exact: powers of two, bf16's 8 significant bits) and converted into one f16x2
@@ -102,13 +120,17 @@ def _mx_cast_fp4_pairs(X, stride_x, DATA, SCALE, R, K, BR: tl.constexpr, G: tl.c
     lo = (a << 16).to(tl.float32, bitcast=True)
     hi = (a & 0xFFFF0000).to(tl.float32, bitcast=True)
     amax = tl.reduce(_max_nan(lo, hi), 2, _max_nan)
-    field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0 for zero and subnormals
-    biased = tl.maximum(field - 2, 0)  # e2m1's emax: 2
     nan = amax != amax
-    biased = tl.where(nan, 255, biased)
-    # 2^(127 - max(biased, 1)) * 2^-14 (torchao divides by the scale clamped to 2^-126), subnormal from biased 240;
-    # 0 in a NaN block, whose scale torchao divides by as inf: its finite values become +-0 there too
-    e = 113 - tl.maximum(biased, 1)
+    if RCEIL:
+        biased = tl.where(nan, 255, _rceil_biased(amax, 2, 0x400000))  # e2m1's largest value: 1.5 * 2^2
+        unit = tl.where(biased == 0, 127, biased)  # torchao leaves a block of scale 0 unscaled
+    else:
+        field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0 for zero and subnormals
+        biased = tl.where(nan, 255, tl.maximum(field - 2, 0))  # e2m1's emax: 2
+        unit = tl.maximum(biased, 1)  # torchao divides by the scale clamped to 2^-126
+    # 2^(127 - unit) * 2^-14, subnormal from unit 240; 0 in a NaN block (floor: torchao divides by the scale as inf,
+    # so its finite values become +-0 there too; rceil: torchao's codes there are NaN, unspecified here)
+    e = 113 - unit
     inv = tl.where(e >= -126, (e + 127) << 23, 1 << tl.minimum(e + 149, 31)).to(tl.float32, bitcast=True)
     inv = tl.where(nan, 0.0, inv)
     h = _f16x2_clamped(lo * inv[:, :, None], hi * inv[:, :, None], PTX)
@@ -139,6 +161,8 @@ def _mx_cast_rows(
     FP4: tl.constexpr,
     BF16: tl.constexpr,
     HW: tl.constexpr,
+    RCEIL: tl.constexpr = False,
+    MANT_MAX: tl.constexpr = 0,
 ):
     BK: tl.constexpr = G * 32
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
@@ -153,11 +177,19 @@ def _mx_cast_rows(
     x3 = tl.reshape(x, (BR, G, 32))
     amax = tl.max(tl.abs(x3), axis=2)
     has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0  # max need not propagate NaN; the scale must
-    field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0 for zero and subnormals
-    biased = tl.minimum(tl.maximum(field - EMAX, 0), 255)
-    biased = tl.where(has_nan, 255, biased)
-    divisor = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)  # >= 2^-126; 255: inf
-    scaled = x3 * (1.0 / divisor)[:, :, None]
+    if RCEIL:  # bf16 input only (``_rceil_biased``)
+        biased = tl.where(has_nan, 255, _rceil_biased(amax, EMAX, MANT_MAX))
+        # 2^(127 - biased), 1 for scale 0 (torchao leaves such blocks unscaled), 2^-127 for 254 (inf blocks: fp32
+        # subnormal), 0 in a NaN block (torchao's codes there are NaN: unspecified here)
+        e = 127 - tl.where(biased == 0, 127, biased)
+        mult = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
+        scaled = x3 * tl.where(biased == 255, 0.0, mult)[:, :, None]
+    else:
+        field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0: zero and subnormals
+        biased = tl.minimum(tl.maximum(field - EMAX, 0), 255)
+        biased = tl.where(has_nan, 255, biased)
+        divisor = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)  # >= 2^-126
+        scaled = x3 * (1.0 / divisor)[:, :, None]  # 255: 1 / inf, +-0
     if HW and not FP4:  # the GPU's fp32 -> fp8 conversion: round to nearest even, as torchao's .to() (finite here)
         scaled = tl.reshape(tl.minimum(tl.maximum(scaled, -MAX), MAX), (BR, BK))
         if EBITS == 5:
@@ -182,8 +214,9 @@ def _mx_cast_rows(
 def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
     if (reason := device_reason(x)) is not None:
         return reason
-    if mode != "floor":
-        return f"{mode} scales (the kernel derives floor scales; rceil takes torchao's fp32 log2)"
+    if mode == "rceil" and x.dtype != torch.bfloat16:
+        # torchao takes ceil of an fp32 log2 of an fp32 quotient, which rounds some just above a power of two down
+        return f"rceil scales from {x.dtype} input (torchao's fp32 log2 rounding; the kernel takes rceil from bf16)"
     if axis != -1:
         return "column-wise cast (the kernel blocks the last dim)"
     k = x.shape[-1]
@@ -200,10 +233,10 @@ def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
     "triton",
     supports=_supports,
     constraints="x fp32/bf16, blocks of 32 along the last dim (contiguous, leading dims collapsible to rows); floor "
-    "scales; e4m3, e5m2, e2m1 (packed); rceil and column-wise on ATen",
+    "scales, rceil from bf16; e4m3, e5m2, e2m1 (packed); rceil from fp32 and column-wise on ATen",
 )
 def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch(x, fmt)
+    return launch(x, fmt, mode=mode)
 
 
 PLAN = (16, 8, 4)
@@ -225,6 +258,11 @@ _CAST = FastLaunch(_mx_cast_rows)
 _CAST_FP4_PAIRS = FastLaunch(_mx_cast_fp4_pairs)
 
 
+def _mantissa(v: float) -> int:
+    """The 23 mantissa bits of ``v`` in fp32 (the format's largest value, for ``_rceil_biased``)."""
+    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32)) & 0x7FFFFF
+
+
 def _as_pairs(x2: torch.Tensor) -> torch.Tensor | None:
     """``x2`` (bf16 rows, K even) read as int32 words of two elements, or None where its row stride or offset is odd
     (such rows take ``_mx_cast_rows``)."""
@@ -234,9 +272,14 @@ def _as_pairs(x2: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise floor cast of a supported ``x`` (``_supports``) in one launch ``plan`` (the benchmark times others)."""
+def launch(
+    x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN, mode: str = "floor"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise cast of a supported ``x`` (``_supports``) in one launch ``plan`` (the benchmark times others)."""
     f = formats.as_format(fmt)
+    rceil = formats.as_mode(mode) is formats.ScaleMode.RCEIL
+    if rceil and x.dtype != torch.bfloat16:
+        raise ValueError(f"mx_cast: the Triton kernel takes rceil scales from bf16 only, got {x.dtype}")
     k = x.shape[-1]
     data = outputs.empty(*x.shape[:-1], k // f.per_byte, dtype=torch.uint8, device=x.device)
     scale = outputs.empty(*x.shape[:-1], k // formats.BLOCK, dtype=torch.uint8, device=x.device)
@@ -251,7 +294,7 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
                 _CAST_FP4_PAIRS(
                     (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
                     (pairs, pairs.stride(0), data, scale, r, k),
-                    BR=br, G=g, PTX=HW_CVT and ptx_pairs(x), num_warps=warps,
+                    BR=br, G=g, PTX=HW_CVT and ptx_pairs(x), RCEIL=rceil, num_warps=warps,
                 )  # fmt: skip
             return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
         ebits, mbits, bias = _BITS[f.name]
@@ -261,7 +304,7 @@ def launch(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN) -> tupl
                 (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
                 (x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k),
                 BR=br, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16,
-                HW=hw,
+                HW=hw, RCEIL=rceil, MANT_MAX=_mantissa(f.max) if rceil else 0,
                 num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

@@ -3,11 +3,11 @@ bf16 and fp8, ``mx_cast.HW_CVT``), for each format and input dtype; report each 
 
 from _sm90 import compile_sm90, report
 
-from fly_lightning.kernels.triton.mx_cast import _BITS, PLAN, _mx_cast_fp4_pairs, _mx_cast_rows
+from fly_lightning.kernels.triton.mx_cast import _BITS, PLAN, _mantissa, _mx_cast_fp4_pairs, _mx_cast_rows
 from fly_lightning.quant import formats
 
 
-def variant(fmt: str, dtype: str) -> dict:
+def variant(fmt: str, dtype: str, rceil: bool = False) -> dict:
     f = formats.FORMATS[fmt]
     ebits, mbits, bias = _BITS[fmt]
     br, g, warps = PLAN
@@ -15,7 +15,7 @@ def variant(fmt: str, dtype: str) -> dict:
     sig.update(X=f"*{dtype}", DATA="*u8", SCALE="*u8")
     const = dict(
         BR=br, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4,
-        BF16=dtype == "bf16", HW=True,
+        BF16=dtype == "bf16", HW=True, RCEIL=rceil, MANT_MAX=_mantissa(f.max) if rceil else 0,
     )  # fmt: skip
     aligned = ("X", "DATA", "SCALE", "K", "stride_x")
     kernel, spill, regs = compile_sm90(_mx_cast_rows, sig, const, aligned, num_warps=warps, num_stages=1)
@@ -24,14 +24,14 @@ def variant(fmt: str, dtype: str) -> dict:
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
 
 
-def fp4_pairs() -> dict:
+def fp4_pairs(rceil: bool = False) -> dict:
     """The bf16 -> MXFP4 kernel the launcher picks (``_mx_cast_fp4_pairs``) in its PTX form."""
     br, g, warps = PLAN
     sig = {a: "i32" for a in _mx_cast_fp4_pairs.arg_names}
     sig.update(X="*i32", DATA="*u8", SCALE="*u8")
     aligned = ("X", "DATA", "SCALE", "K", "stride_x")
     kernel, spill, regs = compile_sm90(
-        _mx_cast_fp4_pairs, sig, dict(BR=br, G=g, PTX=True), aligned, num_warps=warps, num_stages=1
+        _mx_cast_fp4_pairs, sig, dict(BR=br, G=g, PTX=True, RCEIL=rceil), aligned, num_warps=warps, num_stages=1
     )
     ptx = kernel.asm["ptx"]
     fp8_cvt = ptx.count("cvt.rn.satfinite.e4m3x2.f32") + ptx.count("cvt.rn.satfinite.e5m2x2.f32")
@@ -43,6 +43,9 @@ VARIANTS = {
     f"{fmt}-{dtype}": (lambda f=fmt, d=dtype: variant(f, d)) for fmt in formats.FORMATS for dtype in ("bf16", "fp32")
 }
 VARIANTS["mxfp4_e2m1-bf16-pairs"] = fp4_pairs
+# rceil scales: from bf16 only (fp32 input takes ATen)
+VARIANTS.update({f"{fmt}-bf16-rceil": (lambda f=fmt: variant(f, "bf16", rceil=True)) for fmt in formats.FORMATS})
+VARIANTS["mxfp4_e2m1-bf16-pairs-rceil"] = lambda: fp4_pairs(rceil=True)
 
 if __name__ == "__main__":
     report(VARIANTS)

@@ -23,39 +23,44 @@ def _cases(dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def _compared(x: torch.Tensor, scale: torch.Tensor, per_byte: int) -> torch.Tensor:
-    """The data bytes that must match: all but those holding a NaN or inf input in a NaN-scale block (finite values
-    there are +-0, as torchao's division by an infinite scale gives; NaN and inf codes are unspecified)."""
+def _compared(x: torch.Tensor, scale: torch.Tensor, per_byte: int, mode: str = "floor") -> torch.Tensor:
+    """The data bytes that must match: with floor scales all but those holding a NaN or inf input in a NaN-scale
+    block (finite values there are +-0, as torchao's division by an infinite scale gives; NaN and inf codes are
+    unspecified); with rceil none of a NaN block's (torchao multiplies them by the NaN quotient: NaN codes)."""
     per_block = x.shape[-1] // scale.shape[-1]
     in_nan_block = (scale.view(torch.uint8) == formats.E8M0_NAN).repeat_interleave(per_block, dim=-1)
-    ok = ~in_nan_block | x.isfinite()
+    ok = ~in_nan_block | (x.isfinite() if mode == "floor" else False)
     return ok.reshape(*ok.shape[:-1], -1, per_byte).all(-1)
 
 
-def _check(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] | None = None) -> None:
-    data, scale = mx_cast_triton(x, fmt, "floor", -1) if plan is None else launch(x, fmt, plan)
-    want_data, want_scale = mx_cast_reference(x, fmt, "floor", -1)
+def _check(x: torch.Tensor, fmt: str, plan: tuple[int, int, int] | None = None, mode: str = "floor") -> None:
+    data, scale = mx_cast_triton(x, fmt, mode, -1) if plan is None else launch(x, fmt, plan, mode)
+    want_data, want_scale = mx_cast_reference(x, fmt, mode, -1)
     assert data.dtype == want_data.dtype and data.shape == want_data.shape
     assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
-    valid = _compared(x, want_scale, formats.as_format(fmt).per_byte)
+    valid = _compared(x, want_scale, formats.as_format(fmt).per_byte, mode)
     assert torch.equal(data.view(torch.uint8)[valid], want_data.view(torch.uint8)[valid])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+MODES = [("floor", torch.float32), ("floor", torch.bfloat16), ("rceil", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("mode, dtype", MODES, ids=[f"{m}-{str(d)[6:]}" for m, d in MODES])
 @pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
 @pytest.mark.parametrize("k", [32, 96, 320])
-def test_bit_exact_with_the_reference(fmt, dtype, k):
+def test_bit_exact_with_the_reference(fmt, mode, dtype, k):
     x = _cases(dtype).reshape(-1)
     x = x[: x.numel() // k * k].reshape(-1, k)  # rows not a multiple of the tile's, K of 1, 3 and 10 blocks
-    _check(x, fmt)
+    _check(x, fmt, mode=mode)
 
 
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
 @pytest.mark.parametrize("plan", [(8, 16, 4), (64, 4, 8)])
-def test_other_launch_plans(plan):
+def test_other_launch_plans(plan, mode):
     """Two other launch plans (rows, blocks, warps) give the same bits, rows and blocks not multiples of theirs."""
     x = _cases(torch.bfloat16).repeat(6, 1).reshape(-1)[: 42 * 160].reshape(42, 160)
     for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
-        _check(x, fmt, plan)
+        _check(x, fmt, plan, mode)
 
 
 def _every_bf16(block_tops: tuple[float, ...] = (1.0, 6.0, 7.9, 3e38, 1e-38, 2.0**-130, 448.0)) -> torch.Tensor:
@@ -70,15 +75,40 @@ def _every_bf16(block_tops: tuple[float, ...] = (1.0, 6.0, 7.9, 3e38, 1e-38, 2.0
     return torch.cat(blocks).reshape(-1, 256)
 
 
-def test_fp4_pairs_bit_exact_on_every_bf16_value(monkeypatch):
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_fp4_pairs_bit_exact_on_every_bf16_value(monkeypatch, mode):
     """bf16 to MXFP4 reads pairs (``_mx_cast_fp4_pairs``, its rounding on f16 bits): every bf16 value, alone in its
-    block and under larger ones, gives the reference's code."""
+    block and under larger ones, gives the reference's code and scale."""
     from fly_lightning.kernels.triton import mx_cast as kernel
 
     calls = []
     monkeypatch.setattr(kernel, "_CAST", lambda *a, **k: calls.append(a))  # the element kernel must not run
-    _check(_every_bf16(), "mxfp4_e2m1")
+    _check(_every_bf16(), "mxfp4_e2m1", mode=mode)
     assert calls == []
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
+def test_rceil_fp8_bit_exact_on_every_bf16_value(fmt):
+    """rceil scales from bf16 (``_rceil_biased``: exponent and mantissa bits against the format's largest value)
+    equal the reference's ``ceil(log2(amax / max))`` for every bf16 value as a block's largest, alone and under
+    others; the elements follow."""
+    _check(_every_bf16(), fmt, mode="rceil")
+
+
+def test_rceil_scale_rule_on_every_bf16_amax():
+    """The scale rule alone against torchao's formula in fp64 (exact here): every non-negative bf16 value as the
+    block maximum, for each format's largest value."""
+    amax = torch.arange(0, 0x7F81, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # 0 .. inf
+    for fmt in sorted(formats.FORMATS):
+        f = formats.as_format(fmt)
+        x = torch.zeros(amax.numel(), 32, dtype=torch.bfloat16)
+        x[:, 5] = amax
+        _, scale = launch(x, fmt, mode="rceil")
+        a = amax.double()
+        want = torch.where(
+            a.isinf(), 254, (torch.ceil(torch.log2(a / f.max)).clamp(-127, 127) + 127).nan_to_num(0, 0, 0)
+        )
+        assert torch.equal(scale.view(torch.uint8).squeeze(1).long(), want.long()), fmt
 
 
 def test_fp4_rows_not_readable_as_pairs_take_the_element_kernel(monkeypatch):
@@ -108,7 +138,7 @@ def test_empty_input():
 @pytest.mark.parametrize(
     "args, reason",
     [
-        ((torch.randn(4, 64), "mxfp8_e4m3", "rceil", -1), "rceil"),
+        ((torch.randn(4, 64), "mxfp8_e4m3", "rceil", -1), "rceil scales from torch.float32"),
         ((torch.randn(64, 4), "mxfp8_e4m3", "floor", 0), "column-wise"),
         ((torch.randn(64, 8).t(), "mxfp8_e4m3", "floor", -1), "not contiguous"),
     ],

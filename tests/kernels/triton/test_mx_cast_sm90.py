@@ -8,9 +8,10 @@ from fly_lightning.quant import formats
 
 def test_compiles_for_sm90(compiled_variants):
     results = compiled_variants("mx_cast_sm90_compile.py")
-    assert len(results) == 2 * len(formats.FORMATS) + 1
+    assert len(results) == 3 * len(formats.FORMATS) + 2  # floor from bf16 and fp32, rceil from bf16; fp4 pairs
     for name, r in results.items():
         assert r["spill_bytes"] == 0, (name, r)
         assert (r["fp8_cvt"] > 0) == name.startswith("mxfp8"), (name, r)
-    pairs = results["mxfp4_e2m1-bf16-pairs"]  # bf16 -> MXFP4: two elements per f16x2 conversion and clamp
-    assert pairs["f16x2_cvt"] > 0 and pairs["f16x2_min"] > 0, pairs
+    for name in ("mxfp4_e2m1-bf16-pairs", "mxfp4_e2m1-bf16-pairs-rceil"):
+        pairs = results[name]  # bf16 -> MXFP4: two elements per f16x2 conversion and clamp
+        assert pairs["f16x2_cvt"] > 0 and pairs["f16x2_min"] > 0, (name, pairs)

@@ -112,6 +112,8 @@ class MoECausalLM(L.LightningModule):
             ``nn.Linear`` layers and MoE experts but the output head and routers, through ``FlyMXConfig`` (torchao
             ``quantize_``); ``"none"``: bf16.
             ``fly-finetune test --model.quant ...`` on one checkpoint compares the eval losses.
+        quant_mode: the MX scale mode, ``"floor"`` or ``"rceil"``; None: ``FlyMXConfig``'s default (rceil for MXFP8,
+            floor for MXFP4).
         export_dir: at the end of ``fit``, a transformers-loadable copy of the model (``save_pretrained``: config and
             safetensors with the original parameter names, and the data's tokenizer if it has one) in this folder of
             the log directory; None: none.
@@ -134,6 +136,7 @@ class MoECausalLM(L.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 5,
         quant: Quant = "none",
+        quant_mode: Literal["floor", "rceil"] | None = None,
         export_dir: str | None = "hf_model",
     ) -> None:
         super().__init__()
@@ -156,7 +159,7 @@ class MoECausalLM(L.LightningModule):
                 max_seq_len,
             )
         if quant != "none":
-            apply_quant(self.model, quant)
+            apply_quant(self.model, quant, quant_mode)
         # with a checkpoint, its config decides the vocabulary: the unused argument must not clash with the data's
         # vocab_size when Lightning merges the hparams (``setup`` checks the real one)
         self.save_hyperparameters(ignore=["vocab_size"] if pretrained else None)
@@ -215,9 +218,10 @@ class MoECausalLM(L.LightningModule):
         }
 
 
-def apply_quant(model: torch.nn.Module, quant: str) -> None:
-    """``quantize_`` with ``FlyMXConfig``: the model's ``nn.Linear`` layers and its MoE experts (the blocks are swapped
-    for ``FlyMoE`` first, which is what carries MX experts), the output head and routers excepted (``mx_filter``)."""
+def apply_quant(model: torch.nn.Module, quant: str, mode: str | None = None) -> None:
+    """``quantize_`` with ``FlyMXConfig`` (scale ``mode``; None: its default): the model's ``nn.Linear`` layers and
+    its MoE experts (the blocks are swapped for ``FlyMoE`` first, which is what carries MX experts), the output head
+    and routers excepted (``mx_filter``)."""
     from torchao.quantization import quantize_
 
     from fly_lightning import FlyMXConfig, mx_filter, transform
@@ -226,7 +230,7 @@ def apply_quant(model: torch.nn.Module, quant: str) -> None:
     head = model.get_output_embeddings()
     transform(model, ops=["moe"])
     selected = lambda m, fqn: m is not head and mx_filter(m, fqn)  # noqa: E731
-    quantize_(model, FlyMXConfig(weight=fmt, activation=fmt), filter_fn=selected)
+    quantize_(model, FlyMXConfig(weight=fmt, activation=fmt, mode=mode), filter_fn=selected)
 
 
 def export_hf(module: MoECausalLM, path: Path) -> Path | None:

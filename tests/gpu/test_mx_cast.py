@@ -104,3 +104,21 @@ def test_rceil_from_bf16_bit_exact_with_torchao(fmt, portable, monkeypatch):
         want_scale, want_data = to_mx(x, formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode.RCEIL)
         _assert_same(x, *kernel.launch(x, fmt, mode="rceil"), want_data, want_scale, "rceil")
         _assert_same(x, *kernel.launch(x, fmt, mode="rceil"), *mx_cast_reference(x, fmt, "rceil", -1), "rceil")
+
+
+MODES = [("floor", torch.bfloat16), ("floor", torch.float32), ("rceil", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("mode, dtype", MODES)
+@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
+def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype):
+    """Blocks down the columns of ``[K, N]``: torchao's ``to_mx`` of the transpose, transposed back."""
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    x = _blocks(dtype).t().contiguous()  # [640, 300]: the special blocks run down the columns
+    data, scale = kernel.launch_cols(x, fmt, mode)
+    want_scale, want_data = to_mx(x.t(), formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode(mode))
+    _assert_same(x.t(), data.t(), scale.t(), want_data, want_scale, mode)
+    ref_data, ref_scale = mx_cast_reference(x, fmt, mode, 0)
+    _assert_same(x.t(), data.t(), scale.t(), ref_data.t(), ref_scale.t(), mode)

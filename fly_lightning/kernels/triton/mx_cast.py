@@ -1,13 +1,16 @@
-"""Triton MX cast (``floor`` scales, row-wise), registered as the ``triton`` backend of ``mx_cast``.
+"""Triton MX cast (``floor`` scales, and ``rceil`` from bf16; row-wise and column-wise), registered as the ``triton``
+backend of ``mx_cast``.
 
 One program casts a tile of rows x 32-value blocks: the block's largest magnitude gives its E8M0 scale from the fp32
 exponent field, the elements are scaled, saturated and rounded to nearest even: fp8 on NVIDIA GPUs from sm89 by the
 conversion instructions (``HW_CVT``); fp4 from bf16 on f16 bits (below); fp4 from fp32, other GPUs and the
 interpreter (whose float8 conversion differs) by integer arithmetic on the fp32 bits. Stored as bytes; fp4 two per
 byte, element ``2j`` in the low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with torchao
-(in NaN-scale blocks: finite values +-0, NaN and inf codes unspecified). ``rceil`` scales and the column-wise cast
-run on ATen, recorded: torchao's ``rceil`` takes ``ceil`` of an fp32 ``log2``, whose rounding the kernel would have
-to reproduce.
+(in NaN-scale blocks: finite values +-0, NaN and inf codes unspecified; with ``rceil`` a NaN block's codes are
+unspecified, torchao's are NaN there). ``rceil`` scales come from the bits of the block's largest value
+(``_rceil_biased``), equal to torchao's ``ceil`` of an fp32 ``log2`` for bf16 input; from fp32 input that rounding can
+differ, and such casts run on ATen, recorded. The column-wise cast (``_mx_cast_cols``, blocks down the columns of a
+``[K, N]`` weight) shares the scale and element arithmetic.
 
 bf16 -> fp4 takes ``_mx_cast_fp4_pairs``: the fp4 cast is bound by instructions, not bytes (Hopper has no fp4
 conversion), and working on bf16 pairs held in one int32 with f16x2 instructions halves most of them. sm90 SASS per
@@ -144,6 +147,49 @@ def _mx_cast_fp4_pairs(
 
 
 @triton.jit
+def _block_scales(amax, has_nan, EMAX: tl.constexpr, RCEIL: tl.constexpr, MANT_MAX: tl.constexpr):
+    """Per block (``amax``: its largest magnitude in fp32): ``(biased E8M0 scale, fp32 multiplier to elements)``."""
+    if RCEIL:  # bf16 input only (``_rceil_biased``)
+        biased = tl.where(has_nan, 255, _rceil_biased(amax, EMAX, MANT_MAX))
+        # 2^(127 - biased), 1 for scale 0 (torchao leaves such blocks unscaled), 2^-127 for 254 (inf blocks: fp32
+        # subnormal), 0 in a NaN block (torchao's codes there are NaN: unspecified here)
+        e = 127 - tl.where(biased == 0, 127, biased)
+        mult = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
+        mult = tl.where(biased == 255, 0.0, mult)
+    else:
+        field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0: zero and subnormals
+        biased = tl.minimum(tl.maximum(field - EMAX, 0), 255)
+        biased = tl.where(has_nan, 255, biased)
+        divisor = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)  # >= 2^-126
+        mult = 1.0 / divisor  # 255: 1 / inf, +-0
+    return biased, mult
+
+
+@triton.jit
+def _codes(
+    scaled, MAX: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, FP4: tl.constexpr,
+    HW: tl.constexpr,
+):  # fmt: skip
+    """Scaled fp32 values to element codes, saturated at +-MAX, rounded to nearest even."""
+    scaled = tl.minimum(tl.maximum(scaled, -MAX), MAX)
+    if HW and not FP4:  # the GPU's fp32 -> fp8 conversion: round to nearest even, as torchao's .to() (finite here)
+        if EBITS == 5:
+            codes = scaled.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        else:
+            codes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        codes = _encode(scaled, EBITS, MBITS, BIAS)
+    return codes
+
+
+@triton.jit
+def _widened(x, BF16: tl.constexpr, HW: tl.constexpr):
+    if BF16 and not HW:  # bf16 bits (int16) widened by hand: the interpreter's bf16 -> fp32 mangles subnormals
+        return ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    return x.to(tl.float32)
+
+
+@triton.jit
 def _mx_cast_rows(
     X,
     stride_x,
@@ -169,35 +215,12 @@ def _mx_cast_rows(
     rows64 = rows.to(tl.int64)  # offsets past 2^31 elements
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows[:, None] < R) & (cols[None, :] < K)  # K % 32 == 0: a block is wholly in or out
-    x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0)
-    if BF16 and not HW:  # bf16 bits (int16) widened by hand: the interpreter's bf16 -> fp32 mangles subnormals
-        x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = x.to(tl.float32)
+    x = _widened(tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0), BF16, HW)
     x3 = tl.reshape(x, (BR, G, 32))
     amax = tl.max(tl.abs(x3), axis=2)
     has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0  # max need not propagate NaN; the scale must
-    if RCEIL:  # bf16 input only (``_rceil_biased``)
-        biased = tl.where(has_nan, 255, _rceil_biased(amax, EMAX, MANT_MAX))
-        # 2^(127 - biased), 1 for scale 0 (torchao leaves such blocks unscaled), 2^-127 for 254 (inf blocks: fp32
-        # subnormal), 0 in a NaN block (torchao's codes there are NaN: unspecified here)
-        e = 127 - tl.where(biased == 0, 127, biased)
-        mult = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
-        scaled = x3 * tl.where(biased == 255, 0.0, mult)[:, :, None]
-    else:
-        field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0: zero and subnormals
-        biased = tl.minimum(tl.maximum(field - EMAX, 0), 255)
-        biased = tl.where(has_nan, 255, biased)
-        divisor = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)  # >= 2^-126
-        scaled = x3 * (1.0 / divisor)[:, :, None]  # 255: 1 / inf, +-0
-    if HW and not FP4:  # the GPU's fp32 -> fp8 conversion: round to nearest even, as torchao's .to() (finite here)
-        scaled = tl.reshape(tl.minimum(tl.maximum(scaled, -MAX), MAX), (BR, BK))
-        if EBITS == 5:
-            codes = scaled.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        else:
-            codes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        codes = tl.reshape(_encode(tl.minimum(tl.maximum(scaled, -MAX), MAX), EBITS, MBITS, BIAS), (BR, BK))
+    biased, mult = _block_scales(amax, has_nan, EMAX, RCEIL, MANT_MAX)
+    codes = _codes(tl.reshape(x3 * mult[:, :, None], (BR, BK)), MAX, EBITS, MBITS, BIAS, FP4, HW)
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
     tl.store(SCALE + rows64[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
@@ -211,14 +234,48 @@ def _mx_cast_rows(
         tl.store(DATA + rows64[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
 
 
+@triton.jit
+def _mx_cast_cols(
+    X, stride_x, DATA, SCALE, K, N,
+    BN: tl.constexpr, G: tl.constexpr, EMAX: tl.constexpr, MAX: tl.constexpr, EBITS: tl.constexpr,
+    MBITS: tl.constexpr, BIAS: tl.constexpr, FP4: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr,
+    RCEIL: tl.constexpr, MANT_MAX: tl.constexpr,
+):  # fmt: skip
+    """Column-wise: ``x`` ``[K, N]`` (columns contiguous) in blocks of 32 rows. One program: ``G`` blocks of rows x
+    ``BN`` columns; fp4 packs rows ``2j`` (low nibble) and ``2j + 1`` of a column into one byte of ``data``
+    ``[K / 2, N]``. The scale and element arithmetic are the row kernel's."""
+    BK: tl.constexpr = G * 32
+    ks = tl.program_id(0) * BK + tl.arange(0, BK)
+    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (ks[:, None] < K) & (cols[None, :] < N)  # K % 32 == 0: a block is wholly in or out
+    x = _widened(tl.load(X + ks.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0), BF16, HW)
+    x3 = tl.reshape(x, (G, 32, BN))
+    amax = tl.max(tl.abs(x3), axis=1)
+    has_nan = tl.max((x3 != x3).to(tl.int32), axis=1) > 0
+    biased, mult = _block_scales(amax, has_nan, EMAX, RCEIL, MANT_MAX)
+    codes = _codes(tl.reshape(x3 * mult[:, None, :], (BK, BN)), MAX, EBITS, MBITS, BIAS, FP4, HW)
+    g = tl.program_id(0) * G + tl.arange(0, G)
+    smask = (g[:, None] < K // 32) & (cols[None, :] < N)
+    tl.store(SCALE + g.to(tl.int64)[:, None] * N + cols[None, :], biased.to(tl.uint8), mask=smask)
+    if FP4:
+        lo, hi = tl.split(tl.permute(tl.reshape(codes, (BK // 2, 2, BN)), (0, 2, 1)))
+        half = tl.program_id(0) * (BK // 2) + tl.arange(0, BK // 2)
+        pmask = (half[:, None] < K // 2) & (cols[None, :] < N)
+        tl.store(DATA + half.to(tl.int64)[:, None] * N + cols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=pmask)
+    else:
+        tl.store(DATA + ks.to(tl.int64)[:, None] * N + cols[None, :], codes.to(tl.uint8), mask=mask)
+
+
 def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
     if (reason := device_reason(x)) is not None:
         return reason
     if mode == "rceil" and x.dtype != torch.bfloat16:
         # torchao takes ceil of an fp32 log2 of an fp32 quotient, which rounds some just above a power of two down
         return f"rceil scales from {x.dtype} input (torchao's fp32 log2 rounding; the kernel takes rceil from bf16)"
-    if axis != -1:
-        return "column-wise cast (the kernel blocks the last dim)"
+    if axis == 0:
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            return "columns not contiguous (column-wise cast)"
+        return True
     k = x.shape[-1]
     if k > 1 and x.stride(-1) != 1:
         return "last dim not contiguous"
@@ -232,11 +289,12 @@ def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
 @MX_CAST.implement(
     "triton",
     supports=_supports,
-    constraints="x fp32/bf16, blocks of 32 along the last dim (contiguous, leading dims collapsible to rows); floor "
-    "scales, rceil from bf16; e4m3, e5m2, e2m1 (packed); rceil from fp32 and column-wise on ATen",
+    constraints="x fp32/bf16, blocks of 32 along the last dim (contiguous, leading dims collapsible to rows) or "
+    "down the columns of a 2-D x (columns contiguous); floor scales, rceil from bf16; e4m3, e5m2, e2m1 (packed); "
+    "rceil from fp32 on ATen",
 )
 def mx_cast_triton(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return launch(x, fmt, mode=mode)
+    return launch_cols(x, fmt, mode) if axis == 0 else launch(x, fmt, mode=mode)
 
 
 PLAN = (16, 8, 4)
@@ -256,6 +314,39 @@ def _hw_cvt(x: torch.Tensor) -> bool:
 
 _CAST = FastLaunch(_mx_cast_rows)
 _CAST_FP4_PAIRS = FastLaunch(_mx_cast_fp4_pairs)
+
+
+_CAST_COLS = FastLaunch(_mx_cast_cols)
+COLS_PLAN = (64, 2, 4)
+"""Column-wise: (columns, 32-row blocks, warps) per program."""
+
+
+def launch_cols(
+    x: torch.Tensor, fmt: str, mode: str = "floor", plan: tuple[int, int, int] = COLS_PLAN
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column-wise cast of a supported 2-D ``x`` ``[K, N]``: ``data`` ``[K / per_byte, N]``, ``scale``
+    ``[K / 32, N]``."""
+    f = formats.as_format(fmt)
+    rceil = formats.as_mode(mode) is formats.ScaleMode.RCEIL
+    if rceil and x.dtype != torch.bfloat16:
+        raise ValueError(f"mx_cast: the Triton kernel takes rceil scales from bf16 only, got {x.dtype}")
+    k, n = x.shape
+    data = outputs.empty(k // f.per_byte, n, dtype=torch.uint8, device=x.device)
+    scale = outputs.empty(k // formats.BLOCK, n, dtype=torch.uint8, device=x.device)
+    if x.numel():
+        bn, g, warps = plan
+        g = min(g, next_pow2(k // formats.BLOCK))
+        ebits, mbits, bias = _BITS[f.name]
+        bf16, hw = x.dtype == torch.bfloat16, _hw_cvt(x)
+        with on_device(x):
+            _CAST_COLS(
+                (cdiv(k, g * formats.BLOCK), cdiv(n, bn)),
+                (x.view(torch.int16) if bf16 and not hw else x, x.stride(0), data, scale, k, n),
+                BN=bn, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16,
+                HW=hw, RCEIL=rceil, MANT_MAX=_mantissa(f.max) if rceil else 0,
+                num_warps=warps,
+            )  # fmt: skip
+    return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
 
 
 def _mantissa(v: float) -> int:

@@ -1,9 +1,18 @@
-"""Compile the MX cast kernel for sm_90 without a GPU, as the launcher runs it on one (conversion instructions for
-bf16 and fp8, ``mx_cast.HW_CVT``), for each format and input dtype; report each variant as JSON."""
+"""Compile the MX cast kernels for sm_90 without a GPU, as the launchers run them on one (conversion instructions for
+bf16 and fp8, ``mx_cast.HW_CVT``), for each format, input dtype and scale mode, row-wise and column-wise; report each
+variant as JSON."""
 
 from _sm90 import compile_sm90, report
 
-from fly_lightning.kernels.triton.mx_cast import _BITS, PLAN, _mantissa, _mx_cast_fp4_pairs, _mx_cast_rows
+from fly_lightning.kernels.triton.mx_cast import (
+    _BITS,
+    COLS_PLAN,
+    PLAN,
+    _mantissa,
+    _mx_cast_cols,
+    _mx_cast_fp4_pairs,
+    _mx_cast_rows,
+)
 from fly_lightning.quant import formats
 
 
@@ -19,6 +28,24 @@ def variant(fmt: str, dtype: str, rceil: bool = False) -> dict:
     )  # fmt: skip
     aligned = ("X", "DATA", "SCALE", "K", "stride_x")
     kernel, spill, regs = compile_sm90(_mx_cast_rows, sig, const, aligned, num_warps=warps, num_stages=1)
+    ptx = kernel.asm["ptx"]
+    return dict(spill_bytes=spill, registers=regs, fp8_cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32")
+                + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
+
+
+def cols(fmt: str, dtype: str, rceil: bool = False) -> dict:
+    """The column-wise cast (``_mx_cast_cols``) in its launch plan."""
+    f = formats.FORMATS[fmt]
+    ebits, mbits, bias = _BITS[fmt]
+    bn, g, warps = COLS_PLAN
+    sig = {a: "i32" for a in _mx_cast_cols.arg_names}
+    sig.update(X=f"*{dtype}", DATA="*u8", SCALE="*u8")
+    const = dict(
+        BN=bn, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4,
+        BF16=dtype == "bf16", HW=True, RCEIL=rceil, MANT_MAX=_mantissa(f.max) if rceil else 0,
+    )  # fmt: skip
+    aligned = ("X", "DATA", "SCALE", "N", "stride_x")
+    kernel, spill, regs = compile_sm90(_mx_cast_cols, sig, const, aligned, num_warps=warps, num_stages=1)
     ptx = kernel.asm["ptx"]
     return dict(spill_bytes=spill, registers=regs, fp8_cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32")
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
@@ -46,6 +73,11 @@ VARIANTS["mxfp4_e2m1-bf16-pairs"] = fp4_pairs
 # rceil scales: from bf16 only (fp32 input takes ATen)
 VARIANTS.update({f"{fmt}-bf16-rceil": (lambda f=fmt: variant(f, "bf16", rceil=True)) for fmt in formats.FORMATS})
 VARIANTS["mxfp4_e2m1-bf16-pairs-rceil"] = lambda: fp4_pairs(rceil=True)
+# column-wise: floor from bf16 and fp32, rceil from bf16
+for _fmt in formats.FORMATS:
+    VARIANTS[f"{_fmt}-bf16-cols"] = lambda f=_fmt: cols(f, "bf16")
+    VARIANTS[f"{_fmt}-fp32-cols"] = lambda f=_fmt: cols(f, "fp32")
+    VARIANTS[f"{_fmt}-bf16-cols-rceil"] = lambda f=_fmt: cols(f, "bf16", rceil=True)
 
 if __name__ == "__main__":
     report(VARIANTS)

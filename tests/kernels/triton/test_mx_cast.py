@@ -3,9 +3,18 @@ every output element written (outputs are poisoned in tests), and the inputs it 
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import fly_lightning
-from fly_lightning.kernels.triton.mx_cast import _supports, launch, mx_cast_triton
+from fly_lightning.kernels.triton.mx_cast import (
+    _mantissa,
+    _rceil_biased,
+    _supports,
+    launch,
+    launch_cols,
+    mx_cast_triton,
+)
 from fly_lightning.ops.mx_cast import mx_cast_reference
 from fly_lightning.quant import formats
 
@@ -95,20 +104,25 @@ def test_rceil_fp8_bit_exact_on_every_bf16_value(fmt):
     _check(_every_bf16(), fmt, mode="rceil")
 
 
-def test_rceil_scale_rule_on_every_bf16_amax():
-    """The scale rule alone against torchao's formula in fp64 (exact here): every non-negative bf16 value as the
-    block maximum, for each format's largest value."""
-    amax = torch.arange(0, 0x7F81, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)  # 0 .. inf
-    for fmt in sorted(formats.FORMATS):
-        f = formats.as_format(fmt)
-        x = torch.zeros(amax.numel(), 32, dtype=torch.bfloat16)
-        x[:, 5] = amax
-        _, scale = launch(x, fmt, mode="rceil")
-        a = amax.double()
-        want = torch.where(
-            a.isinf(), 254, (torch.ceil(torch.log2(a / f.max)).clamp(-127, 127) + 127).nan_to_num(0, 0, 0)
-        )
-        assert torch.equal(scale.view(torch.uint8).squeeze(1).long(), want.long()), fmt
+@triton.jit
+def _rceil_of(AMAX, OUT, n, EMAX: tl.constexpr, MANT_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    bits = tl.load(AMAX + i, mask=i < n, other=0)
+    tl.store(OUT + i, _rceil_biased(bits.to(tl.float32, bitcast=True), EMAX, MANT_MAX), mask=i < n)
+
+
+@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
+def test_rceil_scale_rule_on_every_bf16_amax(fmt):
+    """The scale rule alone (``_rceil_biased``) against the formula in fp64, exact here: every non-negative bf16
+    value, zero, subnormals and inf included, as a block's largest."""
+    f = formats.as_format(fmt)
+    amax = torch.arange(0, 0x7F81, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()  # 0 .. inf
+    got = torch.empty(amax.numel(), dtype=torch.int32)
+    n = amax.numel()
+    _rceil_of[(triton.cdiv(n, 4096),)](amax.view(torch.int32), got, n, f.emax, _mantissa(f.max), BLOCK=4096)
+    a = amax.double()
+    want = torch.where(a.isinf(), 254, (torch.ceil(torch.log2(a / f.max)).clamp(-127, 127) + 127).nan_to_num(0, 0, 0))
+    assert torch.equal(got.long(), want.long())
 
 
 def test_fp4_rows_not_readable_as_pairs_take_the_element_kernel(monkeypatch):
@@ -121,6 +135,38 @@ def test_fp4_rows_not_readable_as_pairs_take_the_element_kernel(monkeypatch):
     monkeypatch.setattr(kernel, "_CAST_FP4_PAIRS", lambda *a, **k: calls.append(a))
     _check(x, "mxfp4_e2m1")
     assert calls == []
+
+
+def _check_cols(x: torch.Tensor, fmt: str, mode: str, plan: tuple[int, int, int] | None = None) -> None:
+    """Column-wise: against the reference along axis 0, bytes compared as for the row-wise cast of ``x.t()``."""
+    data, scale = mx_cast_triton(x, fmt, mode, 0) if plan is None else launch_cols(x, fmt, mode, plan)
+    want_data, want_scale = mx_cast_reference(x, fmt, mode, 0)
+    assert data.shape == want_data.shape and scale.shape == want_scale.shape and data.is_contiguous()
+    assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
+    valid = _compared(x.t(), want_scale.t(), formats.as_format(fmt).per_byte, mode).t()
+    assert torch.equal(data.view(torch.uint8)[valid], want_data.view(torch.uint8)[valid])
+
+
+@pytest.mark.parametrize("mode, dtype", MODES, ids=[f"{m}-{str(d)[6:]}" for m, d in MODES])
+@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
+@pytest.mark.parametrize("k, n", [(32, 70), (96, 37), (320, 9)])
+def test_column_wise_bit_exact_with_the_reference(fmt, mode, dtype, k, n):
+    """Blocks down the columns of ``[K, N]`` (a weight stored K-major): the special blocks of the row-wise tests,
+    columns not a multiple of the tile's, K of 1, 3 and 10 blocks."""
+    x = _cases(dtype).t().reshape(-1).repeat(3)  # each column of x below holds rows of the cases
+    _check_cols(x[: k * n].reshape(n, k).t().contiguous(), fmt, mode)
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+def test_column_wise_on_every_bf16_value_in_other_plans(fmt, mode):
+    """Every bf16 value, alone and under larger block maxima, down the columns; a plan of other tile sizes, and the
+    rows of a wider buffer (row stride past N)."""
+    x = _every_bf16().t()  # [256, rows]: each column a row of the row-wise test
+    _check_cols(x.contiguous(), fmt, mode, plan=(128, 4, 4))
+    wide = torch.zeros(64, 300, dtype=torch.bfloat16)
+    wide[:, 10:270] = x[:64, :260]
+    _check_cols(wide[:, 10:270], fmt, mode)
 
 
 def test_leading_dims_and_strided_rows():
@@ -139,7 +185,7 @@ def test_empty_input():
     "args, reason",
     [
         ((torch.randn(4, 64), "mxfp8_e4m3", "rceil", -1), "rceil scales from torch.float32"),
-        ((torch.randn(64, 4), "mxfp8_e4m3", "floor", 0), "column-wise"),
+        ((torch.randn(4, 64).t(), "mxfp8_e4m3", "floor", 0), "columns not contiguous"),
         ((torch.randn(64, 8).t(), "mxfp8_e4m3", "floor", -1), "not contiguous"),
     ],
 )

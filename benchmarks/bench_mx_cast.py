@@ -1,5 +1,6 @@
-"""MX cast (bf16/fp32 -> MX elements + E8M0 scales, floor, row-wise): ours against torchao's ``to_mx`` (eager and
-under ``torch.compile``, the faster one is the baseline), and the share of copy bandwidth (GPU).
+"""MX cast (bf16/fp32 -> MX elements + E8M0 scales; floor, and rceil from bf16; row-wise, and column-wise for
+``[K, N]`` weights): ours against torchao's ``to_mx`` (eager and under ``torch.compile``, the faster one is the
+baseline; column-wise: ``to_mx`` of the transpose, copy included), and the share of copy bandwidth (GPU).
 
 Goal (issue 27): at least 75% of the measured copy bandwidth for tensors of 64 MB or more. Bytes moved = input read
 + elements and scales written. Every case is checked bit-exact against torchao before it is timed. Times are device
@@ -33,16 +34,21 @@ from fly_lightning.kernels.triton import mx_cast as kernel
 from fly_lightning.quant import formats
 
 GOAL_SHARE = 0.75
-CASES = [  # (rows, K, dtype, format): activations and weights of the MoE models' shapes
-    (16384, 2048, torch.bfloat16, "mxfp8_e4m3"),
-    (16384, 4096, torch.bfloat16, "mxfp8_e4m3"),
-    (65536, 2048, torch.bfloat16, "mxfp8_e4m3"),
-    (32768, 7168, torch.bfloat16, "mxfp8_e4m3"),
-    (16384, 4096, torch.float32, "mxfp8_e4m3"),
-    (16384, 4096, torch.bfloat16, "mxfp8_e5m2"),
-    (16384, 4096, torch.bfloat16, "mxfp4_e2m1"),
-    (65536, 2048, torch.bfloat16, "mxfp4_e2m1"),
-    (4096, 4096, torch.bfloat16, "mxfp8_e4m3"),  # 32 MB: under the goal's size, for scale
+CASES = [  # (rows, cols, dtype, format, mode, axis): activations and weights of the MoE models' shapes
+    (16384, 2048, torch.bfloat16, "mxfp8_e4m3", "floor", -1),
+    (16384, 4096, torch.bfloat16, "mxfp8_e4m3", "floor", -1),
+    (65536, 2048, torch.bfloat16, "mxfp8_e4m3", "floor", -1),
+    (32768, 7168, torch.bfloat16, "mxfp8_e4m3", "floor", -1),
+    (16384, 4096, torch.float32, "mxfp8_e4m3", "floor", -1),
+    (16384, 4096, torch.bfloat16, "mxfp8_e5m2", "floor", -1),
+    (16384, 4096, torch.bfloat16, "mxfp4_e2m1", "floor", -1),
+    (65536, 2048, torch.bfloat16, "mxfp4_e2m1", "floor", -1),
+    (4096, 4096, torch.bfloat16, "mxfp8_e4m3", "floor", -1),  # 32 MB: under the goal's size, for scale
+    (16384, 4096, torch.bfloat16, "mxfp8_e4m3", "rceil", -1),  # FlyMXConfig's MXFP8 default
+    (16384, 4096, torch.bfloat16, "mxfp4_e2m1", "rceil", -1),
+    (4096, 16384, torch.bfloat16, "mxfp8_e4m3", "floor", 0),  # a [K, N] weight, blocks down its columns
+    (4096, 16384, torch.bfloat16, "mxfp8_e4m3", "rceil", 0),
+    (4096, 16384, torch.bfloat16, "mxfp4_e2m1", "floor", 0),
 ]
 PLANS = [(16, 8, 4), (32, 8, 4), (32, 8, 8), (64, 8, 8), (8, 16, 4), (16, 16, 8), (32, 16, 8), (64, 4, 8)]
 CALLS_PER_GRAPH = 10
@@ -78,31 +84,38 @@ def main() -> None:
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import to_mx
 
-    def torchao_cast(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return to_mx(x, formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode.FLOOR)
+    def torchao_cast(x: torch.Tensor, fmt: str, mode: str, axis: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """torchao's ``(scale, data)``; column-wise: of ``x.t()`` made contiguous (``to_mx`` blocks the last dim of a
+        contiguous tensor)."""
+        x = x.t().contiguous() if axis == 0 else x
+        return to_mx(x, formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode(mode))
 
     compiled = torch.compile(torchao_cast, dynamic=False)
     res = Results("mx_cast")
     copy_gbps = copy_bandwidth_gbps()
-    for rows, k, dtype, fmt in CASES:
+    for rows, k, dtype, fmt, mode, axis in CASES:
         nbytes = _bytes(rows, k, dtype, fmt)
         sets = rotation_count(nbytes, max_sets=4)
         inputs = [(torch.randn(rows, k, device="cuda", dtype=dtype),) for _ in range(sets)]
         x = inputs[0][0]
-        data, scale = fly_lightning.mx_cast(x, fmt, "floor")
-        want_scale, want_data = torchao_cast(x, fmt)
+        data, scale = fly_lightning.mx_cast(x, fmt, mode, axis)
+        if axis == 0:  # compared in torchao's layout: the transpose's rows
+            data, scale = data.t(), scale.t()
+        want_scale, want_data = torchao_cast(x, fmt, mode, axis)
         exact = torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8)) and torch.equal(
             data.view(torch.uint8), want_data.view(torch.uint8)
         )
-        row = dict(case=f"{rows}x{k} {str(dtype).removeprefix('torch.')} {fmt}", mbytes=round(nbytes / 2**20, 1))
-        row.update(backend=backend_of("mx_cast", x, fmt, "floor", -1), bit_exact=exact)
+        name = f"{rows}x{k} {str(dtype).removeprefix('torch.')} {fmt}"
+        name += (" rceil" if mode == "rceil" else "") + (" column-wise" if axis == 0 else "")
+        row = dict(case=name, mbytes=round(nbytes / 2**20, 1))
+        row.update(backend=backend_of("mx_cast", x, fmt, mode, axis), bit_exact=exact)
         if not exact:
             res.add(**row)
             continue
         fns = {
-            "ours": lambda t, fmt=fmt: fly_lightning.mx_cast(t, fmt, "floor"),
-            "torchao": lambda t, fmt=fmt: torchao_cast(t, fmt),
-            "torchao_compiled": lambda t, fmt=fmt: compiled(t, fmt),
+            "ours": lambda t, fmt=fmt, mode=mode, axis=axis: fly_lightning.mx_cast(t, fmt, mode, axis),
+            "torchao": lambda t, fmt=fmt, mode=mode, axis=axis: torchao_cast(t, fmt, mode, axis),
+            "torchao_compiled": lambda t, fmt=fmt, mode=mode, axis=axis: compiled(t, fmt, mode, axis),
         }
         graphs = {n: capture_graph(fn, inputs, CALLS_PER_GRAPH) for n, fn in fns.items()}
         ms = interleaved_graph_ms(graphs, CALLS_PER_GRAPH)
@@ -113,7 +126,7 @@ def main() -> None:
         row.update({f"{n}_ms": round(t, 4) for n, t in ms.items()})
         row.update(speedup=base / ms["ours"], copy_share=share, meets_goal=share >= GOAL_SHARE or nbytes < 64 * 2**20)
         res.add(**row)
-        if nbytes >= 64 * 2**20:
+        if nbytes >= 64 * 2**20 and mode == "floor" and axis == -1:
             plans = _plans(x, fmt, inputs, nbytes, copy_gbps, want_data, want_scale)
             res.details.setdefault("plans", {})[row["case"]] = plans
         del inputs
@@ -125,7 +138,10 @@ def main() -> None:
         "goal_share": GOAL_SHARE,
         "all_bit_exact": all(r["bit_exact"] for r in res.rows),
     }
-    res.notes.append("speedup = the faster of torchao's eager and compiled to_mx over ours; floor scales, row-wise")
+    res.notes.append(
+        "speedup = the faster of torchao's eager and compiled to_mx over ours (column-wise: to_mx of the transpose, "
+        "whose copy the compiled form may fuse); floor scales and row-wise unless the case says rceil / column-wise"
+    )
     res.notes.append("copy_share = (input + elements + scales bytes) / our time, over the measured copy bandwidth")
     res.notes.append(
         "*_ms: device time per call from CUDA-graph replays; ours_eager_ms: our call timed with events (host included)"

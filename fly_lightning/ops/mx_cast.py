@@ -14,6 +14,7 @@ from torch import Tensor
 
 from fly_lightning.dispatch import register_op
 from fly_lightning.ops._eager import TracedOrDirect
+from fly_lightning.ops.mx_dequantize import mx_dequantize
 from fly_lightning.quant import formats
 from fly_lightning.registry import tensor_key
 
@@ -95,7 +96,7 @@ class _RoundTrip(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, fmt: str, mode: str) -> Tensor:
         data, scale = mx_cast(x, fmt, mode)
-        return formats.from_mx(data, scale, fmt, dtype=x.dtype)
+        return mx_dequantize(data, scale, fmt, x.dtype)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from fly_lightning.modules.moe import FlyMoE
 from fly_lightning.ops.mx_cast import mx_cast
+from fly_lightning.ops.mx_dequantize import mx_dequantize
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
 from fly_lightning.quant import formats
 from fly_lightning.quant.linear import MXSpec
@@ -59,8 +60,8 @@ def typed(data: Tensor, scale: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 
 def dequantize_rows(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> Tensor:
     """The values ``quantize_rows`` stored, ``[..., K]`` in ``dtype`` (exact in fp32, and in bf16 but for values
-    under bf16's smallest subnormal)."""
-    return formats.from_mx(*typed(data, scale, fmt), fmt, dtype=dtype)
+    under bf16's smallest subnormal), through the dispatched ``mx_dequantize``."""
+    return mx_dequantize(data, scale, fmt, dtype)
 
 
 def _compute_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:

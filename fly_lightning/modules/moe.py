@@ -28,7 +28,7 @@ from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import group_reason, moe_route, moe_route_reference
-from fly_lightning.ops.mx_cast import mx_round_trip
+from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
 from fly_lightning.ops.permutation import inverse_permutation
 from fly_lightning.ops.swiglu import ACTIVATIONS, split_gate_up, swiglu, swiglu_reference
 
@@ -152,7 +152,7 @@ def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
 class MXExperts:
     """MX forward numerics for the experts (set as ``FlyMoE.mx`` by ``FlyMXConfig``): activations (token rows along
     H, the SwiGLU output along I) and weights (along their input dim, from the high-precision master every step) are
-    cast to MX and back (``mx_round_trip``); the grouped GEMMs then run on exactly the products an MX GEMM with fp32
+    cast to MX and back (``mx_fake_quantize``); the grouped GEMMs then run on exactly the products an MX GEMM with fp32
     accumulation computes (torchao's emulated path). Gradients pass straight through the casts. Hopper has no MX
     tensor cores: with many rows per expert ``mx_grouped_mm`` runs these same bf16 GEMMs after dequantising (0.7-0.8x
     bf16 on the grouped suite), so this changes precision, not speed.
@@ -166,15 +166,18 @@ class MXExperts:
         self.weight_fmt, self.act_fmt, self.mode, self.frozen = weight, activation, mode, frozen
 
     def act(self, x: Tensor) -> Tensor:
-        return x if self.act_fmt is None else mx_round_trip(x, self.act_fmt, self.mode)
+        return x if self.act_fmt is None else mx_fake_quantize(x, self.act_fmt, self.mode)
 
     def weight(self, w_EKN: Tensor) -> Tensor:
-        """``[E, K, N]`` weights cast along K (the contraction dim), same layout."""
+        """``[E, K, N]`` weights cast along K (the contraction dim), same layout, no copy of the master: rows of the
+        ``[E, N, K]`` storage (Hugging Face's layout) or the columns of ``[E * K, N]`` (K-major storage)."""
         if self.frozen:
             return w_EKN
         e, k, n = w_EKN.shape
-        rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column: blocks run along K
-        return mx_round_trip(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
+        if w_EKN.is_contiguous():  # blocks down the columns of [E * K, N]: K % 32 == 0 keeps them within one expert
+            return mx_fake_quantize(w_EKN.reshape(e * k, n), self.weight_fmt, self.mode, 0).reshape(e, k, n)
+        rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column (a view of [E, N, K] storage)
+        return mx_fake_quantize(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
 
     def __repr__(self) -> str:
         frozen = ", frozen" if self.frozen else ""

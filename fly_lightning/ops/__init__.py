@@ -6,6 +6,7 @@ from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import moe_route
 from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_dequantize import mx_dequantize
+from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
 from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
 from fly_lightning.ops.rms_norm import rms_norm
@@ -20,6 +21,7 @@ __all__ = [
     "moe_route",
     "mx_cast",
     "mx_dequantize",
+    "mx_fake_quantize",
     "mx_grouped_mm",
     "mx_scaled_mm",
     "rms_norm",

@@ -14,12 +14,12 @@ from torch import Tensor
 
 from fly_lightning.dispatch import register_op
 from fly_lightning.ops._eager import TracedOrDirect
-from fly_lightning.ops.mx_dequantize import mx_dequantize
 from fly_lightning.quant import formats
 from fly_lightning.registry import tensor_key
 
 
-def _validate(x: Tensor, fmt: str, mode: str, axis: int) -> None:
+def validate_cast(x: Tensor, fmt: str, mode: str, axis: int) -> None:
+    """What a cast along ``axis`` takes (``mx_cast``, ``mx_fake_quantize``): named errors before any kernel."""
     if not isinstance(x, Tensor):
         raise ValueError(f"mx_cast: x must be a Tensor, got {type(x).__name__}")
     if x.dtype not in (torch.float32, torch.bfloat16):
@@ -56,7 +56,7 @@ MX_CAST = register_op(
     "mx_cast",
     reference=mx_cast_reference,
     signature=_signature,
-    validate=_validate,
+    validate=validate_cast,
     doc="MX cast along K: (x, fmt, mode, axis) -> (data, scale)",
 )
 
@@ -69,7 +69,7 @@ def mx_cast_op(x: Tensor, fmt: str, mode: str, axis: int) -> tuple[Tensor, Tenso
 
 @mx_cast_op.register_fake
 def _(x: Tensor, fmt: str, mode: str, axis: int) -> tuple[Tensor, Tensor]:
-    _validate(x, fmt, mode, axis)
+    validate_cast(x, fmt, mode, axis)
     data, scale = _shapes(x, fmt, axis)
     return x.new_empty(data, dtype=formats.data_dtype(fmt)), x.new_empty(scale, dtype=torch.float8_e8m0fnu)
 
@@ -90,21 +90,3 @@ def mx_cast(x: Tensor, fmt: str = "mxfp8_e4m3", mode: str = "floor", axis: int =
     if isinstance(x, Tensor):
         x = x.detach()  # a cast has no gradient
     return _mx_cast_call(x, fmt, mode, axis)
-
-
-class _RoundTrip(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, fmt: str, mode: str) -> Tensor:
-        data, scale = mx_cast(x, fmt, mode)
-        return mx_dequantize(data, scale, fmt, x.dtype)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return grad, None, None
-
-
-def mx_round_trip(x: Tensor, fmt: str = "mxfp8_e4m3", mode: str = "floor") -> Tensor:
-    """``x`` cast to MX along its last dim and dequantised, in ``x``'s dtype: the operand an MX GEMM with fp32
-    accumulation sees (every MX value times its power-of-two scale is exact in bf16). The gradient passes straight
-    through (identity), as in MX training recipes."""
-    return _RoundTrip.apply(x, fmt, formats.as_mode(mode).value)

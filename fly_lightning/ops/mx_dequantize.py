@@ -17,7 +17,7 @@ from fly_lightning.ops._eager import TracedOrDirect
 from fly_lightning.quant import formats
 from fly_lightning.registry import tensor_key
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _validate(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> None:
@@ -81,6 +81,6 @@ def mx_dequantize(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype = to
         data: ``[..., K / per_byte]`` elements: fp8 (``torch.float8_*`` or uint8 bytes), or fp4 packed two per byte.
         scale: ``[..., K / 32]`` E8M0 scales (``torch.float8_e8m0fnu`` or uint8 bytes).
         fmt: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4_e2m1"``.
-        dtype: fp32, bf16 or fp16.
+        dtype: fp32, bf16, fp16 or fp64.
     """
     return _mx_dequantize_call(data, scale, fmt, dtype)

@@ -35,8 +35,7 @@ class FlyMXConfig(AOBaseConfig):
         weight: the weights' MX format: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4_e2m1"``.
         activation: the activations' format, or None for weight-only (bf16/fp32 activations times MX weights).
         mode: scale mode, ``"floor"`` or ``"rceil"`` (torchao's ``ScaleCalculationMode`` values). None (default):
-            ``"rceil"`` when every format is MXFP8 (published MXFP8 training recipes: the block's largest value is
-            never clipped), else ``"floor"`` (the OCP MX rule, torchao's MXFP4 default).
+            ``formats.default_mode`` (``"rceil"`` when every format is MXFP8, else ``"floor"``).
         frozen: store the weights in MX (data and scales as buffers), drop the high-precision weights, no weight
             gradient (``fly_lightning.quant.frozen``); False: training, cast from the master every forward.
     """
@@ -47,12 +46,11 @@ class FlyMXConfig(AOBaseConfig):
     frozen: bool = False
 
     def __post_init__(self) -> None:
-        fmts = [formats.as_format(self.weight)]
+        formats.as_format(self.weight)
         if self.activation is not None:
-            fmts.append(formats.as_format(self.activation))
-        if self.mode is None:
-            self.mode = "rceil" if all(f.bits == 8 for f in fmts) else "floor"
-        self.mode = formats.as_mode(self.mode).value
+            formats.as_format(self.activation)
+        mode = formats.default_mode(self.weight, self.activation) if self.mode is None else self.mode
+        self.mode = formats.as_mode(mode).value
 
     @property
     def spec(self) -> MXSpec:

@@ -116,6 +116,13 @@ def as_mode(mode: ScaleMode | str | enum.Enum) -> ScaleMode:
         raise ValueError(f"unsupported MX scale mode {mode!r}; supported: floor, rceil") from None
 
 
+def default_mode(*fmts: MXFormat | str | None) -> ScaleMode:
+    """The quality default for casts to ``fmts`` (None entries: no cast): RCEIL when every format is MXFP8 (published
+    MXFP8 training recipes: a block's largest value is never clipped), else FLOOR (the OCP MX rule, torchao's MXFP4
+    default)."""
+    return ScaleMode.RCEIL if all(as_format(f).bits == 8 for f in fmts if f is not None) else ScaleMode.FLOOR
+
+
 def _check(x: Tensor, fmt: MXFormat) -> None:
     if not isinstance(x, Tensor):
         raise ValueError(f"to_mx: x must be a Tensor, got {type(x).__name__}")

@@ -17,16 +17,21 @@ from torch import Tensor, nn
 
 from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
+from fly_lightning.quant import formats
 
 
 @dataclass(frozen=True)
 class MXSpec:
     """What ``FlyMXLinear`` casts to: the weight's format, the activations' (None: weight-only) and the scale mode
-    (``FlyMXConfig`` resolves its default)."""
+    (None: ``formats.default_mode`` of the two formats, as ``FlyMXConfig``)."""
 
     weight: str = "mxfp8_e4m3"
     activation: str | None = "mxfp8_e4m3"
-    mode: str = "rceil"
+    mode: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode is None:  # frozen dataclass: the resolved default set once
+            object.__setattr__(self, "mode", formats.default_mode(self.weight, self.activation).value)
 
 
 class _MXLinearFunction(torch.autograd.Function):

@@ -1,6 +1,6 @@
 """The Triton MX dequantisation on the GPU (compiled: fp8 by conversion instructions, fp4 pairs by PTX, bf16
 rounding of the products): the reference's values on every code under every scale, served by the dispatcher, and
-the frozen MX weights' steps running it."""
+a frozen MX layer's step running it."""
 
 from __future__ import annotations
 
@@ -16,12 +16,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
 def test_every_code_and_scale_through_the_dispatcher(fmt):
-    per_byte = formats.as_format(fmt).per_byte
-    rows, c = 37, 1088
-    data = (torch.arange(rows * c // per_byte, device="cuda", dtype=torch.int32) % 256).to(torch.uint8)
-    data = data.reshape(rows, c // per_byte)
-    scale = (torch.arange(rows * c // 32, device="cuda", dtype=torch.int32) * 7 % 256).to(torch.uint8)
-    scale = scale.reshape(rows, c // 32)
+    c = 1088 // formats.as_format(fmt).per_byte  # row r: every byte under scale r, for all 256 scales
+    data = (torch.arange(c, device="cuda", dtype=torch.int32) % 256).to(torch.uint8).repeat(256, 1)
+    scale = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8)[:, None].repeat(1, 1088 // 32)
     y = fly_lightning.mx_dequantize(data, scale, fmt, torch.bfloat16)
     assert fly_lightning.DISPATCH_LOG.records("mx_dequantize")[-1]["backend"] == "triton"
     want = mx_dequantize_reference(data, scale, fmt, torch.bfloat16)
@@ -29,7 +26,7 @@ def test_every_code_and_scale_through_the_dispatcher(fmt):
     assert torch.equal(y[~want.isnan()], want[~want.isnan()])
 
 
-def test_frozen_mx_experts_step_dequantises_on_triton():
+def test_frozen_mx_linear_step_dequantises_on_triton():
     from torchao.quantization import quantize_
 
     model = torch.nn.Sequential(torch.nn.Linear(256, 512, dtype=torch.bfloat16, device="cuda"))

@@ -65,6 +65,9 @@ def test_default_scale_mode_is_rceil_for_mxfp8_and_floor_with_mxfp4():
     assert FlyMXConfig("mxfp4_e2m1").mode == "floor" and FlyMXConfig("mxfp4_e2m1", None).mode == "floor"
     assert FlyMXConfig("mxfp8_e4m3", "mxfp4_e2m1").mode == "floor"  # one mode for both casts: fp4's
     assert FlyMXConfig(mode="floor").mode == "floor" and FlyMXConfig("mxfp4_e2m1", mode="rceil").mode == "rceil"
+    from fly_lightning.quant.linear import MXSpec
+
+    assert MXSpec().mode == "rceil" and MXSpec("mxfp4_e2m1", "mxfp4_e2m1").mode == "floor"  # the same rule
 
 
 def test_invalid_config_is_named():

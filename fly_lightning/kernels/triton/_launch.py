@@ -131,6 +131,6 @@ def _launch_args(k: Any, grid: Sequence[int], device: int, args: Sequence[Any], 
     g = (*grid, 1, 1)
     stream, all_args = _stream(device), (*args, *consts)
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-    # without an enter hook Triton's launch_metadata returns None: skip the call (and its argument packing)
-    meta = k.launch_metadata(g[:3], stream, *all_args) if _hooks_set(enter) else None
+    # without launch hooks nothing reads the metadata: skip the call (and its argument packing)
+    meta = k.launch_metadata(g[:3], stream, *all_args) if _hooks_set(enter) or _hooks_set(leave) else None
     return (g[0], g[1], g[2], stream, k.function, k.packed_metadata, meta, enter, leave, *all_args)

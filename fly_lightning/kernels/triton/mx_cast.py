@@ -8,13 +8,13 @@ interpreter (whose float8 conversion differs) by integer arithmetic on the fp32 
 byte, element ``2j`` in the low nibble. Bit-exact with ``fly_lightning.quant.formats.to_mx`` and so with torchao
 (in NaN-scale blocks: finite values +-0, NaN and inf codes unspecified; with ``rceil`` a NaN block's codes are
 unspecified, torchao's are NaN there). ``rceil`` scales come from the bits of the block's largest value
-(``_rceil_biased``), equal to torchao's ``ceil`` of an fp32 ``log2`` for bf16 input; from fp32 input that rounding can
+(``rceil_biased``), equal to torchao's ``ceil`` of an fp32 ``log2`` for bf16 input; from fp32 input that rounding can
 differ, and such casts run on ATen, recorded. The column-wise cast (``_mx_cast_cols``, blocks down the columns of a
 ``[K, N]`` weight) shares the scale and element arithmetic.
 
 bf16 -> fp4 takes ``_mx_cast_fp4_pairs``: the fp4 cast is bound by instructions, not bytes (Hopper has no fp4
 conversion), and working on bf16 pairs held in one int32 with f16x2 instructions halves most of them. sm90 SASS per
-element: 26.75 (``_encode``), then 21.75 (fp32 subnormal rounding per element), 13.3 for the pairs (fp8: 12.25);
+element: 26.75 (``encode``), then 21.75 (fp32 subnormal rounding per element), 13.3 for the pairs (fp8: 12.25);
 copy bandwidth on the H200: 52-54%, 61-62%, then 78-80% (mx_cast suite, e204651 and 3216fa7). fp32 input, and bf16
 rows whose storage offset or row stride is odd (not readable as int32 pairs), keep ``_mx_cast_rows``.
 Not kept: fp4 codes stored as int32 words of 8 (no shared-memory shuffle for the packed store): 53%, as byte stores.
@@ -30,31 +30,17 @@ from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import hw_cvt, ptx_pairs
+from fly_lightning.kernels.triton._mx_elements import (
+    ELEMENT_BITS,
+    block_scales,
+    codes_of,
+    mantissa_bits,
+    rceil_biased,
+    widened,
+)
 from fly_lightning.kernels.triton._support import device_reason, on_device
 from fly_lightning.ops.mx_cast import MX_CAST
 from fly_lightning.quant import formats
-
-# per format: exponent bits, mantissa bits, exponent bias (the element format's)
-_BITS = {"mxfp8_e4m3": (4, 3, 7), "mxfp8_e5m2": (5, 2, 15), "mxfp4_e2m1": (2, 1, 1)}
-
-
-@triton.jit
-def _encode(v, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr):
-    """Saturated fp32 values to element codes (int32), round to nearest even; the sign in the top bit."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
-    mag_bits = bits & 0x7FFFFFFF
-    mag = mag_bits.to(tl.float32, bitcast=True)
-    shift: tl.constexpr = 23 - MBITS
-    lsb = (mag_bits >> shift) & 1
-    normal = ((mag_bits + ((1 << (shift - 1)) - 1) + lsb) >> shift) - ((127 - BIAS) << MBITS)
-    # below the smallest normal: a multiple of the subnormal step (code 2^MBITS is the smallest normal, contiguous)
-    sub_step: tl.constexpr = 2.0 ** (BIAS - 1 + MBITS)
-    # adding and subtracting 1.5 * 2^23 rounds an fp32 below 2^22 to an integer, ties to even
-    sub = ((mag * sub_step + 12582912.0) - 12582912.0).to(tl.int32)
-    min_normal: tl.constexpr = 2.0 ** (1 - BIAS)
-    code = tl.where(mag < min_normal, sub, normal)
-    return code | (sign << (EBITS + MBITS))
 
 
 @triton.jit
@@ -79,21 +65,6 @@ def _f16x2_clamped(lo, hi, PTX: tl.constexpr):
 
 
 @triton.jit
-def _rceil_biased(amax, EMAX: tl.constexpr, MANT_MAX: tl.constexpr):
-    """``rceil`` E8M0 scales of bf16 blocks (``amax`` their largest magnitude, in fp32; not NaN): ``ceil(log2(amax /
-    max))`` clamped to +-127, plus 127, where ``max = (1 + MANT_MAX * 2^-23) * 2^EMAX`` is the format's largest value.
-    From the bits: ``exponent(amax) - EMAX``, plus one where amax's mantissa exceeds max's. torchao takes ``ceil`` of
-    an fp32 ``log2`` of the fp32 quotient; for bf16 ``amax`` (8 significant bits) that quotient is a power of two or
-    at least 0.4% above one, so the rounding of ``log2`` never reaches the integer and the two agree (fp32 input can
-    land within an ulp of a power of two: not taken here). Zero and subnormal blocks (exponent field 0): 0; inf: 254."""
-    bits = amax.to(tl.int32, bitcast=True)
-    field = (bits >> 23) & 0xFF
-    up = ((bits & 0x7FFFFF) > MANT_MAX).to(tl.int32)
-    biased = tl.minimum(tl.maximum(field - EMAX + up, 0), 254)  # field - 127 - EMAX + up, clamped to +-127, + 127
-    return tl.where(field == 255, 254, biased)
-
-
-@triton.jit
 def _max_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
@@ -102,7 +73,7 @@ def _max_nan(a, b):
 def _mx_cast_fp4_pairs(
     X, stride_x, DATA, SCALE, R, K, BR: tl.constexpr, G: tl.constexpr, PTX: tl.constexpr, RCEIL: tl.constexpr = False
 ):
-    """bf16 rows to MXFP4 (floor scales, or ``RCEIL``: ``_rceil_biased``), two elements at a time: ``X`` is read as
+    """bf16 rows to MXFP4 (floor scales, or ``RCEIL``: ``rceil_biased``), two elements at a time: ``X`` is read as
     int32 words, each a bf16 pair (element ``2j`` in the low half), and each word becomes the byte that packs the
     pair's codes.
 
@@ -125,7 +96,7 @@ def _mx_cast_fp4_pairs(
     amax = tl.reduce(_max_nan(lo, hi), 2, _max_nan)
     nan = amax != amax
     if RCEIL:
-        biased = tl.where(nan, 255, _rceil_biased(amax, 2, 0x400000))  # e2m1's largest value: 1.5 * 2^2
+        biased = tl.where(nan, 255, rceil_biased(amax, 2, 0x400000))  # e2m1's largest value: 1.5 * 2^2
         unit = tl.where(biased == 0, 127, biased)  # torchao leaves a block of scale 0 unscaled
     else:
         field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0 for zero and subnormals
@@ -144,49 +115,6 @@ def _mx_cast_fp4_pairs(
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
     tl.store(SCALE + rows64[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
-
-
-@triton.jit
-def _block_scales(amax, has_nan, EMAX: tl.constexpr, RCEIL: tl.constexpr, MANT_MAX: tl.constexpr):
-    """Per block (``amax``: its largest magnitude in fp32): ``(biased E8M0 scale, fp32 multiplier to elements)``."""
-    if RCEIL:  # bf16 input only (``_rceil_biased``)
-        biased = tl.where(has_nan, 255, _rceil_biased(amax, EMAX, MANT_MAX))
-        # 2^(127 - biased), 1 for scale 0 (torchao leaves such blocks unscaled), 2^-127 for 254 (inf blocks: fp32
-        # subnormal), 0 in a NaN block (torchao's codes there are NaN: unspecified here)
-        e = 127 - tl.where(biased == 0, 127, biased)
-        mult = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
-        mult = tl.where(biased == 255, 0.0, mult)
-    else:
-        field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0: zero and subnormals
-        biased = tl.minimum(tl.maximum(field - EMAX, 0), 255)
-        biased = tl.where(has_nan, 255, biased)
-        divisor = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)  # >= 2^-126
-        mult = 1.0 / divisor  # 255: 1 / inf, +-0
-    return biased, mult
-
-
-@triton.jit
-def _codes(
-    scaled, MAX: tl.constexpr, EBITS: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, FP4: tl.constexpr,
-    HW: tl.constexpr,
-):  # fmt: skip
-    """Scaled fp32 values to element codes, saturated at +-MAX, rounded to nearest even."""
-    scaled = tl.minimum(tl.maximum(scaled, -MAX), MAX)
-    if HW and not FP4:  # the GPU's fp32 -> fp8 conversion: round to nearest even, as torchao's .to() (finite here)
-        if EBITS == 5:
-            codes = scaled.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        else:
-            codes = scaled.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-    else:
-        codes = _encode(scaled, EBITS, MBITS, BIAS)
-    return codes
-
-
-@triton.jit
-def _widened(x, BF16: tl.constexpr, HW: tl.constexpr):
-    if BF16 and not HW:  # bf16 bits (int16) widened by hand: the interpreter's bf16 -> fp32 mangles subnormals
-        return ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    return x.to(tl.float32)
 
 
 @triton.jit
@@ -215,12 +143,12 @@ def _mx_cast_rows(
     rows64 = rows.to(tl.int64)  # offsets past 2^31 elements
     cols = tl.program_id(1) * BK + tl.arange(0, BK)
     mask = (rows[:, None] < R) & (cols[None, :] < K)  # K % 32 == 0: a block is wholly in or out
-    x = _widened(tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0), BF16, HW)
+    x = widened(tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0), BF16, HW)
     x3 = tl.reshape(x, (BR, G, 32))
     amax = tl.max(tl.abs(x3), axis=2)
     has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0  # max need not propagate NaN; the scale must
-    biased, mult = _block_scales(amax, has_nan, EMAX, RCEIL, MANT_MAX)
-    codes = _codes(tl.reshape(x3 * mult[:, :, None], (BR, BK)), MAX, EBITS, MBITS, BIAS, FP4, HW)
+    biased, mult = block_scales(amax, has_nan, EMAX, RCEIL, MANT_MAX)
+    codes = codes_of(tl.reshape(x3 * mult[:, :, None], (BR, BK)), MAX, EBITS, MBITS, BIAS, FP4, HW)
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (rows[:, None] < R) & (g[None, :] < K // 32)
     tl.store(SCALE + rows64[:, None] * (K // 32) + g[None, :], biased.to(tl.uint8), mask=smask)
@@ -248,12 +176,12 @@ def _mx_cast_cols(
     ks = tl.program_id(0) * BK + tl.arange(0, BK)
     cols = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (ks[:, None] < K) & (cols[None, :] < N)  # K % 32 == 0: a block is wholly in or out
-    x = _widened(tl.load(X + ks.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0), BF16, HW)
+    x = widened(tl.load(X + ks.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0), BF16, HW)
     x3 = tl.reshape(x, (G, 32, BN))
     amax = tl.max(tl.abs(x3), axis=1)
     has_nan = tl.max((x3 != x3).to(tl.int32), axis=1) > 0
-    biased, mult = _block_scales(amax, has_nan, EMAX, RCEIL, MANT_MAX)
-    codes = _codes(tl.reshape(x3 * mult[:, None, :], (BK, BN)), MAX, EBITS, MBITS, BIAS, FP4, HW)
+    biased, mult = block_scales(amax, has_nan, EMAX, RCEIL, MANT_MAX)
+    codes = codes_of(tl.reshape(x3 * mult[:, None, :], (BK, BN)), MAX, EBITS, MBITS, BIAS, FP4, HW)
     g = tl.program_id(0) * G + tl.arange(0, G)
     smask = (g[:, None] < K // 32) & (cols[None, :] < N)
     tl.store(SCALE + g.to(tl.int64)[:, None] * N + cols[None, :], biased.to(tl.uint8), mask=smask)
@@ -266,7 +194,8 @@ def _mx_cast_cols(
         tl.store(DATA + ks.to(tl.int64)[:, None] * N + cols[None, :], codes.to(tl.uint8), mask=mask)
 
 
-def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
+def cast_support(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
+    """What the Triton casts take (``mx_cast``'s and ``mx_fake_quantize``'s kernels share the layouts and modes)."""
     if (reason := device_reason(x)) is not None:
         return reason
     if mode == "rceil" and x.dtype != torch.bfloat16:
@@ -288,7 +217,7 @@ def _supports(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
 
 @MX_CAST.implement(
     "triton",
-    supports=_supports,
+    supports=cast_support,
     constraints="x fp32/bf16, blocks of 32 along the last dim (contiguous, leading dims collapsible to rows) or "
     "down the columns of a 2-D x (columns contiguous); floor scales, rceil from bf16; e4m3, e5m2, e2m1 (packed); "
     "rceil from fp32 on ATen",
@@ -301,7 +230,7 @@ PLAN = (16, 8, 4)
 """(rows, 32-value blocks along K, warps) per program."""
 HW_CVT = True
 """On NVIDIA GPUs, bf16 widened and fp8 elements rounded by conversion instructions (from sm89) rather than the
-integer arithmetic the interpreter needs (``_encode``), and bf16 -> fp4 pairs converted by PTX f16x2 instructions
+integer arithmetic the interpreter needs (``encode``), and bf16 -> fp4 pairs converted by PTX f16x2 instructions
 (from sm80, ``ptx_pairs``) rather than per element (``_f16x2_clamped``). Both forms bit-exact with torchao: the
 GPU tests compare them on every special block, and fp4 on every bf16 value (sm90)."""
 
@@ -336,22 +265,17 @@ def launch_cols(
     if x.numel():
         bn, g, warps = plan
         g = min(g, next_pow2(k // formats.BLOCK))
-        ebits, mbits, bias = _BITS[f.name]
+        ebits, mbits, bias = ELEMENT_BITS[f.name]
         bf16, hw = x.dtype == torch.bfloat16, _hw_cvt(x)
         with on_device(x):
             _CAST_COLS(
                 (cdiv(k, g * formats.BLOCK), cdiv(n, bn)),
                 (x.view(torch.int16) if bf16 and not hw else x, x.stride(0), data, scale, k, n),
                 BN=bn, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16,
-                HW=hw, RCEIL=rceil, MANT_MAX=_mantissa(f.max) if rceil else 0,
+                HW=hw, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
                 num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
-
-
-def _mantissa(v: float) -> int:
-    """The 23 mantissa bits of ``v`` in fp32 (the format's largest value, for ``_rceil_biased``)."""
-    return int(torch.tensor(v, dtype=torch.float32).view(torch.int32)) & 0x7FFFFF
 
 
 def _as_pairs(x2: torch.Tensor) -> torch.Tensor | None:
@@ -366,7 +290,7 @@ def _as_pairs(x2: torch.Tensor) -> torch.Tensor | None:
 def launch(
     x: torch.Tensor, fmt: str, plan: tuple[int, int, int] = PLAN, mode: str = "floor"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise cast of a supported ``x`` (``_supports``) in one launch ``plan`` (the benchmark times others)."""
+    """Row-wise cast of a supported ``x`` (``cast_support``) in one launch ``plan`` (the benchmark times others)."""
     f = formats.as_format(fmt)
     rceil = formats.as_mode(mode) is formats.ScaleMode.RCEIL
     if rceil and x.dtype != torch.bfloat16:
@@ -388,14 +312,14 @@ def launch(
                     BR=br, G=g, PTX=HW_CVT and ptx_pairs(x), RCEIL=rceil, num_warps=warps,
                 )  # fmt: skip
             return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
-        ebits, mbits, bias = _BITS[f.name]
+        ebits, mbits, bias = ELEMENT_BITS[f.name]
         hw = _hw_cvt(x)
         with on_device(x):
             _CAST(
                 (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
                 (x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k),
                 BR=br, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16,
-                HW=hw, RCEIL=rceil, MANT_MAX=_mantissa(f.max) if rceil else 0,
+                HW=hw, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
                 num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

@@ -171,12 +171,15 @@ def _mx_mm_kernel(
         # split K: each program stores its fp32 partial; the tile's last program to arrive sums all of them in split
         # order (the same sums whichever arrives last) and writes the output: no reduction launches after the GEMM
         tile = rm.to(tl.int64)[:, None] * N + rn[None, :]
-        tl.store(PARTIAL + tl.program_id(1).to(tl.int64) * stride_split + tile, acc, mask=mask)
-        # acq_rel: this program's partial is visible before its arrival counts, the others' before the last reads
+        split_stride = stride_split.to(tl.int64)
+        tl.store(PARTIAL + tl.program_id(1) * split_stride + tile, acc, mask=mask)
+        # one thread runs the scalar atomic: the barrier orders every thread's partial before it (Triton 3.9 emits
+        # one there, 3.6 does not), and acq_rel the partials of the programs before the last one's reads
+        tl.debug_barrier()
         if tl.atomic_add(ARRIVED + pid, 1, sem="acq_rel") == SPLIT_K - 1:
             total = tl.zeros_like(acc)
             for s in range(SPLIT_K):
-                total += tl.load(PARTIAL + s * stride_split + tile, mask=mask, other=0.0, cache_modifier=".cg")
+                total += tl.load(PARTIAL + s * split_stride + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(ptrs, total.to(OUT.dtype.element_ty), mask=mask)
 
 

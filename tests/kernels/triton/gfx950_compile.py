@@ -14,6 +14,7 @@ from _sm90 import report
 from fly_lightning.kernels.triton import moe_combine, mx_cast, rms_norm, swiglu, topk
 from fly_lightning.kernels.triton._grouped_mm_config import PRE_HOPPER_CONFIG, GroupedMMConfig
 from fly_lightning.kernels.triton._grouped_mm_kernel import _effective_config, _grouped_mm_kernel
+from fly_lightning.kernels.triton._mx_elements import ELEMENT_BITS
 from fly_lightning.quant import formats
 
 
@@ -68,7 +69,7 @@ def topk_fwd(n: int, k: int, dtype: torch.dtype) -> dict:
 
 def mx_cast_rows(fmt: str, bf16: bool) -> dict:
     f = formats.FORMATS[fmt]
-    ebits, mbits, bias = mx_cast._BITS[fmt]
+    ebits, mbits, bias = ELEMENT_BITS[fmt]
     sig = dict(X="*i16" if bf16 else "*fp32", stride_x="i32", DATA="*u8", SCALE="*u8", R="i32", K="i32")
     # HW=False: on ROCm the launcher rounds by integer arithmetic (mx_cast._hw_cvt), bf16 loaded as its bits
     const = dict(

@@ -4,27 +4,20 @@ variant as JSON."""
 
 from _sm90 import compile_sm90, report
 
-from fly_lightning.kernels.triton.mx_cast import (
-    _BITS,
-    COLS_PLAN,
-    PLAN,
-    _mantissa,
-    _mx_cast_cols,
-    _mx_cast_fp4_pairs,
-    _mx_cast_rows,
-)
+from fly_lightning.kernels.triton._mx_elements import ELEMENT_BITS, mantissa_bits
+from fly_lightning.kernels.triton.mx_cast import COLS_PLAN, PLAN, _mx_cast_cols, _mx_cast_fp4_pairs, _mx_cast_rows
 from fly_lightning.quant import formats
 
 
 def variant(fmt: str, dtype: str, rceil: bool = False) -> dict:
     f = formats.FORMATS[fmt]
-    ebits, mbits, bias = _BITS[fmt]
+    ebits, mbits, bias = ELEMENT_BITS[fmt]
     br, g, warps = PLAN
     sig = {a: "i32" for a in _mx_cast_rows.arg_names}
     sig.update(X=f"*{dtype}", DATA="*u8", SCALE="*u8")
     const = dict(
         BR=br, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4,
-        BF16=dtype == "bf16", HW=True, RCEIL=rceil, MANT_MAX=_mantissa(f.max) if rceil else 0,
+        BF16=dtype == "bf16", HW=True, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
     )  # fmt: skip
     aligned = ("X", "DATA", "SCALE", "K", "stride_x")
     kernel, spill, regs = compile_sm90(_mx_cast_rows, sig, const, aligned, num_warps=warps, num_stages=1)
@@ -36,13 +29,13 @@ def variant(fmt: str, dtype: str, rceil: bool = False) -> dict:
 def cols(fmt: str, dtype: str, rceil: bool = False) -> dict:
     """The column-wise cast (``_mx_cast_cols``) in its launch plan."""
     f = formats.FORMATS[fmt]
-    ebits, mbits, bias = _BITS[fmt]
+    ebits, mbits, bias = ELEMENT_BITS[fmt]
     bn, g, warps = COLS_PLAN
     sig = {a: "i32" for a in _mx_cast_cols.arg_names}
     sig.update(X=f"*{dtype}", DATA="*u8", SCALE="*u8")
     const = dict(
         BN=bn, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4,
-        BF16=dtype == "bf16", HW=True, RCEIL=rceil, MANT_MAX=_mantissa(f.max) if rceil else 0,
+        BF16=dtype == "bf16", HW=True, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
     )  # fmt: skip
     aligned = ("X", "DATA", "SCALE", "N", "stride_x")
     kernel, spill, regs = compile_sm90(_mx_cast_cols, sig, const, aligned, num_warps=warps, num_stages=1)

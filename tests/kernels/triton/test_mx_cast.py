@@ -7,29 +7,12 @@ import triton
 import triton.language as tl
 
 import fly_lightning
-from fly_lightning.kernels.triton.mx_cast import (
-    _mantissa,
-    _rceil_biased,
-    _supports,
-    launch,
-    launch_cols,
-    mx_cast_triton,
-)
+from fly_lightning.kernels.triton._mx_elements import mantissa_bits, rceil_biased
+from fly_lightning.kernels.triton.mx_cast import cast_support, launch, launch_cols, mx_cast_triton
 from fly_lightning.ops.mx_cast import mx_cast_reference
 from fly_lightning.quant import formats
-
-
-def _cases(dtype: torch.dtype) -> torch.Tensor:
-    """32-value blocks of random, zero, subnormal, huge, inf, NaN, saturating and tie values, mixed in rows."""
-    g = torch.Generator().manual_seed(0)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    tiny = torch.finfo(torch.float32).tiny
-    special = torch.tensor([0.0, -0.0, tiny / 8, float("inf"), float("-inf"), 3e38, 448.0 * 1.9, 5.0])
-    x = torch.cat([r(24, 32), r(4, 32) * 1e-3, r(4, 32) * tiny, torch.zeros(2, 32), r(4, 32) * 1e30])
-    x[::5, :8] = special
-    x[7, 3] = float("nan")
-    x[9] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
-    return x.to(dtype)
+from tests.kernels.triton._mx_inputs import cases as _cases
+from tests.kernels.triton._mx_inputs import every_bf16 as _every_bf16
 
 
 def _compared(x: torch.Tensor, scale: torch.Tensor, per_byte: int, mode: str = "floor") -> torch.Tensor:
@@ -72,18 +55,6 @@ def test_other_launch_plans(plan, mode):
         _check(x, fmt, plan, mode)
 
 
-def _every_bf16(block_tops: tuple[float, ...] = (1.0, 6.0, 7.9, 3e38, 1e-38, 2.0**-130, 448.0)) -> torch.Tensor:
-    """Every bf16 bit pattern, in 32-value blocks as they come and again with each block's first value replaced by
-    one of ``block_tops`` (so that every value is also cast under scales set by others), 256 values per row."""
-    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 32)
-    blocks = [x]
-    for top in block_tops:
-        y = x.clone()
-        y[:, 0] = top
-        blocks.append(y)
-    return torch.cat(blocks).reshape(-1, 256)
-
-
 @pytest.mark.parametrize("mode", ["floor", "rceil"])
 def test_fp4_pairs_bit_exact_on_every_bf16_value(monkeypatch, mode):
     """bf16 to MXFP4 reads pairs (``_mx_cast_fp4_pairs``, its rounding on f16 bits): every bf16 value, alone in its
@@ -98,7 +69,7 @@ def test_fp4_pairs_bit_exact_on_every_bf16_value(monkeypatch, mode):
 
 @pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp8_e5m2"])
 def test_rceil_fp8_bit_exact_on_every_bf16_value(fmt):
-    """rceil scales from bf16 (``_rceil_biased``: exponent and mantissa bits against the format's largest value)
+    """rceil scales from bf16 (``rceil_biased``: exponent and mantissa bits against the format's largest value)
     equal the reference's ``ceil(log2(amax / max))`` for every bf16 value as a block's largest, alone and under
     others; the elements follow."""
     _check(_every_bf16(), fmt, mode="rceil")
@@ -108,18 +79,18 @@ def test_rceil_fp8_bit_exact_on_every_bf16_value(fmt):
 def _rceil_of(AMAX, OUT, n, EMAX: tl.constexpr, MANT_MAX: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     bits = tl.load(AMAX + i, mask=i < n, other=0)
-    tl.store(OUT + i, _rceil_biased(bits.to(tl.float32, bitcast=True), EMAX, MANT_MAX), mask=i < n)
+    tl.store(OUT + i, rceil_biased(bits.to(tl.float32, bitcast=True), EMAX, MANT_MAX), mask=i < n)
 
 
 @pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
 def test_rceil_scale_rule_on_every_bf16_amax(fmt):
-    """The scale rule alone (``_rceil_biased``) against the formula in fp64, exact here: every non-negative bf16
+    """The scale rule alone (``rceil_biased``) against the formula in fp64, exact here: every non-negative bf16
     value, zero, subnormals and inf included, as a block's largest."""
     f = formats.as_format(fmt)
     amax = torch.arange(0, 0x7F81, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()  # 0 .. inf
     got = torch.empty(amax.numel(), dtype=torch.int32)
     n = amax.numel()
-    _rceil_of[(triton.cdiv(n, 4096),)](amax.view(torch.int32), got, n, f.emax, _mantissa(f.max), BLOCK=4096)
+    _rceil_of[(triton.cdiv(n, 4096),)](amax.view(torch.int32), got, n, f.emax, mantissa_bits(f.max), BLOCK=4096)
     a = amax.double()
     want = torch.where(a.isinf(), 254, (torch.ceil(torch.log2(a / f.max)).clamp(-127, 127) + 127).nan_to_num(0, 0, 0))
     assert torch.equal(got.long(), want.long())
@@ -190,7 +161,7 @@ def test_empty_input():
     ],
 )
 def test_unsupported_inputs_run_on_aten_with_the_reason(args, reason):
-    assert reason in _supports(*args)
+    assert reason in cast_support(*args)
     data, scale = fly_lightning.mx_cast(*args)
     want = mx_cast_reference(*args)
     assert torch.equal(scale.view(torch.uint8), want[1].view(torch.uint8))

@@ -8,8 +8,24 @@ import torch
 import triton
 import triton.language as tl
 
+from fly_lightning.quant import formats
+
 # per format: exponent bits, mantissa bits, exponent bias (the element format's)
 ELEMENT_BITS = {"mxfp8_e4m3": (4, 3, 7), "mxfp8_e5m2": (5, 2, 15), "mxfp4_e2m1": (2, 1, 1)}
+
+
+def cast_constants(op: str, fmt: str, mode: str, dtype: torch.dtype, hw: bool) -> dict:
+    """The element and scale constexprs of a cast kernel (``EMAX`` .. ``MANT_MAX``) for ``dtype`` input; ``hw``: the
+    GPU's conversion instructions. rceil from bf16 only (``rceil_biased``): other inputs raise, naming ``op``."""
+    f = formats.as_format(fmt)
+    rceil = formats.as_mode(mode) is formats.ScaleMode.RCEIL
+    if rceil and dtype != torch.bfloat16:
+        raise ValueError(f"{op}: the Triton kernel takes rceil scales from bf16 only, got {dtype}")
+    ebits, mbits, bias = ELEMENT_BITS[f.name]
+    return dict(
+        EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=dtype == torch.bfloat16,
+        HW=hw, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
+    )  # fmt: skip
 
 
 @triton.jit

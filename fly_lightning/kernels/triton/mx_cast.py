@@ -31,10 +31,9 @@ from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import hw_cvt, ptx_pairs
 from fly_lightning.kernels.triton._mx_elements import (
-    ELEMENT_BITS,
     block_scales,
+    cast_constants,
     codes_of,
-    mantissa_bits,
     rceil_biased,
     widened,
 )
@@ -256,24 +255,18 @@ def launch_cols(
     """Column-wise cast of a supported 2-D ``x`` ``[K, N]``: ``data`` ``[K / per_byte, N]``, ``scale``
     ``[K / 32, N]``."""
     f = formats.as_format(fmt)
-    rceil = formats.as_mode(mode) is formats.ScaleMode.RCEIL
-    if rceil and x.dtype != torch.bfloat16:
-        raise ValueError(f"mx_cast: the Triton kernel takes rceil scales from bf16 only, got {x.dtype}")
+    consts = cast_constants("mx_cast", fmt, mode, x.dtype, _hw_cvt(x))
     k, n = x.shape
     data = outputs.empty(k // f.per_byte, n, dtype=torch.uint8, device=x.device)
     scale = outputs.empty(k // formats.BLOCK, n, dtype=torch.uint8, device=x.device)
     if x.numel():
         bn, g, warps = plan
         g = min(g, next_pow2(k // formats.BLOCK))
-        ebits, mbits, bias = ELEMENT_BITS[f.name]
-        bf16, hw = x.dtype == torch.bfloat16, _hw_cvt(x)
         with on_device(x):
             _CAST_COLS(
                 (cdiv(k, g * formats.BLOCK), cdiv(n, bn)),
-                (x.view(torch.int16) if bf16 and not hw else x, x.stride(0), data, scale, k, n),
-                BN=bn, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16,
-                HW=hw, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
-                num_warps=warps,
+                (x.view(torch.int16) if consts["BF16"] and not consts["HW"] else x, x.stride(0), data, scale, k, n),
+                BN=bn, G=g, **consts, num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
 
@@ -292,9 +285,7 @@ def launch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise cast of a supported ``x`` (``cast_support``) in one launch ``plan`` (the benchmark times others)."""
     f = formats.as_format(fmt)
-    rceil = formats.as_mode(mode) is formats.ScaleMode.RCEIL
-    if rceil and x.dtype != torch.bfloat16:
-        raise ValueError(f"mx_cast: the Triton kernel takes rceil scales from bf16 only, got {x.dtype}")
+    consts = cast_constants("mx_cast", fmt, mode, x.dtype, _hw_cvt(x))
     k = x.shape[-1]
     data = outputs.empty(*x.shape[:-1], k // f.per_byte, dtype=torch.uint8, device=x.device)
     scale = outputs.empty(*x.shape[:-1], k // formats.BLOCK, dtype=torch.uint8, device=x.device)
@@ -309,17 +300,13 @@ def launch(
                 _CAST_FP4_PAIRS(
                     (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
                     (pairs, pairs.stride(0), data, scale, r, k),
-                    BR=br, G=g, PTX=HW_CVT and ptx_pairs(x), RCEIL=rceil, num_warps=warps,
+                    BR=br, G=g, PTX=HW_CVT and ptx_pairs(x), RCEIL=consts["RCEIL"], num_warps=warps,
                 )  # fmt: skip
             return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
-        ebits, mbits, bias = ELEMENT_BITS[f.name]
-        hw = _hw_cvt(x)
         with on_device(x):
             _CAST(
                 (cdiv(r, br), cdiv(k, g * formats.BLOCK)),
-                (x2.view(torch.int16) if bf16 and not hw else x2, x2.stride(0), data, scale, r, k),
-                BR=br, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16,
-                HW=hw, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
-                num_warps=warps,
+                (x2.view(torch.int16) if bf16 and not consts["HW"] else x2, x2.stride(0), data, scale, r, k),
+                BR=br, G=g, **consts, num_warps=warps,
             )  # fmt: skip
     return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

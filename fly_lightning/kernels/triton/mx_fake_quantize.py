@@ -19,11 +19,10 @@ from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import hw_cvt
 from fly_lightning.kernels.triton._mx_elements import (
-    ELEMENT_BITS,
     bf16_bits,
     block_scales,
+    cast_constants,
     element_values,
-    mantissa_bits,
     scale_values,
     widened,
 )
@@ -95,20 +94,11 @@ _FAKE_QUANT_COLS = FastLaunch(_fake_quant_cols)
 
 def launch(x: torch.Tensor, fmt: str, mode: str = "floor", axis: int = -1) -> torch.Tensor:
     """``x`` (supported: ``cast_support``) on the MX grid along ``axis``, contiguous, in ``x``'s dtype."""
-    f = formats.as_format(fmt)
-    rceil = formats.as_mode(mode) is formats.ScaleMode.RCEIL
-    if rceil and x.dtype != torch.bfloat16:
-        raise ValueError(f"mx_fake_quantize: the Triton kernel takes rceil scales from bf16 only, got {x.dtype}")
+    consts = cast_constants("mx_fake_quantize", fmt, mode, x.dtype, HW_CVT and hw_cvt(x))
     out = outputs.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
-    bf16, hw = x.dtype == torch.bfloat16, HW_CVT and hw_cvt(x)
-    ebits, mbits, bias = ELEMENT_BITS[f.name]
-    consts = dict(
-        EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, HW=hw,
-        RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
-    )  # fmt: skip
-    bits = bf16 and not hw  # bf16 moved as int16 bits (``widened``, ``_store``)
+    bits = consts["BF16"] and not consts["HW"]  # bf16 moved as int16 bits (``widened``, ``_store``)
     src, dst = (x.view(torch.int16), out.view(torch.int16)) if bits else (x, out)
     with on_device(x):
         if axis == 0:

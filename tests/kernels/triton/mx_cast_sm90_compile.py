@@ -2,43 +2,25 @@
 bf16 and fp8, ``mx_cast.HW_CVT``), for each format, input dtype and scale mode, row-wise and column-wise; report each
 variant as JSON."""
 
+import torch
 from _sm90 import compile_sm90, report
 
-from fly_lightning.kernels.triton._mx_elements import ELEMENT_BITS, mantissa_bits
+from fly_lightning.kernels.triton._mx_elements import cast_constants
 from fly_lightning.kernels.triton.mx_cast import COLS_PLAN, PLAN, _mx_cast_cols, _mx_cast_fp4_pairs, _mx_cast_rows
 from fly_lightning.quant import formats
 
 
-def variant(fmt: str, dtype: str, rceil: bool = False) -> dict:
-    f = formats.FORMATS[fmt]
-    ebits, mbits, bias = ELEMENT_BITS[fmt]
-    br, g, warps = PLAN
-    sig = {a: "i32" for a in _mx_cast_rows.arg_names}
+def variant(fmt: str, dtype: str, rceil: bool = False, cols: bool = False) -> dict:
+    """The element kernel, row-wise (``_mx_cast_rows``) or column-wise (``_mx_cast_cols``), in its launch plan."""
+    fn = _mx_cast_cols if cols else _mx_cast_rows
+    tile, g, warps = COLS_PLAN if cols else PLAN
+    sig = {a: "i32" for a in fn.arg_names}
     sig.update(X=f"*{dtype}", DATA="*u8", SCALE="*u8")
-    const = dict(
-        BR=br, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4,
-        BF16=dtype == "bf16", HW=True, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
-    )  # fmt: skip
-    aligned = ("X", "DATA", "SCALE", "K", "stride_x")
-    kernel, spill, regs = compile_sm90(_mx_cast_rows, sig, const, aligned, num_warps=warps, num_stages=1)
-    ptx = kernel.asm["ptx"]
-    return dict(spill_bytes=spill, registers=regs, fp8_cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32")
-                + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
-
-
-def cols(fmt: str, dtype: str, rceil: bool = False) -> dict:
-    """The column-wise cast (``_mx_cast_cols``) in its launch plan."""
-    f = formats.FORMATS[fmt]
-    ebits, mbits, bias = ELEMENT_BITS[fmt]
-    bn, g, warps = COLS_PLAN
-    sig = {a: "i32" for a in _mx_cast_cols.arg_names}
-    sig.update(X=f"*{dtype}", DATA="*u8", SCALE="*u8")
-    const = dict(
-        BN=bn, G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4,
-        BF16=dtype == "bf16", HW=True, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0,
-    )  # fmt: skip
-    aligned = ("X", "DATA", "SCALE", "N", "stride_x")
-    kernel, spill, regs = compile_sm90(_mx_cast_cols, sig, const, aligned, num_warps=warps, num_stages=1)
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    const = dict(cast_constants("mx_cast", fmt, "rceil" if rceil else "floor", torch_dtype, True), G=g)
+    const["BN" if cols else "BR"] = tile
+    aligned = ("X", "DATA", "SCALE", "N" if cols else "K", "stride_x")
+    kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=warps, num_stages=1)
     ptx = kernel.asm["ptx"]
     return dict(spill_bytes=spill, registers=regs, fp8_cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32")
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
@@ -68,9 +50,9 @@ VARIANTS.update({f"{fmt}-bf16-rceil": (lambda f=fmt: variant(f, "bf16", rceil=Tr
 VARIANTS["mxfp4_e2m1-bf16-pairs-rceil"] = lambda: fp4_pairs(rceil=True)
 # column-wise: floor from bf16 and fp32, rceil from bf16
 for _fmt in formats.FORMATS:
-    VARIANTS[f"{_fmt}-bf16-cols"] = lambda f=_fmt: cols(f, "bf16")
-    VARIANTS[f"{_fmt}-fp32-cols"] = lambda f=_fmt: cols(f, "fp32")
-    VARIANTS[f"{_fmt}-bf16-cols-rceil"] = lambda f=_fmt: cols(f, "bf16", rceil=True)
+    VARIANTS[f"{_fmt}-bf16-cols"] = lambda f=_fmt: variant(f, "bf16", cols=True)
+    VARIANTS[f"{_fmt}-fp32-cols"] = lambda f=_fmt: variant(f, "fp32", cols=True)
+    VARIANTS[f"{_fmt}-bf16-cols-rceil"] = lambda f=_fmt: variant(f, "bf16", rceil=True, cols=True)
 
 if __name__ == "__main__":
     report(VARIANTS)

@@ -2,24 +2,22 @@
 instructions for bf16 and fp8), for each format, input dtype and scale mode, row-wise and column-wise; report each
 variant as JSON."""
 
+import torch
 from _sm90 import compile_sm90, report
 
-from fly_lightning.kernels.triton._mx_elements import ELEMENT_BITS, mantissa_bits
+from fly_lightning.kernels.triton._mx_elements import cast_constants
 from fly_lightning.kernels.triton.mx_fake_quantize import COLS_PLAN, PLAN, _fake_quant_cols, _fake_quant_rows
 from fly_lightning.quant import formats
 
 
 def variant(fmt: str, dtype: str, rceil: bool, cols: bool) -> dict:
-    f = formats.FORMATS[fmt]
-    ebits, mbits, bias = ELEMENT_BITS[fmt]
     fn = _fake_quant_cols if cols else _fake_quant_rows
     tile, g, warps = COLS_PLAN if cols else PLAN
     sig = {a: "i32" for a in fn.arg_names}
     sig.update(X=f"*{dtype}", OUT=f"*{dtype}")
-    const = dict(
-        G=g, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=dtype == "bf16",
-        HW=True, RCEIL=rceil, MANT_MAX=mantissa_bits(f.max) if rceil else 0, **{"BN" if cols else "BR": tile},
-    )  # fmt: skip
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    const = dict(cast_constants("mx_fake_quantize", fmt, "rceil" if rceil else "floor", torch_dtype, True), G=g)
+    const["BN" if cols else "BR"] = tile
     aligned = ("X", "OUT", "stride_x", "N" if cols else "K")
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=warps, num_stages=1)
     ptx = kernel.asm["ptx"]

@@ -12,10 +12,10 @@ from _gfx950 import compile_gfx950
 from _sm90 import report
 
 from fly_lightning.kernels.triton import moe_combine, mx_cast, rms_norm, swiglu, topk
+from fly_lightning.kernels.triton import mx_fake_quantize as mx_fake_quantize_kernel
 from fly_lightning.kernels.triton._grouped_mm_config import PRE_HOPPER_CONFIG, GroupedMMConfig
 from fly_lightning.kernels.triton._grouped_mm_kernel import _effective_config, _grouped_mm_kernel
-from fly_lightning.kernels.triton._mx_elements import ELEMENT_BITS
-from fly_lightning.quant import formats
+from fly_lightning.kernels.triton._mx_elements import cast_constants
 
 
 def rms_norm_rows(h: int) -> dict:
@@ -68,20 +68,33 @@ def topk_fwd(n: int, k: int, dtype: torch.dtype) -> dict:
 
 
 def mx_cast_rows(fmt: str, bf16: bool) -> dict:
-    f = formats.FORMATS[fmt]
-    ebits, mbits, bias = ELEMENT_BITS[fmt]
     sig = dict(X="*i16" if bf16 else "*fp32", stride_x="i32", DATA="*u8", SCALE="*u8", R="i32", K="i32")
     # HW=False: on ROCm the launcher rounds by integer arithmetic (mx_cast._hw_cvt), bf16 loaded as its bits
-    const = dict(
-        BR=16, G=8, EMAX=f.emax, MAX=f.max, EBITS=ebits, MBITS=mbits, BIAS=bias, FP4=f.bits == 4, BF16=bf16, HW=False
-    )
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    const = dict(cast_constants("mx_cast", fmt, "floor", dtype, hw=False), BR=16, G=8)
     return compile_gfx950(mx_cast._mx_cast_rows, sig, const, ("X", "DATA", "SCALE", "stride_x", "K"), num_warps=4)
+
+
+def mx_cast_cols(fmt: str, mode: str) -> dict:
+    """The column-wise cast (ROCm: integer rounding, bf16 as its bits)."""
+    sig = dict(X="*i16", stride_x="i32", DATA="*u8", SCALE="*u8", K="i32", N="i32")
+    const = dict(cast_constants("mx_cast", fmt, mode, torch.bfloat16, hw=False), BN=64, G=2)
+    return compile_gfx950(mx_cast._mx_cast_cols, sig, const, ("X", "DATA", "SCALE", "stride_x", "N"), num_warps=4)
+
+
+def mx_fake_quantize(fmt: str, mode: str, cols: bool) -> dict:
+    """Fake quantisation from bf16 (ROCm: integer rounding there and back, bf16 as its bits), rows or columns."""
+    fn = mx_fake_quantize_kernel._fake_quant_cols if cols else mx_fake_quantize_kernel._fake_quant_rows
+    sig = dict(X="*i16", stride_x="i32", OUT="*i16", **({"K": "i32", "N": "i32"} if cols else {"R": "i32", "K": "i32"}))
+    const = dict(cast_constants("mx_fake_quantize", fmt, mode, torch.bfloat16, hw=False), G=2 if cols else 8)
+    const["BN" if cols else "BR"] = 64 if cols else 16
+    return compile_gfx950(fn, sig, const, ("X", "OUT", "stride_x", "N" if cols else "K"), num_warps=4)
 
 
 def mx_cast_fp4_pairs() -> dict:
     """bf16 -> MXFP4 as the launcher runs it on ROCm: pairs, without the PTX conversion (``PTX=False``)."""
     sig = dict(X="*i32", stride_x="i32", DATA="*u8", SCALE="*u8", R="i32", K="i32")
-    const = dict(BR=16, G=8, PTX=False)
+    const = dict(BR=16, G=8, PTX=False, RCEIL=False)
     return compile_gfx950(mx_cast._mx_cast_fp4_pairs, sig, const, ("X", "DATA", "SCALE", "stride_x", "K"), num_warps=4)
 
 
@@ -117,6 +130,10 @@ VARIANTS = {
     "mx_cast-mxfp8_e4m3-bf16": lambda: mx_cast_rows("mxfp8_e4m3", True),
     "mx_cast-mxfp4_e2m1-fp32": lambda: mx_cast_rows("mxfp4_e2m1", False),
     "mx_cast-mxfp4_e2m1-bf16-pairs": mx_cast_fp4_pairs,
+    "mx_cast-mxfp8_e4m3-cols-rceil": lambda: mx_cast_cols("mxfp8_e4m3", "rceil"),
+    "mx_cast-mxfp4_e2m1-cols": lambda: mx_cast_cols("mxfp4_e2m1", "floor"),
+    "mx_fake_quantize-mxfp8_e4m3-rows-rceil": lambda: mx_fake_quantize("mxfp8_e4m3", "rceil", cols=False),
+    "mx_fake_quantize-mxfp4_e2m1-cols": lambda: mx_fake_quantize("mxfp4_e2m1", "floor", cols=True),
     "grouped_mm-pre-hopper": lambda: grouped(PRE_HOPPER_CONFIG),
     "grouped_mm-pre-hopper-gather": lambda: grouped(PRE_HOPPER_CONFIG, gather=True),
     "grouped_mm-pre-hopper-scatter": lambda: grouped(PRE_HOPPER_CONFIG, scatter=True),

@@ -31,6 +31,7 @@ from fly_lightning.ops.moe_route import group_reason, moe_route, moe_route_refer
 from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
 from fly_lightning.ops.permutation import inverse_permutation
 from fly_lightning.ops.swiglu import ACTIVATIONS, split_gate_up, swiglu, swiglu_reference
+from fly_lightning.quant import formats
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "fused"
@@ -174,6 +175,8 @@ class MXExperts:
         if self.frozen:
             return w_EKN
         e, k, n = w_EKN.shape
+        if k % formats.BLOCK:  # else column-wise blocks of [E * K, N] would straddle two experts
+            raise ValueError(f"MXExperts: the input dim K={k} of {list(w_EKN.shape)} is not a multiple of 32")
         if w_EKN.is_contiguous():  # blocks down the columns of [E * K, N]: K % 32 == 0 keeps them within one expert
             return mx_fake_quantize(w_EKN.reshape(e * k, n), self.weight_fmt, self.mode, 0).reshape(e, k, n)
         rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column (a view of [E, N, K] storage)

@@ -172,8 +172,9 @@ def _mx_cast_cols(
     ``BN`` columns; fp4 packs rows ``2j`` (low nibble) and ``2j + 1`` of a column into one byte of ``data``
     ``[K / 2, N]``. The scale and element arithmetic are the row kernel's."""
     BK: tl.constexpr = G * 32
-    ks = tl.program_id(0) * BK + tl.arange(0, BK)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    # column tiles on grid axis 0 (no 65535 limit there), blocks of rows on axis 1
+    ks = tl.program_id(1) * BK + tl.arange(0, BK)
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = (ks[:, None] < K) & (cols[None, :] < N)  # K % 32 == 0: a block is wholly in or out
     x = widened(tl.load(X + ks.to(tl.int64)[:, None] * stride_x + cols[None, :], mask=mask, other=0), BF16, HW)
     x3 = tl.reshape(x, (G, 32, BN))
@@ -181,12 +182,12 @@ def _mx_cast_cols(
     has_nan = tl.max((x3 != x3).to(tl.int32), axis=1) > 0
     biased, mult = block_scales(amax, has_nan, EMAX, RCEIL, MANT_MAX)
     codes = codes_of(tl.reshape(x3 * mult[:, None, :], (BK, BN)), MAX, EBITS, MBITS, BIAS, FP4, HW)
-    g = tl.program_id(0) * G + tl.arange(0, G)
+    g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (g[:, None] < K // 32) & (cols[None, :] < N)
     tl.store(SCALE + g.to(tl.int64)[:, None] * N + cols[None, :], biased.to(tl.uint8), mask=smask)
     if FP4:
         lo, hi = tl.split(tl.permute(tl.reshape(codes, (BK // 2, 2, BN)), (0, 2, 1)))
-        half = tl.program_id(0) * (BK // 2) + tl.arange(0, BK // 2)
+        half = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
         pmask = (half[:, None] < K // 2) & (cols[None, :] < N)
         tl.store(DATA + half.to(tl.int64)[:, None] * N + cols[None, :], (lo | (hi << 4)).to(tl.uint8), mask=pmask)
     else:
@@ -264,7 +265,7 @@ def launch_cols(
         g = min(g, next_pow2(k // formats.BLOCK))
         with on_device(x):
             _CAST_COLS(
-                (cdiv(k, g * formats.BLOCK), cdiv(n, bn)),
+                (cdiv(n, bn), cdiv(k, g * formats.BLOCK)),
                 (x.view(torch.int16) if consts["BF16"] and not consts["HW"] else x, x.stride(0), data, scale, k, n),
                 BN=bn, G=g, **consts, num_warps=warps,
             )  # fmt: skip

@@ -69,8 +69,8 @@ def _fake_quant_cols(
     RCEIL: tl.constexpr, MANT_MAX: tl.constexpr,
 ):  # fmt: skip
     BK: tl.constexpr = G * 32
-    ks = (tl.program_id(0) * BK + tl.arange(0, BK)).to(tl.int64)
-    cols = tl.program_id(1) * BN + tl.arange(0, BN)
+    ks = (tl.program_id(1) * BK + tl.arange(0, BK)).to(tl.int64)  # column tiles on axis 0: no 65535 limit
+    cols = tl.program_id(0) * BN + tl.arange(0, BN)
     mask = (ks[:, None] < K) & (cols[None, :] < N)
     x3 = tl.reshape(widened(tl.load(X + ks[:, None] * stride_x + cols[None, :], mask=mask, other=0), BF16, HW),
                     (G, 32, BN))  # fmt: skip
@@ -106,7 +106,7 @@ def launch(x: torch.Tensor, fmt: str, mode: str = "floor", axis: int = -1) -> to
             bn, g, warps = COLS_PLAN
             g = min(g, next_pow2(k // formats.BLOCK))
             _FAKE_QUANT_COLS(
-                (cdiv(k, g * formats.BLOCK), cdiv(n, bn)), (src, x.stride(0), dst, k, n),
+                (cdiv(n, bn), cdiv(k, g * formats.BLOCK)), (src, x.stride(0), dst, k, n),
                 BN=bn, G=g, **consts, num_warps=warps,
             )  # fmt: skip
         else:

@@ -67,3 +67,10 @@ def test_moe_experts_fake_quantise_weights_of_either_layout_without_a_copy(k_maj
     assert torch.equal(got, want.transpose(1, 2))
     (rec,) = fly_lightning.DISPATCH_LOG.records("mx_fake_quantize")
     assert rec["shape"] == ("256x48" if k_major else "192x64")  # [E * K, N] column-wise, or [E * N, K] rows
+
+
+def test_moe_experts_refuse_an_input_dim_off_the_blocks():
+    from fly_lightning.modules.moe import MXExperts
+
+    with pytest.raises(ValueError, match="K=48 .* not a multiple of 32"):
+        MXExperts("mxfp8_e4m3", None, "floor").weight(torch.randn(2, 48, 64))  # E * K = 96: blocks would straddle

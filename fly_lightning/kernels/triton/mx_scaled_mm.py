@@ -7,9 +7,10 @@ conversion runs on data the software pipeline (``num_stages``) already prefetche
 once per output tile; a large ``BLOCK_K`` (128, the support boundary) amortises the scale loads.
 
 Small M (decode, weight-only at M <= 64) swaps the operands, ``out^T = dequant(b) @ a^T``, so that the weight tile
-fills the MMA's M side and the few tokens its N side, and splits K across programs (fp32 partials summed after) so
-that enough programs stream the weights. Result: fp32 accumulation of the exact dequantised values, so it matches
-``mx_scaled_mm_reference`` up to summation order (and underflow below 2^-126, where bf16 keeps 7 bits).
+fills the MMA's M side and the few tokens its N side, and splits K across programs so that enough programs stream
+the weights (fp32 partials, summed in the kernel by each tile's last program to finish). Result: fp32 accumulation
+of the exact dequantised values, so it matches ``mx_scaled_mm_reference`` up to summation order (and underflow
+below 2^-126, where bf16 keeps 7 bits).
 Its bound is the decode, not bandwidth: at 16x28672x4096 (MXFP4 weights, H200, mx_gemm suite at 8182f20) it streams
 62 MB of weights in 50 us of device time, 1.2 TB/s, against cuBLAS's 58 us for 4x the bytes in bf16. That is with the
 fp4 pairs decoded in one word each (``dequant_fp4``'s PTX form: 56 us before; the sm90 main loop, compiled on the CPU,

@@ -63,21 +63,28 @@ def rceil_biased(amax, EMAX: tl.constexpr, MANT_MAX: tl.constexpr):
 
 
 @triton.jit
+def _pow2_multiplier(biased, e):
+    """fp32 ``2^e`` built from bits (``e`` in [-127, 127]; -127 is the fp32 subnormal 2^-127), 0 where ``biased`` is
+    255 (NaN blocks): no division, so no question of the GPU's approximate reciprocal."""
+    mult = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
+    return tl.where(biased == 255, 0.0, mult)
+
+
+@triton.jit
 def block_scales(amax, has_nan, EMAX: tl.constexpr, RCEIL: tl.constexpr, MANT_MAX: tl.constexpr):
     """Per block (``amax``: its largest magnitude in fp32): ``(biased E8M0 scale, fp32 multiplier to elements)``."""
     if RCEIL:  # bf16 input only (``rceil_biased``)
         biased = tl.where(has_nan, 255, rceil_biased(amax, EMAX, MANT_MAX))
         # 2^(127 - biased), 1 for scale 0 (torchao leaves such blocks unscaled), 2^-127 for 254 (inf blocks: fp32
         # subnormal), 0 in a NaN block (torchao's codes there are NaN: unspecified here)
-        e = 127 - tl.where(biased == 0, 127, biased)
-        mult = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
-        mult = tl.where(biased == 255, 0.0, mult)
+        mult = _pow2_multiplier(biased, 127 - tl.where(biased == 0, 127, biased))
     else:
         field = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # floor(log2(amax)) + 127; 0: zero and subnormals
         biased = tl.minimum(tl.maximum(field - EMAX, 0), 255)
         biased = tl.where(has_nan, 255, biased)
-        divisor = tl.maximum((biased << 23).to(tl.float32, bitcast=True), 1.1754943508222875e-38)  # >= 2^-126
-        mult = 1.0 / divisor  # 255: 1 / inf, +-0
+        # torchao's 1 / max(2^(biased - 127), 2^-126): 2^126 for scale 0, 0 for 255 (1 / inf); equal to the division
+        # for every biased value, checked exhaustively in the tests
+        mult = _pow2_multiplier(biased, 127 - tl.maximum(biased, 1))
     return biased, mult
 
 

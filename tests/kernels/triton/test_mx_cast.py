@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 import fly_lightning
-from fly_lightning.kernels.triton._mx_elements import mantissa_bits, rceil_biased
+from fly_lightning.kernels.triton._mx_elements import _pow2_multiplier, mantissa_bits, rceil_biased
 from fly_lightning.kernels.triton.mx_cast import cast_support, launch, launch_cols, mx_cast_triton
 from fly_lightning.ops.mx_cast import mx_cast_reference
 from fly_lightning.quant import formats
@@ -94,6 +94,33 @@ def test_rceil_scale_rule_on_every_bf16_amax(fmt):
     a = amax.double()
     want = torch.where(a.isinf(), 254, (torch.ceil(torch.log2(a / f.max)).clamp(-127, 127) + 127).nan_to_num(0, 0, 0))
     assert torch.equal(got.long(), want.long())
+
+
+@triton.jit
+def _multipliers(OUT, RCEIL: tl.constexpr):
+    biased = tl.arange(0, 256)
+    if RCEIL:
+        mult = _pow2_multiplier(biased, 127 - tl.where(biased == 0, 127, biased))
+    else:
+        mult = _pow2_multiplier(biased, 127 - tl.maximum(biased, 1))
+    tl.store(OUT + biased, mult)
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_multiplier_from_bits_on_every_scale(mode):
+    """``block_scales``' element multiplier, built from bits, for every biased scale (254: an fp32 subnormal; 255:
+    a NaN block, 0) equals the reference's: floor ``1 / max(2^(s - 127), 2^-126)``, rceil ``2^(127 - s)`` (1 for
+    scale 0)."""
+    got = torch.empty(256, dtype=torch.float32)
+    _multipliers[(1,)](got, RCEIL=mode == "rceil")
+    s = torch.arange(256, dtype=torch.int32)
+    if mode == "floor":
+        divisor = torch.clamp((s << 23).view(torch.float32), min=2.0**-126)
+        want = 1.0 / divisor
+    else:
+        want = torch.where(s == 0, 1.0, torch.exp2(127.0 - s.double())).float()
+        want[255] = 0.0
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 def test_fp4_rows_not_readable_as_pairs_take_the_element_kernel(monkeypatch):

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests                     # the GPU tests (tests/gpu), JUnit XML in the archive
 #   bash benchmarks/gpu_session.sh rms route grouped_all     # suites, each writing <suite>.json/.md
 #
-# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_memory, mx_quality, host, overhead, train_step, cold_start, recipe_step,
+# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, host, overhead, train_step, cold_start, recipe_step,
 # recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (split on spaces), FLY_PYTEST_K
 # a -k expression (kept whole: "geglu or mx").
 # The suites need .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along;
@@ -74,6 +74,7 @@ for phase in "$@"; do
     mx_dequantize) run mx_dequantize 300 python3 -m benchmarks.bench_mx_dequantize ;;
     mx_gemm) run mx_gemm 540 python3 -m benchmarks.bench_mx_gemm ;;
     mx_grouped) run mx_grouped 540 python3 -m benchmarks.bench_mx_grouped_mm ;;
+    mx_linear) run mx_linear 300 python3 -m benchmarks.bench_mx_linear ;;
     mx_memory) run mx_memory 300 python3 -m benchmarks.bench_mx_memory ;;
     # the MX quality comparison (same fine-tune in bf16 / MXFP8 / MXFP4); it also runs on a CPU
     mx_quality) run mx_quality 540 python3 -m benchmarks.bench_mx_quality ;;

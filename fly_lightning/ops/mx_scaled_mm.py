@@ -14,12 +14,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fly_lightning.backends import BACKENDS
 from fly_lightning.dispatch import register_op
 from fly_lightning.ops._eager import TracedOrDirect
+from fly_lightning.policy import get_dispatch_config
 from fly_lightning.quant import formats
 from fly_lightning.registry import tensor_key
 
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
+NATIVE_BACKENDS = ("flydsl",)
+"""Backends whose kernels multiply MX operands on MX tensor cores (FlyDSL's ``v_mfma_scale_f32_*`` on gfx950). Every
+other backend dequantises to bf16 and runs a bf16 GEMM (Hopper has no MX tensor cores)."""
 
 
 def _validate(
@@ -114,3 +119,17 @@ def mx_scaled_mm(
     """``a @ dequant(b).T`` for MX ``b`` ``[N, K]`` (``mx_cast(weight)``); ``a`` is MX when ``a_fmt`` is given
     (``a_scale`` its scales), else bf16/fp32 ``[M, K]``. Returns ``[M, N]`` in ``out_dtype``."""
     return _mx_scaled_mm_call(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
+
+
+@torch.compiler.assume_constant_result  # a per-process fact: read once when traced, no guard
+def native_backend(device: torch.device) -> str | None:
+    """The first of ``mx_scaled_mm``'s candidate backends (the active dispatch policy's) that multiplies MX operands
+    natively (``NATIVE_BACKENDS``) and is available on ``device``'s platform, or None: then every backend
+    dequantises to bf16 first, and a bf16 GEMM on fake-quantised operands computes the same products for fewer
+    bytes (``FlyMXLinear``'s ``kernel_preference="auto"``)."""
+    if device.type != "cuda" or torch.version.hip is None:  # CPU and NVIDIA: none today
+        return None
+    for name in get_dispatch_config().candidates("mx_scaled_mm"):
+        if name in NATIVE_BACKENDS and BACKENDS[name].is_available():
+            return name
+    return None

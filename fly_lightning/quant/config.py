@@ -1,8 +1,9 @@
 """The torchao configuration: ``quantize_(model, FlyMXConfig(...), filter_fn=...)`` (or ``Fly*Strategy(quantization=
-FlyMXConfig(...))``) swaps each selected ``nn.Linear`` for ``FlyMXLinear``, whose forward GEMM runs through the
-dispatched MX operators (``mx_cast``, ``mx_scaled_mm``: their dispatch log, support matrix and callbacks cover it),
-and gives each selected ``FlyMoE`` block MX expert numerics (``FlyMoE.mx``: casts through ``mx_cast``, GEMMs on
-the dequantised operands). ``mx_filter`` selects both, leaving the output head and routers in high precision.
+FlyMXConfig(...))``) swaps each selected ``nn.Linear`` for ``FlyMXLinear``, whose forward GEMM runs on MX values
+through the dispatched MX operators (``mx_fake_quantize``; ``mx_cast`` and ``mx_scaled_mm`` where a backend multiplies
+MX natively: their dispatch log, support matrix and callbacks cover it), and gives each selected ``FlyMoE`` block MX
+expert numerics (``FlyMoE.mx``: operands through ``mx_fake_quantize``, then the grouped GEMMs). ``mx_filter`` selects
+both, leaving the output head and routers in high precision.
 
 ``FlyMXConfig(frozen=True)`` stores the selected weights in MX instead, with no high-precision master and no weight
 gradient (``quant.frozen``): Linears become ``FlyMXFrozenLinear``, a block's expert container ``FlyMXFrozenExperts``.
@@ -38,12 +39,17 @@ class FlyMXConfig(AOBaseConfig):
             ``formats.default_mode`` (``"rceil"`` when every format is MXFP8, else ``"floor"``).
         frozen: store the weights in MX (data and scales as buffers), drop the high-precision weights, no weight
             gradient (``fly_lightning.quant.frozen``); False: training, cast from the master every forward.
+        kernel_preference: the training Linears' GEMM form (``FlyMXLinear``): ``"auto"`` (default; ``mx_scaled_mm``
+            where a backend multiplies MX natively, else ``"emulated"``), ``"emulated"`` (fake-quantised operands, a
+            plain GEMM: the same products) or ``"mx_scaled_mm"``; torchao's ``KernelPreference.AUTO`` / ``.EMULATED``
+            are taken too. Frozen Linears always run ``mx_scaled_mm``; MoE experts always the emulated form.
     """
 
     weight: str = "mxfp8_e4m3"
     activation: str | None = "mxfp8_e4m3"
     mode: str | None = None
     frozen: bool = False
+    kernel_preference: str = "auto"
 
     def __post_init__(self) -> None:
         formats.as_format(self.weight)
@@ -51,10 +57,11 @@ class FlyMXConfig(AOBaseConfig):
             formats.as_format(self.activation)
         mode = formats.default_mode(self.weight, self.activation) if self.mode is None else self.mode
         self.mode = formats.as_mode(mode).value
+        self.kernel_preference = self.spec.kernel_preference  # checked and resolved (a torchao enum to its value)
 
     @property
     def spec(self) -> MXSpec:
-        return MXSpec(self.weight, self.activation, self.mode)
+        return MXSpec(self.weight, self.activation, self.mode, self.kernel_preference)
 
 
 def torchao_quantized(module: nn.Module) -> str | None:

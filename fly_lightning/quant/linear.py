@@ -1,9 +1,19 @@
 """``FlyMXLinear``: an ``nn.Linear`` whose forward GEMM runs in MX (training and inference), its backward in the
 weights' precision.
 
-Each forward casts the activations (unless weight-only) and the high-precision weight to MX along K (``mx_cast``) and
-multiplies them with ``mx_scaled_mm``; the weight stays a plain high-precision parameter, so optimizers, state dicts
-and checkpoints see the module as the ``nn.Linear`` it replaced. Backward is the straight-through estimator on ATen
+Each forward puts the activations (unless weight-only) and the high-precision weight on the MX grid along K and
+multiplies them, in one of two forms of the same arithmetic (``MXSpec.kernel_preference``):
+
+- ``"mx_scaled_mm"``: cast both to MX bytes and scales (``mx_cast``) and multiply with ``mx_scaled_mm``;
+- ``"emulated"``: fake-quantise both (``mx_fake_quantize``: cast and back in one pass) and run a GEMM in their
+  dtype on the MX values, as torchao's emulated MX training does;
+- ``"auto"`` (default): ``mx_scaled_mm`` where a backend multiplies MX natively (``native_backend``: FlyDSL on
+  gfx950), else emulated. Without MX tensor cores (Hopper, CPU) ``mx_scaled_mm`` itself dequantises its operands
+  to bf16 before a bf16 GEMM from 128 rows, so the two forms multiply the same bf16 values with the same GEMM, and
+  the emulated one moves 4 bytes per bf16 element instead of 6 (cast, then dequantise) with one launch fewer.
+
+The weight stays a plain high-precision parameter, so optimizers, state dicts and checkpoints see the module as the
+``nn.Linear`` it replaced. Backward is the straight-through estimator on ATen
 (``grad_x = grad_y @ W``, ``grad_W = grad_y^T @ x``, in the weight's precision), as torchao's MX training recipes
 compute the high-precision gradients.
 """
@@ -16,28 +26,49 @@ import torch
 from torch import Tensor, nn
 
 from fly_lightning.ops.mx_cast import mx_cast
-from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
+from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
+from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm, native_backend
 from fly_lightning.quant import formats
+
+KERNEL_PREFERENCES = ("auto", "emulated", "mx_scaled_mm")
+"""``MXSpec.kernel_preference`` values (see the module docstring); torchao's ``KernelPreference.AUTO`` and
+``.EMULATED`` are taken by value."""
 
 
 @dataclass(frozen=True)
 class MXSpec:
-    """What ``FlyMXLinear`` casts to: the weight's format, the activations' (None: weight-only) and the scale mode
-    (None: ``formats.default_mode`` of the two formats, as ``FlyMXConfig``)."""
+    """What ``FlyMXLinear`` casts to: the weight's format, the activations' (None: weight-only), the scale mode
+    (None: ``formats.default_mode`` of the two formats, as ``FlyMXConfig``) and the form of the GEMM
+    (``kernel_preference``, one of ``KERNEL_PREFERENCES``)."""
 
     weight: str = "mxfp8_e4m3"
     activation: str | None = "mxfp8_e4m3"
     mode: str | None = None
+    kernel_preference: str = "auto"
 
-    def __post_init__(self) -> None:
-        if self.mode is None:  # frozen dataclass: the resolved default set once
+    def __post_init__(self) -> None:  # frozen dataclass: resolved values set once
+        if self.mode is None:
             object.__setattr__(self, "mode", formats.default_mode(self.weight, self.activation).value)
+        preference = getattr(self.kernel_preference, "value", self.kernel_preference)  # a torchao enum member
+        if preference not in KERNEL_PREFERENCES:
+            raise ValueError(f"kernel_preference must be one of {KERNEL_PREFERENCES}, got {self.kernel_preference!r}")
+        object.__setattr__(self, "kernel_preference", preference)
+
+    def emulated(self, device: torch.device) -> bool:
+        """Whether the forward fake-quantises and runs a plain GEMM on ``device`` (see the module docstring)."""
+        if self.kernel_preference == "auto":
+            return native_backend(device) is None
+        return self.kernel_preference == "emulated"
 
 
 class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: Tensor, w_NK: Tensor, spec: MXSpec) -> Tensor:
         ctx.save_for_backward(x_MK, w_NK)
+        if spec.emulated(x_MK.device):
+            w_q = mx_fake_quantize(w_NK, spec.weight, spec.mode)
+            x_q = x_MK if spec.activation is None else mx_fake_quantize(x_MK, spec.activation, spec.mode)
+            return x_q @ w_q.t()
         b, b_scale = mx_cast(w_NK, spec.weight, spec.mode)
         if spec.activation is None:
             return mx_scaled_mm(x_MK, b, b_scale, spec.weight, out_dtype=x_MK.dtype)
@@ -87,5 +118,5 @@ class FlyMXLinear(nn.Linear):
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, weight={self.spec.weight}, activation={self.spec.activation}, "
-            f"mode={self.spec.mode}"
+            f"mode={self.spec.mode}, kernel_preference={self.spec.kernel_preference}"
         )

@@ -1,7 +1,9 @@
 """``FlyMXConfig`` through torchao's ``quantize_``: which Linears are swapped, the parameters shared (state dict
-unchanged), an MX forward through the dispatched ops, the straight-through backward in the weights' precision."""
+unchanged), an MX forward through the dispatched ops in either GEMM form, the straight-through backward in the
+weights' precision."""
 
 import copy
+import dataclasses
 import logging
 
 import pytest
@@ -10,7 +12,8 @@ from torch import nn
 
 import fly_lightning
 from fly_lightning import FlyMXConfig
-from fly_lightning.quant.linear import FlyMXLinear
+from fly_lightning.quant import formats
+from fly_lightning.quant.linear import FlyMXLinear, MXSpec
 
 logging.getLogger("torchao").setLevel(logging.ERROR)
 quantize_ = pytest.importorskip("torchao.quantization").quantize_
@@ -39,7 +42,9 @@ def test_swaps_linears_with_whole_blocks_and_warns_about_the_rest():
     [(FlyMXConfig(), 0.1), (FlyMXConfig(activation=None), 0.08), (FlyMXConfig("mxfp4_e2m1", "mxfp4_e2m1"), 0.35),
      (FlyMXConfig(mode="floor"), 0.1)],
 )  # fmt: skip
-def test_forward_in_mx_backward_straight_through(config, tol):
+@pytest.mark.parametrize("preference", ["auto", "mx_scaled_mm"])
+def test_forward_in_mx_backward_straight_through(config, tol, preference):
+    config = dataclasses.replace(config, kernel_preference=preference)
     ref = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
     model = copy.deepcopy(ref)
     quantize_(model, config)
@@ -57,7 +62,45 @@ def test_forward_in_mx_backward_straight_through(config, tol):
     grad_h = g @ model[1].weight
     assert torch.allclose(xl.grad, grad_h @ model[0].weight, rtol=1e-4, atol=1e-5)
     ops = {r["op"] for r in fly_lightning.DISPATCH_LOG.records()}
-    assert {"mx_cast", "mx_scaled_mm"} <= ops
+    # auto on the CPU: no backend multiplies MX natively here, so the emulated form
+    assert {"mx_cast", "mx_scaled_mm"} <= ops if preference == "mx_scaled_mm" else "mx_fake_quantize" in ops
+
+
+@pytest.mark.parametrize(
+    "config", [FlyMXConfig(), FlyMXConfig(activation=None), FlyMXConfig("mxfp4_e2m1", "mxfp4_e2m1")]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_emulated_and_mx_scaled_mm_forms_multiply_the_same_values(config, dtype):
+    """Both GEMM forms against the fp64 product of the dequantised operands (the cast's values): each within its
+    GEMM's rounding of it (the ATen ``mx_scaled_mm`` on the CPU multiplies in fp32 and rounds once)."""
+    torch.manual_seed(0)
+    x = torch.randn(48, 64, dtype=dtype)
+    lin = nn.Linear(64, 40, bias=False, dtype=dtype)
+    spec = config.spec
+    xq = formats.from_mx(*formats.to_mx(x, spec.activation, spec.mode), spec.activation, torch.float64) if (
+        spec.activation) else x.double()  # fmt: skip
+    wq = formats.from_mx(*formats.to_mx(lin.weight.detach(), spec.weight, spec.mode), spec.weight, torch.float64)
+    want = xq @ wq.t()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-2)
+    for preference in ("emulated", "mx_scaled_mm"):
+        layer = FlyMXLinear.from_linear(lin, dataclasses.replace(spec, kernel_preference=preference))
+        torch.testing.assert_close(layer(x).double(), want, **tol)
+
+
+def test_auto_takes_mx_scaled_mm_where_a_backend_multiplies_mx_natively(monkeypatch):
+    """``kernel_preference="auto"`` asks ``native_backend`` per device: with a native backend (FlyDSL on gfx950,
+    faked here) the forward casts to MX bytes and runs ``mx_scaled_mm``, else it fake-quantises."""
+    from fly_lightning.quant import linear
+
+    layer = FlyMXLinear.from_linear(nn.Linear(64, 32), MXSpec())
+    x = torch.randn(4, 64)
+    for native, want in ((None, {"mx_fake_quantize"}), ("flydsl", {"mx_cast", "mx_scaled_mm"})):
+        monkeypatch.setattr(linear, "native_backend", lambda device, n=native: n)
+        fly_lightning.DISPATCH_LOG.reset()
+        layer(x)
+        assert {r["op"] for r in fly_lightning.DISPATCH_LOG.records()} == want
+    assert MXSpec(kernel_preference="emulated").emulated(torch.device("cpu"))  # explicit: no question asked
+    assert not MXSpec(kernel_preference="mx_scaled_mm").emulated(torch.device("cpu"))
 
 
 def test_default_scale_mode_is_rceil_for_mxfp8_and_floor_with_mxfp4():
@@ -65,8 +108,6 @@ def test_default_scale_mode_is_rceil_for_mxfp8_and_floor_with_mxfp4():
     assert FlyMXConfig("mxfp4_e2m1").mode == "floor" and FlyMXConfig("mxfp4_e2m1", None).mode == "floor"
     assert FlyMXConfig("mxfp8_e4m3", "mxfp4_e2m1").mode == "floor"  # one mode for both casts: fp4's
     assert FlyMXConfig(mode="floor").mode == "floor" and FlyMXConfig("mxfp4_e2m1", mode="rceil").mode == "rceil"
-    from fly_lightning.quant.linear import MXSpec
-
     assert MXSpec().mode == "rceil" and MXSpec("mxfp4_e2m1", "mxfp4_e2m1").mode == "floor"  # the same rule
 
 
@@ -77,6 +118,16 @@ def test_invalid_config_is_named():
         FlyMXConfig(mode="even")
     with pytest.raises(ValueError, match="multiple of 32"):
         FlyMXLinear(40, 8)
+    with pytest.raises(ValueError, match="kernel_preference must be one of"):
+        FlyMXConfig(kernel_preference="cutlass")
+
+
+def test_kernel_preference_takes_torchao_enum_members():
+    kp = pytest.importorskip("torchao.quantization.quantize_.common").KernelPreference
+    assert FlyMXConfig(kernel_preference=kp.EMULATED).kernel_preference == "emulated"
+    assert FlyMXConfig(kernel_preference=kp.AUTO).spec.kernel_preference == "auto"
+    with pytest.raises(ValueError, match="kernel_preference"):
+        FlyMXConfig(kernel_preference=kp.TORCH)
 
 
 def test_layers_torchao_already_quantized_are_recognised_and_left():
@@ -89,3 +140,18 @@ def test_layers_torchao_already_quantized_are_recognised_and_left():
     assert type(model[0]) is nn.Linear and model[0].weight is converted  # untouched: no second quantization
     assert type(model[1]) is FlyMXLinear
     assert fly_lightning.quant.config.torchao_quantized(model[1]) is None
+
+
+@pytest.mark.parametrize("preference", ["auto", "mx_scaled_mm"])
+def test_training_linears_under_torch_compile_whole_graph(preference):
+    """One graph either form (``native_backend`` is read once, as a constant), the same forward and gradients as
+    eager."""
+    model = _model()[:3]
+    quantize_(model, FlyMXConfig(kernel_preference=preference))
+    x = torch.randn(8, 64, requires_grad=True)
+    y = model(x)
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, model[0].weight), g)
+    yc = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
+    gxc, gwc = torch.autograd.grad(yc, (x, model[0].weight), g)
+    assert torch.equal(yc, y) and torch.equal(gxc, gx) and torch.equal(gwc, gw)

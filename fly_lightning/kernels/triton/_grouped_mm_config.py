@@ -158,7 +158,7 @@ def measure_key(x: torch.Tensor, w: torch.Tensor, m: int, gather: bool, scatter:
 
 def table_config(x: torch.Tensor, w: torch.Tensor, m: int) -> GroupedMMConfig:
     """The configuration table's choice (no measurement)."""
-    if interpreting() and x.device.type == "cpu":
+    if x.device.type == "cpu" and interpreting():
         return INTERPRETER_CONFIG
     # ROCm (gfx950): the pointer-path configuration, the one compile-checked for gfx950 without spills (the Hopper
     # table's 128x256 tiles spill SGPRs there; tests/kernels/triton/gfx950_compile.py); never run on AMD hardware here
@@ -171,7 +171,7 @@ def choose_config(
     x: torch.Tensor, w: torch.Tensor, m: int, gather: bool = False, scatter: bool = False
 ) -> GroupedMMConfig:
     """The measured choice for this shape class if any, else the table."""
-    if interpreting() and x.device.type == "cpu":
+    if x.device.type == "cpu" and interpreting():
         return INTERPRETER_CONFIG
     return MEASURED.get(measure_key(x, w, m, gather, scatter)) or table_config(x, w, m)
 

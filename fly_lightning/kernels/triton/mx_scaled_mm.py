@@ -190,7 +190,7 @@ def plan(
     """The launch plan for a shape: swapped, K-split tiles for few rows, the dequantising prepass from
     ``PREPASS_MIN_M`` rows, 64x128 in-loop tiles between (``sms``: the GPU's multiprocessors, read from ``device``
     when not given). Cached: it runs on every call."""
-    return _plan(m, n, k, a_fmt, b_fmt, device, sms, interpreting() and device.type == "cpu")
+    return _plan(m, n, k, a_fmt, b_fmt, device, sms, device.type == "cpu" and interpreting())  # env read last
 
 
 @functools.lru_cache(maxsize=4096)
@@ -276,7 +276,7 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
              a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n),
             A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split,
-            INTERPRET=interpreting() and a.device.type == "cpu", HW_CVT=cfg.fp8_cvt == "hw", PTX=ptx_pairs(a),
+            INTERPRET=a.device.type == "cpu" and interpreting(), HW_CVT=cfg.fp8_cvt == "hw", PTX=ptx_pairs(a),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

@@ -1,14 +1,17 @@
 """MX training Linear (GPU): one ``FlyMXLinear`` forward and forward+backward in each GEMM form, side by side with the
 bf16 ``nn.Linear`` it replaces, to choose ``kernel_preference="auto"`` by measurement.
 
-- ``mx_scaled_mm``: cast activations and weight to MX bytes (``mx_cast``), then ``mx_scaled_mm`` (on the H200 its
+- ``mx_gemm``: cast activations and weight to MX bytes (``mx_cast``), then ``mx_scaled_mm`` (on the H200 its
   prepass dequantises both to bf16 from 128 rows, then cuBLAS);
 - ``emulated``: fake-quantise both (``mx_fake_quantize``, one pass each), then cuBLAS on those bf16 values;
 - ``bf16``: ``nn.Linear`` (the layer before conversion: a precision change, not a baseline for speed claims).
 
+Cases: projections at training token counts and two below 128 rows (where ``auto`` keeps the MX GEMM), bf16, and one
+fp32 (masters without autocast). Geomeans over the bf16 cases.
+
 Every case first checks that the two forms give the same output (bit for bit is expected: the same bf16 values into
 the same GEMM). Event-timed eager calls (host included, as a training step runs them), the variants taking turns in
-rotated rounds; inputs rotated through more than the L2. ``x_emulated`` = mx_scaled_mm time / emulated time.
+rotated rounds; inputs rotated through more than the L2. ``x_emulated`` = mx_gemm time / emulated time.
 
     python -m benchmarks.bench_mx_linear      # writes mx_linear.json/.md
 """
@@ -22,7 +25,9 @@ from torch import nn
 
 from benchmarks.harness import Results, geomean, interleaved_ms, rotation_count
 
-CASES = [  # (M tokens, K in, N out): Llama-style projections at training token counts
+CASES = [  # (M tokens, K in, N out): Llama-style projections at training token counts, and two below 128 rows
+    (16, 4096, 4096),
+    (64, 4096, 14336),
     (1024, 4096, 4096),
     (4096, 4096, 4096),
     (8192, 4096, 14336),
@@ -30,14 +35,15 @@ CASES = [  # (M tokens, K in, N out): Llama-style projections at training token 
     (16384, 2048, 2048),
 ]
 FORMATS = ("mxfp8_e4m3", "mxfp4_e2m1")
-FORMS = ("mx_scaled_mm", "emulated")
+FP32_CASES = [(4096, 4096, 4096)]  # fp32 masters without autocast (Lightning's 32-true): MXFP8 only
+FORMS = ("mx_gemm", "emulated")
 
 
-def _layers(k: int, n: int, fmt: str) -> dict[str, nn.Module]:
+def _layers(k: int, n: int, fmt: str, dtype: torch.dtype) -> dict[str, nn.Module]:
     from fly_lightning.quant.linear import FlyMXLinear, MXSpec
 
     torch.manual_seed(0)
-    base = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    base = nn.Linear(k, n, bias=False, device="cuda", dtype=dtype)
     out: dict[str, nn.Module] = {"bf16": base}
     for form in FORMS:
         out[form] = FlyMXLinear.from_linear(base, MXSpec(fmt, fmt, kernel_preference=form))
@@ -47,43 +53,51 @@ def _layers(k: int, n: int, fmt: str) -> dict[str, nn.Module]:
 def main() -> None:
     logging.getLogger("torchao").setLevel(logging.ERROR)
     res = Results("mx_linear")
-    for fmt in FORMATS:
-        for m, k, n in CASES:
-            layers = _layers(k, n, fmt)
-            sets = rotation_count(2 * m * (k + n), max_sets=8)
-            xs = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True),) for _ in range(sets)]
-            gy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-            x0 = xs[0][0]
+    runs = [(f, c, torch.bfloat16) for f in FORMATS for c in CASES] + [
+        (FORMATS[0], c, torch.float32) for c in FP32_CASES
+    ]
+    for fmt, (m, k, n), dtype in runs:
+        layers = _layers(k, n, fmt, dtype)
+        sets = rotation_count(2 * m * (k + n), max_sets=8)
+        xs = [(torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True),) for _ in range(sets)]
+        gy = torch.randn(m, n, device="cuda", dtype=dtype)
+        x0 = xs[0][0]
+        with torch.no_grad():
+            y_mx, y_em = layers["mx_gemm"](x0), layers["emulated"](x0)
+        row = dict(case=f"{fmt} {m}x{k}x{n} {str(dtype)[6:]}", fmt=fmt, m=m, k=k, n=n, dtype=str(dtype)[6:])
+        row.update(forms_equal=torch.equal(y_mx, y_em), forms_max_diff=(y_mx - y_em).abs().max().item())
+
+        def fwd(x: torch.Tensor, layer: nn.Module) -> None:
             with torch.no_grad():
-                y_mx, y_em = layers["mx_scaled_mm"](x0), layers["emulated"](x0)
-            row = dict(case=f"{fmt} {m}x{k}x{n}", fmt=fmt, m=m, k=k, n=n)
-            row.update(forms_equal=torch.equal(y_mx, y_em), forms_max_diff=(y_mx - y_em).abs().max().item())
+                layer(x)
 
-            def fwd(x: torch.Tensor, layer: nn.Module) -> None:
-                with torch.no_grad():
-                    layer(x)
+        def step(x: torch.Tensor, layer: nn.Module, gy: torch.Tensor = gy) -> None:
+            torch.autograd.grad(layer(x), (x, layer.weight), gy)  # no accumulation into .grad
 
-            def step(x: torch.Tensor, layer: nn.Module, gy: torch.Tensor = gy) -> None:
-                layer(x).backward(gy)
-
-            for kind, fn in (("fwd", fwd), ("step", step)):
-                fns = {name: (lambda x, f=fn, layer=layer: f(x, layer)) for name, layer in layers.items()}
-                ms = interleaved_ms(fns, xs, reps=30)
-                row.update({f"{kind}_{name}_ms": round(t, 4) for name, t in ms.items()})
-                row[f"{kind}_x_emulated"] = ms["mx_scaled_mm"] / ms["emulated"]
-                row[f"{kind}_emulated_of_bf16"] = ms["bf16"] / ms["emulated"]
-            layers["bf16"].weight.grad = None
-            res.add(**row)
-            del xs, layers
+        for kind, fn in (("fwd", fwd), ("step", step)):
+            fns = {name: (lambda x, f=fn, layer=layer: f(x, layer)) for name, layer in layers.items()}
+            ms = interleaved_ms(fns, xs, reps=30)
+            row.update({f"{kind}_{name}_ms": round(t, 4) for name, t in ms.items()})
+            row[f"{kind}_x_emulated"] = ms["mx_gemm"] / ms["emulated"]
+            row[f"{kind}_emulated_of_bf16"] = ms["bf16"] / ms["emulated"]
+        res.add(**row)
+        del xs, layers
     for kind in ("fwd", "step"):
         for fmt in FORMATS:
-            rows = [r for r in res.rows if r["fmt"] == fmt]
-            res.summary[f"{fmt}_{kind}_geomean_x_emulated"] = geomean([r[f"{kind}_x_emulated"] for r in rows])
-            res.summary[f"{fmt}_{kind}_geomean_emulated_of_bf16"] = geomean(
+            for part, keep in (("m128", lambda m: m >= 128), ("small_m", lambda m: m < 128)):
+                rows = [r for r in res.rows if r["fmt"] == fmt and r["dtype"] == "bfloat16" and keep(r["m"])]
+                res.summary[f"{fmt}_{kind}_{part}_geomean_x_emulated"] = geomean(
+                    [r[f"{kind}_x_emulated"] for r in rows]
+                )
+            rows = [r for r in res.rows if r["fmt"] == fmt and r["dtype"] == "bfloat16" and r["m"] >= 128]
+            res.summary[f"{fmt}_{kind}_m128_geomean_emulated_of_bf16"] = geomean(
                 [r[f"{kind}_emulated_of_bf16"] for r in rows]
             )
-    res.summary["forms_equal_everywhere"] = all(r["forms_equal"] for r in res.rows)
-    res.notes.append("x_emulated: mx_scaled_mm form time / emulated form time (above 1: emulated faster)")
+    res.summary["forms_equal_from_128_rows"] = all(r["forms_equal"] for r in res.rows if r["m"] >= 128)
+    res.notes.append(
+        "x_emulated: mx_gemm form time / emulated form time (above 1: emulated faster); m128 / small_m: "
+        "geomeans over the bf16 cases from / below 128 rows, where auto takes emulated / mx_gemm"
+    )
     res.notes.append("emulated_of_bf16: bf16 nn.Linear time / emulated time (the cost of MX numerics, below 1)")
     res.notes.append("fwd: forward under no_grad; step: forward + backward (straight-through, bf16 gradients)")
     print(res.save())

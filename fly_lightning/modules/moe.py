@@ -24,14 +24,13 @@ from torch import Tensor, nn
 
 from fly_lightning.modules import moe_convert
 from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts, make_experts
+from fly_lightning.modules.moe_mx import MXExperts
 from fly_lightning.ops.grouped_mm import grouped_mm
 from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import group_reason, moe_route, moe_route_reference
-from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
 from fly_lightning.ops.permutation import inverse_permutation
 from fly_lightning.ops.swiglu import ACTIVATIONS, split_gate_up, swiglu, swiglu_reference
-from fly_lightning.quant import formats
 
 Path = Literal["plain", "fused", "auto"]
 AUTO_PATH: Literal["plain", "fused"] = "fused"
@@ -98,14 +97,19 @@ def experts_forward(
     combine: ``[T, H]``.
 
     ``gate_up_EHN`` is ``[E, H, 2I]`` (gate columns first) when ``up_EHI`` is None, else the ``[E, H, I]`` gate.
-    ``mx``: the GEMM operands go through MX casts (``MXExperts``).
+    ``mx``: the GEMM operands go through MX casts (``MXExperts``: fake-quantised, or cast for ``mx_grouped_mm``).
     """
-    if mx is not None:
+    h_dim, i_dim = down_EIH.shape[2], down_EIH.shape[1]
+    mx_gemm = mx is not None and mx.mx_gemm(x_TH.device, (h_dim, gate_up_EHN.shape[2]), (i_dim, h_dim))
+    if mx is not None and not mx_gemm:
         x_TH, gate_up_EHN, down_EIH = mx.act(x_TH), mx.weight(gate_up_EHN), mx.weight(down_EIH)
         up_EHI = None if up_EHI is None else mx.weight(up_EHI)
     k = weights_Tk.shape[1]
     inv = inverse_permutation(perm_M)  # slot -> expert-ordered row: the combine gathers through it
-    if fused:
+    if mx_gemm:  # the MX GEMM takes MX rows in expert order: the plain path's copy, then the casts
+        xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
+        project = lambda w: mx.project(xs, w, offs_E)  # noqa: E731
+    elif fused:
         project = lambda w: moe_grouped_mm(x_TH, w, offs_E, perm_M, topk=k, gather=True)  # noqa: E731
     else:
         xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
@@ -118,7 +122,10 @@ def experts_forward(
         gate_up, up = gate * s, up * s
         weights_Tk = torch.ones_like(weights_Tk)  # the combine is then a plain sum (still in fp32)
     h = swiglu(gate_up, up, activation)
-    rows = grouped_mm(h if mx is None else mx.act(h), down_EIH, offs_E)  # expert order
+    if mx_gemm:
+        rows = mx.project(h, down_EIH, offs_E)
+    else:
+        rows = grouped_mm(h if mx is None else mx.act(h), down_EIH, offs_E)  # expert order
     return moe_combine(rows, weights_Tk, inv, out_dtype=x_TH.dtype)
 
 
@@ -148,43 +155,6 @@ def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
         rows = swiglu_reference(gate, u, moe.activation) @ down[e]
         y.index_add_(0, tok, rows.to(acc) * w.to(acc))
     return moe.add_shared(x, y.to(x.dtype)).reshape(hidden_states.shape)
-
-
-class MXExperts:
-    """MX forward numerics for the experts (set as ``FlyMoE.mx`` by ``FlyMXConfig``): activations (token rows along
-    H, the SwiGLU output along I) and weights (along their input dim, from the high-precision master every step) are
-    cast to MX and back (``mx_fake_quantize``); the grouped GEMMs then run on exactly the products an MX GEMM with fp32
-    accumulation computes (torchao's emulated path). Gradients pass straight through the casts. Hopper has no MX
-    tensor cores: with many rows per expert ``mx_grouped_mm`` runs these same bf16 GEMMs after dequantising (0.7-0.8x
-    bf16 on the grouped suite), so this changes precision, not speed.
-
-    Args: ``weight`` / ``activation`` (None: weight-only) formats, scale ``mode``, as ``FlyMXConfig``'s; ``frozen``:
-    the block's expert container holds the weights in MX itself (``FlyMXConfig(frozen=True)``: its ``projections()``
-    are already the dequantised MX values, no master), so ``weight`` passes them through.
-    """
-
-    def __init__(self, weight: str, activation: str | None, mode: str, frozen: bool = False) -> None:
-        self.weight_fmt, self.act_fmt, self.mode, self.frozen = weight, activation, mode, frozen
-
-    def act(self, x: Tensor) -> Tensor:
-        return x if self.act_fmt is None else mx_fake_quantize(x, self.act_fmt, self.mode)
-
-    def weight(self, w_EKN: Tensor) -> Tensor:
-        """``[E, K, N]`` weights cast along K (the contraction dim), same layout, no copy of the master: rows of the
-        ``[E, N, K]`` storage (Hugging Face's layout) or the columns of ``[E * K, N]`` (K-major storage)."""
-        if self.frozen:
-            return w_EKN
-        e, k, n = w_EKN.shape
-        if k % formats.BLOCK:  # else column-wise blocks of [E * K, N] would straddle two experts
-            raise ValueError(f"MXExperts: the input dim K={k} of {list(w_EKN.shape)} is not a multiple of 32")
-        if w_EKN.is_contiguous():  # blocks down the columns of [E * K, N]: K % 32 == 0 keeps them within one expert
-            return mx_fake_quantize(w_EKN.reshape(e * k, n), self.weight_fmt, self.mode, 0).reshape(e, k, n)
-        rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column (a view of [E, N, K] storage)
-        return mx_fake_quantize(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
-
-    def __repr__(self) -> str:
-        frozen = ", frozen" if self.frozen else ""
-        return f"MXExperts(weight={self.weight_fmt}{frozen}, activation={self.act_fmt}, mode={self.mode})"
 
 
 class FlyMoE(nn.Module):

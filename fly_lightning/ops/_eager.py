@@ -150,13 +150,20 @@ class EagerCall:
         return self.op(*args)
 
 
+@torch.compiler.assume_constant_result
+def _traced_shapes(*tensors: Tensor) -> str:
+    """The tensors' shapes for the dispatch log, read once when traced: under dynamic shapes (``dynamic=True``, or
+    automatically after a recompile for a new shape) a symbolic dim shows the value it was traced with; formatting
+    it in the traced code would break the graph."""
+    return ", ".join("x".join(str(int(n)) for n in t.shape) for t in tensors)
+
+
 def _left_to_inductor(op: Op, args: tuple, tensors: list[Tensor]) -> Any:
     """Under ``torch.compile``: validate, count the call (``record_inductor`` runs after each run of the graph) and
     return the op's traced form, which Inductor compiles with its neighbours."""
     if op.validate is not None:
         op.validate(*args)
-    shape = ", ".join("x".join(str(n) for n in t.shape) for t in tensors)
-    record_inductor(op.name, shape, str(tensors[0].dtype).removeprefix("torch.") if tensors else "-")
+    record_inductor(op.name, _traced_shapes(*tensors), str(tensors[0].dtype).removeprefix("torch.") if tensors else "-")
     return op.traced(*args)
 
 

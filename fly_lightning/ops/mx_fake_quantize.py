@@ -2,7 +2,7 @@
 
 ``mx_fake_quantize(x, fmt, mode, axis)`` gives the values an MX GEMM with fp32 accumulation multiplies (every MX
 element times its power-of-two scale, rounded once to ``x``'s dtype, as ``from_mx``), so a bf16 GEMM on them computes
-the MX product: the MoE experts' MX training numerics (``FlyMoE.mx``) on GPUs without MX tensor cores. Equal to
+the MX product: the emulated form of MX training (``kernel_preference``: ``FlyMXLinear``, ``FlyMoE.mx``). Equal to
 ``mx_dequantize(*mx_cast(x, fmt, mode, axis))`` (column-wise: of the transposed layout), without the MX bytes in
 memory between the two. The gradient passes straight through (identity), as in MX training recipes.
 """

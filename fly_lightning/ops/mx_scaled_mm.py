@@ -25,6 +25,12 @@ _OUT = (torch.bfloat16, torch.float16, torch.float32)
 NATIVE_BACKENDS = ("flydsl",)
 """Backends whose kernels multiply MX operands on MX tensor cores (FlyDSL's ``v_mfma_scale_f32_*`` on gfx950). Every
 other backend dequantises to bf16 and runs a bf16 GEMM (Hopper has no MX tensor cores)."""
+NATIVE_K_MULTIPLE, NATIVE_N_MULTIPLE = 128, 4
+"""The native kernels' shape boundaries (the FlyDSL MX GEMMs' constraints: K % 128, N % 4; MX x MX only)."""
+EMULATED_MIN_ROWS = 128
+"""Rows from which the dequantising backends' MX GEMM is a bf16 GEMM on dequantised operands (the Triton plan's
+``PREPASS_MIN_M``); below, its kernel converts the MX bytes in its main loop, reading a quarter to a half of the
+bytes a bf16 weight would take."""
 
 
 def _validate(
@@ -121,15 +127,40 @@ def mx_scaled_mm(
     return _mx_scaled_mm_call(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
 
 
-@torch.compiler.assume_constant_result  # a per-process fact: read once when traced, no guard
-def native_backend(device: torch.device) -> str | None:
-    """The first of ``mx_scaled_mm``'s candidate backends (the active dispatch policy's) that multiplies MX operands
-    natively (``NATIVE_BACKENDS``) and is available on ``device``'s platform, or None: then every backend
-    dequantises to bf16 first, and a bf16 GEMM on fake-quantised operands computes the same products for fewer
-    bytes (``FlyMXLinear``'s ``kernel_preference="auto"``)."""
+@torch.compiler.assume_constant_result  # read once when traced, no guard: a policy change on ROCm needs a recompile
+def native_backend(op: str, device: torch.device) -> str | None:
+    """The first of ``op``'s candidate backends (the active dispatch policy's; ``op`` an MX GEMM: ``mx_scaled_mm``,
+    ``mx_grouped_mm``) that multiplies MX operands natively (``NATIVE_BACKENDS``) and is available on ``device``'s
+    platform, or None: then every backend dequantises to bf16 first."""
     if device.type != "cuda" or torch.version.hip is None:  # CPU and NVIDIA: none today
         return None
-    for name in get_dispatch_config().candidates("mx_scaled_mm"):
+    for name in get_dispatch_config().candidates(op):
         if name in NATIVE_BACKENDS and BACKENDS[name].is_available():
             return name
     return None
+
+
+def emulated_form(
+    preference: str,
+    op: str,
+    device: torch.device,
+    weight_only: bool,
+    rows: int | None = None,
+    k: int | None = None,
+    n: int | None = None,
+) -> bool:
+    """Whether an MX training layer fake-quantises and runs the plain GEMM (True) rather than casting to MX and
+    running the MX GEMM ``op`` (False), for ``formats.KERNEL_PREFERENCES`` value ``preference``, ``rows`` x ``k``
+    activations and ``n`` outputs (None: unknown, as per-expert rows are).
+
+    ``"auto"``: where a native backend is a candidate, the MX GEMM for what it takes (MX x MX on its boundaries;
+    anything else would run ATen's dequantising fallback). Elsewhere the MX GEMMs dequantise to bf16 before a bf16
+    GEMM from ``EMULATED_MIN_ROWS`` rows, and fake-quantised operands give that GEMM the same values for 4 bytes moved
+    per element instead of 6 (cast, then dequantise) and a launch fewer; below that (or with unknown rows, MoE
+    experts: the emulated form) the MX GEMM reads the MX bytes in its main loop."""
+    if preference != "auto":
+        return preference == "emulated"
+    if native_backend(op, device) is not None:
+        off_bounds = (k is not None and k % NATIVE_K_MULTIPLE != 0) or (n is not None and n % NATIVE_N_MULTIPLE != 0)
+        return weight_only or off_bounds
+    return rows is None or rows >= EMULATED_MIN_ROWS

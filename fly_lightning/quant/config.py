@@ -39,10 +39,11 @@ class FlyMXConfig(AOBaseConfig):
             ``formats.default_mode`` (``"rceil"`` when every format is MXFP8, else ``"floor"``).
         frozen: store the weights in MX (data and scales as buffers), drop the high-precision weights, no weight
             gradient (``fly_lightning.quant.frozen``); False: training, cast from the master every forward.
-        kernel_preference: the training Linears' GEMM form (``FlyMXLinear``): ``"auto"`` (default; ``mx_scaled_mm``
-            where a backend multiplies MX natively, else ``"emulated"``), ``"emulated"`` (fake-quantised operands, a
-            plain GEMM: the same products) or ``"mx_scaled_mm"``; torchao's ``KernelPreference.AUTO`` / ``.EMULATED``
-            are taken too. Frozen Linears always run ``mx_scaled_mm``; MoE experts always the emulated form.
+        kernel_preference: how training layers multiply (``formats.KERNEL_PREFERENCES``): ``"auto"`` (default; the MX
+            GEMM ops where a backend multiplies MX natively, else ``"emulated"``), ``"emulated"`` (fake-quantised
+            operands and the plain GEMM: the same products) or ``"mx_gemm"``; torchao's ``KernelPreference.AUTO`` /
+            ``.EMULATED`` are taken too. Frozen weights ignore it: Linears run ``mx_scaled_mm``, experts the bf16
+            grouped GEMMs on their dequantised weights.
     """
 
     weight: str = "mxfp8_e4m3"
@@ -57,7 +58,7 @@ class FlyMXConfig(AOBaseConfig):
             formats.as_format(self.activation)
         mode = formats.default_mode(self.weight, self.activation) if self.mode is None else self.mode
         self.mode = formats.as_mode(mode).value
-        self.kernel_preference = self.spec.kernel_preference  # checked and resolved (a torchao enum to its value)
+        self.kernel_preference = formats.as_kernel_preference(self.kernel_preference)
 
     @property
     def spec(self) -> MXSpec:
@@ -130,5 +131,5 @@ def _mx_experts(moe: FlyMoE, config: FlyMXConfig) -> FlyMoE:
     if config.frozen:
         moe.experts = FlyMXFrozenExperts.from_moe(moe, config.spec)  # the old container (the masters) goes
         install_saved_tensor_hooks(moe)
-    moe.mx = MXExperts(config.weight, config.activation, config.mode, frozen=config.frozen)
+    moe.mx = MXExperts(config.weight, config.activation, config.mode, config.frozen, config.kernel_preference)
     return moe

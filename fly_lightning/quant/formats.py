@@ -123,6 +123,21 @@ def default_mode(*fmts: MXFormat | str | None) -> ScaleMode:
     return ScaleMode.RCEIL if all(as_format(f).bits == 8 for f in fmts if f is not None) else ScaleMode.FLOOR
 
 
+KERNEL_PREFERENCES = ("auto", "emulated", "mx_gemm")
+"""How MX training layers multiply (``FlyMXConfig.kernel_preference``): ``"mx_gemm"`` casts the operands to MX bytes
+and scales and runs the MX GEMM ops (``mx_scaled_mm``, ``mx_grouped_mm``); ``"emulated"`` fake-quantises them
+(``mx_fake_quantize``) and runs the plain GEMM on the MX values (torchao's emulated form); ``"auto"`` takes
+``"mx_gemm"`` where a backend multiplies MX natively, else ``"emulated"``."""
+
+
+def as_kernel_preference(preference: str | enum.Enum) -> str:
+    """One of ``KERNEL_PREFERENCES``, from a string or torchao's ``KernelPreference`` (``AUTO``, ``EMULATED``)."""
+    value = preference.value if isinstance(preference, enum.Enum) else preference
+    if value not in KERNEL_PREFERENCES:
+        raise ValueError(f"kernel_preference must be one of {KERNEL_PREFERENCES}, got {preference!r}")
+    return value
+
+
 def _check(x: Tensor, fmt: MXFormat) -> None:
     if not isinstance(x, Tensor):
         raise ValueError(f"to_mx: x must be a Tensor, got {type(x).__name__}")

@@ -2,15 +2,16 @@
 weights' precision.
 
 Each forward puts the activations (unless weight-only) and the high-precision weight on the MX grid along K and
-multiplies them, in one of two forms of the same arithmetic (``MXSpec.kernel_preference``):
+multiplies them, in one of two forms of the same arithmetic (``MXSpec.kernel_preference``,
+``formats.KERNEL_PREFERENCES``):
 
-- ``"mx_scaled_mm"``: cast both to MX bytes and scales (``mx_cast``) and multiply with ``mx_scaled_mm``;
-- ``"emulated"``: fake-quantise both (``mx_fake_quantize``: cast and back in one pass) and run a GEMM in their
-  dtype on the MX values, as torchao's emulated MX training does;
-- ``"auto"`` (default): ``mx_scaled_mm`` where a backend multiplies MX natively (``native_backend``: FlyDSL on
-  gfx950), else emulated. Without MX tensor cores (Hopper, CPU) ``mx_scaled_mm`` itself dequantises its operands
-  to bf16 before a bf16 GEMM from 128 rows, so the two forms multiply the same bf16 values with the same GEMM, and
-  the emulated one moves 4 bytes per bf16 element instead of 6 (cast, then dequantise) with one launch fewer.
+- ``"mx_gemm"``: cast both to MX bytes and scales (``mx_cast``) and multiply with ``mx_scaled_mm``;
+- ``"emulated"``: fake-quantise both (``mx_fake_quantize``: cast and back in one pass) and run the plain GEMM on
+  the MX values (``_product``), as torchao's emulated MX training does;
+- ``"auto"`` (default): ``ops.mx_scaled_mm.emulated_form``: ``"mx_gemm"`` where a backend multiplies MX natively
+  (FlyDSL on gfx950, MX x MX) or, without one, below 128 rows (the Triton kernel reads the MX bytes in its main
+  loop); else emulated. Without MX tensor cores (Hopper, CPU) ``mx_scaled_mm`` itself dequantises its operands to
+  bf16 before a bf16 GEMM from 128 rows, so there both forms give the GEMM the same values.
 
 The weight stays a plain high-precision parameter, so optimizers, state dicts and checkpoints see the module as the
 ``nn.Linear`` it replaced. Backward is the straight-through estimator on ATen
@@ -27,19 +28,15 @@ from torch import Tensor, nn
 
 from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
-from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm, native_backend
+from fly_lightning.ops.mx_scaled_mm import emulated_form, mx_scaled_mm
 from fly_lightning.quant import formats
-
-KERNEL_PREFERENCES = ("auto", "emulated", "mx_scaled_mm")
-"""``MXSpec.kernel_preference`` values (see the module docstring); torchao's ``KernelPreference.AUTO`` and
-``.EMULATED`` are taken by value."""
 
 
 @dataclass(frozen=True)
 class MXSpec:
     """What ``FlyMXLinear`` casts to: the weight's format, the activations' (None: weight-only), the scale mode
     (None: ``formats.default_mode`` of the two formats, as ``FlyMXConfig``) and the form of the GEMM
-    (``kernel_preference``, one of ``KERNEL_PREFERENCES``)."""
+    (``kernel_preference``: ``formats.KERNEL_PREFERENCES``)."""
 
     weight: str = "mxfp8_e4m3"
     activation: str | None = "mxfp8_e4m3"
@@ -49,26 +46,33 @@ class MXSpec:
     def __post_init__(self) -> None:  # frozen dataclass: resolved values set once
         if self.mode is None:
             object.__setattr__(self, "mode", formats.default_mode(self.weight, self.activation).value)
-        preference = getattr(self.kernel_preference, "value", self.kernel_preference)  # a torchao enum member
-        if preference not in KERNEL_PREFERENCES:
-            raise ValueError(f"kernel_preference must be one of {KERNEL_PREFERENCES}, got {self.kernel_preference!r}")
-        object.__setattr__(self, "kernel_preference", preference)
+        object.__setattr__(self, "kernel_preference", formats.as_kernel_preference(self.kernel_preference))
 
-    def emulated(self, device: torch.device) -> bool:
-        """Whether the forward fake-quantises and runs a plain GEMM on ``device`` (see the module docstring)."""
-        if self.kernel_preference == "auto":
-            return native_backend(device) is None
-        return self.kernel_preference == "emulated"
+    def emulated(
+        self, device: torch.device, rows: int | None = None, k: int | None = None, n: int | None = None
+    ) -> bool:
+        """Whether the forward of ``rows`` x ``k`` activations to ``n`` outputs on ``device`` fake-quantises and runs a
+        plain GEMM (``ops.mx_scaled_mm.emulated_form``; see the module docstring)."""
+        return emulated_form(self.kernel_preference, "mx_scaled_mm", device, self.activation is None, rows, k, n)
+
+
+def _product(x_q: Tensor, w_q: Tensor) -> Tensor:
+    """``x_q @ w_q^T`` on MX values; fp32 operands on a GPU through cuBLAS's bf16 GEMM with an fp32 result, as
+    ``mx_scaled_mm``'s prepass runs them (MX values are bf16 values; weight-only fp32 activations are rounded to bf16
+    there too), not an fp32 GEMM."""
+    if x_q.is_cuda and x_q.dtype == torch.float32:
+        return torch.mm(x_q.bfloat16(), w_q.bfloat16().t(), out_dtype=torch.float32)
+    return x_q @ w_q.t()
 
 
 class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: Tensor, w_NK: Tensor, spec: MXSpec) -> Tensor:
         ctx.save_for_backward(x_MK, w_NK)
-        if spec.emulated(x_MK.device):
+        if spec.emulated(x_MK.device, x_MK.shape[0], *w_NK.shape[::-1]):
             w_q = mx_fake_quantize(w_NK, spec.weight, spec.mode)
             x_q = x_MK if spec.activation is None else mx_fake_quantize(x_MK, spec.activation, spec.mode)
-            return x_q @ w_q.t()
+            return _product(x_q, w_q)
         b, b_scale = mx_cast(w_NK, spec.weight, spec.mode)
         if spec.activation is None:
             return mx_scaled_mm(x_MK, b, b_scale, spec.weight, out_dtype=x_MK.dtype)

@@ -95,3 +95,33 @@ def test_torch_compile_runs_the_custom_op():
     args = _problem([100, 0, 156], 256, 128, "mxfp8_e4m3", "mxfp8_e4m3")
     fn = torch.compile(lambda *a: fly_lightning.mx_grouped_mm(a[0], *a[3:7], x_scale=a[1], x_fmt=a[2]), fullgraph=True)
     assert _err(fn(*args), args) < 1e-2
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+def test_moe_experts_mx_gemm_form_runs_triton_and_equals_the_emulated_form(fmt):
+    """``FlyMXConfig(kernel_preference="mx_gemm")`` on a bf16 block: the projections cast and run the Triton
+    ``mx_grouped_mm``; forward and gradients match the emulated form (the same MX values) to bf16 rounding."""
+    from torchao.quantization import quantize_
+
+    from fly_lightning import FlyMoE, FlyMXConfig, mx_filter
+
+    def block() -> FlyMoE:
+        torch.manual_seed(0)
+        return FlyMoE(512, 256, 8, 2, device="cuda", dtype=torch.bfloat16)
+
+    x0 = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    out = {}
+    for preference in ("emulated", "mx_gemm"):
+        moe = block()
+        quantize_(moe, FlyMXConfig(fmt, fmt, kernel_preference=preference), filter_fn=mx_filter)
+        fly_lightning.DISPATCH_LOG.reset()
+        x = x0.clone().requires_grad_()
+        y = moe(x)
+        y.float().square().sum().backward()
+        backends = {r["backend"] for r in fly_lightning.DISPATCH_LOG.records("mx_grouped_mm")}
+        assert backends == ({"triton"} if preference == "mx_gemm" else set()), backends
+        out[preference] = (y.float(), x.grad.float(), [p.grad.float() for p in moe.experts.parameters()])
+    (y_e, gx_e, gw_e), (y_m, gx_m, gw_m) = out["emulated"], out["mx_gemm"]
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(y_m, y_e) < 1e-2 and rel(gx_m, gx_e) < 2e-2
+    assert all(rel(a, b) < 2e-2 for a, b in zip(gw_m, gw_e, strict=True))

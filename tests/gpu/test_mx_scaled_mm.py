@@ -136,3 +136,33 @@ def test_split_k_reduction_in_the_kernel(split, out_dtype):
     tol = (2e-5 if out_dtype == torch.float32 else 1e-2) * want.abs().amax()
     assert ((ys[0].float() - want).abs() <= tol).all()
     assert all(torch.equal(y, ys[0]) for y in ys[1:])
+
+
+@pytest.mark.parametrize("activation", ["mxfp8_e4m3", "mxfp4_e2m1", None])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_flymxlinear_forms_are_bit_equal_from_128_rows(activation, dtype):
+    """From 128 rows the Triton ``mx_scaled_mm`` dequantises to bf16 and runs cuBLAS; the emulated form gives cuBLAS
+    the same bf16 values (fp32 masters through the bf16 GEMM with an fp32 result, as the prepass): equal bit for bit,
+    and ``auto`` is the emulated form there. Weight-only fp32 runs ``mx_scaled_mm``'s ATen path, which rounds the
+    product to bf16 first: close there, not equal."""
+    from fly_lightning.quant.linear import FlyMXLinear, MXSpec
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(512, 384, bias=False, device="cuda", dtype=dtype)
+    x = torch.randn(256, 512, device="cuda", dtype=dtype)
+    fmt = activation or "mxfp4_e2m1"
+    y, ops = {}, {}
+    for preference in ("auto", "emulated", "mx_gemm"):
+        layer = FlyMXLinear.from_linear(lin, MXSpec(fmt, activation, kernel_preference=preference))
+        DISPATCH_LOG.reset()
+        with torch.no_grad():
+            y[preference] = layer(x)
+        ops[preference] = {r["op"]: r["backend"] for r in DISPATCH_LOG.records()}
+    assert "mx_scaled_mm" not in ops["auto"] and "mx_fake_quantize" in ops["auto"]
+    assert y["auto"].dtype == dtype and torch.equal(y["auto"], y["emulated"])
+    if activation is None and dtype == torch.float32:
+        assert ops["mx_gemm"]["mx_scaled_mm"] == "aten"
+        torch.testing.assert_close(y["emulated"], y["mx_gemm"], rtol=1e-2, atol=1e-2)
+    else:
+        assert ops["mx_gemm"]["mx_scaled_mm"] == "triton"
+        assert torch.equal(y["emulated"], y["mx_gemm"])

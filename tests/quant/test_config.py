@@ -5,6 +5,7 @@ weights' precision."""
 import copy
 import dataclasses
 import logging
+import sys
 
 import pytest
 import torch
@@ -42,7 +43,7 @@ def test_swaps_linears_with_whole_blocks_and_warns_about_the_rest():
     [(FlyMXConfig(), 0.1), (FlyMXConfig(activation=None), 0.08), (FlyMXConfig("mxfp4_e2m1", "mxfp4_e2m1"), 0.35),
      (FlyMXConfig(mode="floor"), 0.1)],
 )  # fmt: skip
-@pytest.mark.parametrize("preference", ["auto", "mx_scaled_mm"])
+@pytest.mark.parametrize("preference", ["emulated", "mx_gemm"])
 def test_forward_in_mx_backward_straight_through(config, tol, preference):
     config = dataclasses.replace(config, kernel_preference=preference)
     ref = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
@@ -62,15 +63,14 @@ def test_forward_in_mx_backward_straight_through(config, tol, preference):
     grad_h = g @ model[1].weight
     assert torch.allclose(xl.grad, grad_h @ model[0].weight, rtol=1e-4, atol=1e-5)
     ops = {r["op"] for r in fly_lightning.DISPATCH_LOG.records()}
-    # auto on the CPU: no backend multiplies MX natively here, so the emulated form
-    assert {"mx_cast", "mx_scaled_mm"} <= ops if preference == "mx_scaled_mm" else "mx_fake_quantize" in ops
+    assert {"mx_cast", "mx_scaled_mm"} <= ops if preference == "mx_gemm" else "mx_fake_quantize" in ops
 
 
 @pytest.mark.parametrize(
     "config", [FlyMXConfig(), FlyMXConfig(activation=None), FlyMXConfig("mxfp4_e2m1", "mxfp4_e2m1")]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_emulated_and_mx_scaled_mm_forms_multiply_the_same_values(config, dtype):
+def test_emulated_and_mx_gemm_forms_multiply_the_same_values(config, dtype):
     """Both GEMM forms against the fp64 product of the dequantised operands (the cast's values): each within its
     GEMM's rounding of it (the ATen ``mx_scaled_mm`` on the CPU multiplies in fp32 and rounds once)."""
     torch.manual_seed(0)
@@ -82,25 +82,37 @@ def test_emulated_and_mx_scaled_mm_forms_multiply_the_same_values(config, dtype)
     wq = formats.from_mx(*formats.to_mx(lin.weight.detach(), spec.weight, spec.mode), spec.weight, torch.float64)
     want = xq @ wq.t()
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-2)
-    for preference in ("emulated", "mx_scaled_mm"):
+    for preference in ("emulated", "mx_gemm"):
         layer = FlyMXLinear.from_linear(lin, dataclasses.replace(spec, kernel_preference=preference))
         torch.testing.assert_close(layer(x).double(), want, **tol)
 
 
-def test_auto_takes_mx_scaled_mm_where_a_backend_multiplies_mx_natively(monkeypatch):
-    """``kernel_preference="auto"`` asks ``native_backend`` per device: with a native backend (FlyDSL on gfx950,
-    faked here) the forward casts to MX bytes and runs ``mx_scaled_mm``, else it fake-quantises."""
-    from fly_lightning.quant import linear
-
-    layer = FlyMXLinear.from_linear(nn.Linear(64, 32), MXSpec())
-    x = torch.randn(4, 64)
-    for native, want in ((None, {"mx_fake_quantize"}), ("flydsl", {"mx_cast", "mx_scaled_mm"})):
-        monkeypatch.setattr(linear, "native_backend", lambda device, n=native: n)
+def test_auto_form_by_backend_rows_and_shape(monkeypatch):
+    """``kernel_preference="auto"``: with a native backend (FlyDSL on gfx950, faked here) the MX GEMM for MX x MX
+    within its boundaries (K % 128, N % 4), else emulated (weight-only, or off the boundaries: the native kernels
+    would fall back to ATen); without one, emulated from 128 rows (the GEMM then dequantises anyway), the MX GEMM
+    below (its kernel reads the MX bytes)."""
+    op = sys.modules["fly_lightning.ops.mx_scaled_mm"]  # the module (the package exports the function by that name)
+    cases = [  # native, activation, rows, in_features -> the MX GEMM form
+        (None, "mxfp8_e4m3", 128, 128, False),
+        (None, "mxfp8_e4m3", 127, 128, True),
+        (None, None, 16, 128, True),
+        (None, None, 128, 128, False),
+        ("flydsl", "mxfp8_e4m3", 128, 128, True),
+        ("flydsl", "mxfp8_e4m3", 16, 128, True),
+        ("flydsl", None, 16, 128, False),
+        ("flydsl", "mxfp8_e4m3", 128, 96, False),
+    ]
+    for native, activation, rows, k, mx_gemm in cases:
+        monkeypatch.setattr(op, "native_backend", lambda name, device, n=native: n)
+        layer = FlyMXLinear.from_linear(nn.Linear(k, 32), MXSpec(activation=activation))
         fly_lightning.DISPATCH_LOG.reset()
-        layer(x)
-        assert {r["op"] for r in fly_lightning.DISPATCH_LOG.records()} == want
-    assert MXSpec(kernel_preference="emulated").emulated(torch.device("cpu"))  # explicit: no question asked
-    assert not MXSpec(kernel_preference="mx_scaled_mm").emulated(torch.device("cpu"))
+        layer(torch.randn(rows, k))
+        ops = {r["op"] for r in fly_lightning.DISPATCH_LOG.records()}
+        want = {"mx_cast", "mx_scaled_mm"} if mx_gemm else {"mx_fake_quantize"}
+        assert ops == want, (native, activation, rows, k, ops)
+    assert MXSpec(kernel_preference="emulated").emulated(torch.device("cpu"), 1)  # explicit: no question asked
+    assert not MXSpec(kernel_preference="mx_gemm").emulated(torch.device("cpu"), 4096)
 
 
 def test_default_scale_mode_is_rceil_for_mxfp8_and_floor_with_mxfp4():
@@ -142,7 +154,7 @@ def test_layers_torchao_already_quantized_are_recognised_and_left():
     assert fly_lightning.quant.config.torchao_quantized(model[1]) is None
 
 
-@pytest.mark.parametrize("preference", ["auto", "mx_scaled_mm"])
+@pytest.mark.parametrize("preference", ["auto", "emulated", "mx_gemm"])
 def test_training_linears_under_torch_compile_whole_graph(preference):
     """One graph either form (``native_backend`` is read once, as a constant), the same forward and gradients as
     eager."""

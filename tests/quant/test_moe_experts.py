@@ -3,12 +3,14 @@ equal to a pure-torch oracle built on ``formats`` (torchao-exact casts) with str
 head and routers stay in high precision under ``mx_filter``; blocks with dims that do not hold whole MX blocks are
 left with a warning."""
 
+import dataclasses
 import logging
 
 import pytest
 import torch
 from torch import nn
 
+import fly_lightning
 from fly_lightning import FlyMXConfig, mx_filter
 from fly_lightning.modules.moe import FlyMoE
 from fly_lightning.ops.moe_route import moe_route_reference
@@ -20,9 +22,9 @@ quantize_ = pytest.importorskip("torchao.quantization").quantize_
 H, INTER, E, K, T = 64, 32, 4, 2, 24
 
 
-def _moe() -> FlyMoE:
+def _moe(layout: str = "hf") -> FlyMoE:
     torch.manual_seed(0)
-    moe = FlyMoE(H, INTER, E, K)
+    moe = FlyMoE(H, INTER, E, K, layout=layout)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
@@ -56,15 +58,24 @@ def _oracle(moe: FlyMoE, x: torch.Tensor, w_fmt: str, a_fmt: str | None, mode: s
 @pytest.mark.parametrize(
     "config", [FlyMXConfig(), FlyMXConfig(activation=None), FlyMXConfig("mxfp4_e2m1", "mxfp4_e2m1", "rceil")]
 )
-def test_experts_match_the_oracle_forward_and_backward(config):
+@pytest.mark.parametrize("preference", ["auto", "mx_gemm"])
+def test_experts_match_the_oracle_forward_and_backward(config, preference):
+    """Both forms (``auto`` is the emulated one here: no native MX backend on the CPU; ``mx_gemm`` casts and runs
+    ``mx_grouped_mm``) against the oracle, forward and gradients."""
+    config = dataclasses.replace(config, kernel_preference=preference)
     moe = _moe()
     quantize_(moe, config, filter_fn=mx_filter)
     assert moe.mx is not None and "mx=MXExperts" in repr(moe)
+    fly_lightning.DISPATCH_LOG.reset()
     ref = _moe()
     x = torch.randn(T, H, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
     y, y_ref = moe(x), _oracle(ref, xr, config.weight, config.activation, config.mode)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    ops = {r["op"] for r in fly_lightning.DISPATCH_LOG.records()}
+    assert ("mx_grouped_mm" in ops) == (preference == "mx_gemm") and ("mx_fake_quantize" in ops) != (
+        preference == "mx_gemm"
+    )
     unquantized = _moe()(x.detach())
     assert (y - unquantized).abs().max() > 1e-3  # the casts changed the numbers (the test would see no cast)
     g = torch.randn_like(y)
@@ -73,6 +84,36 @@ def test_experts_match_the_oracle_forward_and_backward(config):
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
     for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters(), strict=True):  # sums over tokens: 1e-4
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("layout", ["torchtitan", "mixtral"])  # K-major [E, K, N] masters; separate gate and up
+def test_the_mx_gemm_form_equals_the_emulated_one_in_other_expert_layouts(layout):
+    """The two forms multiply the same MX values: equal up to summation order, forward and gradients."""
+    moe = {p: _moe(layout) for p in ("emulated", "mx_gemm")}
+    x = {p: torch.randn(T, H, generator=torch.Generator().manual_seed(1)).requires_grad_() for p in moe}
+    y = {}
+    for p, m in moe.items():
+        quantize_(m, FlyMXConfig(kernel_preference=p), filter_fn=mx_filter)
+        y[p] = m(x[p])
+        y[p].backward(torch.ones_like(y[p]))
+    torch.testing.assert_close(y["mx_gemm"], y["emulated"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x["mx_gemm"].grad, x["emulated"].grad, rtol=1e-5, atol=1e-5)
+    for a, b in zip(moe["mx_gemm"].parameters(), moe["emulated"].parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preference", ["emulated", "mx_gemm"])
+def test_both_forms_under_torch_compile(preference):
+    moe = _moe()
+    quantize_(moe, FlyMXConfig(kernel_preference=preference), filter_fn=mx_filter)
+    x = torch.randn(T, H, requires_grad=True)
+    y = moe(x)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    yc = torch.compile(moe, backend="aot_eager")(x)
+    (gxc,) = torch.autograd.grad(yc, x, g)
+    torch.testing.assert_close(yc, y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gxc, gx, rtol=1e-6, atol=1e-6)
 
 
 def test_the_filter_keeps_the_head_and_routers_in_high_precision():

@@ -64,8 +64,8 @@ def rceil_biased(amax, EMAX: tl.constexpr, MANT_MAX: tl.constexpr):
 
 @triton.jit
 def _pow2_multiplier(biased, e):
-    """fp32 ``2^e`` built from bits (``e`` in [-127, 127]; -127 is the fp32 subnormal 2^-127), 0 where ``biased`` is
-    255 (NaN blocks): no division, so no question of the GPU's approximate reciprocal."""
+    """fp32 ``2^e`` built from bits (``e`` from -127, the fp32 subnormal 2^-127, to 126), 0 where ``biased`` is 255
+    (NaN blocks, whatever ``e`` is there): no division, so no question of the GPU's approximate reciprocal."""
     mult = tl.where(e >= -126, (e + 127) << 23, 1 << 22).to(tl.float32, bitcast=True)
     return tl.where(biased == 255, 0.0, mult)
 

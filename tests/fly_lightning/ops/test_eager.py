@@ -252,6 +252,21 @@ def test_inductor_decisions_are_recorded():
     assert fly_lightning.DISPATCH_LOG.summary()["rms_norm"]["specialised_share"] == 0.0
 
 
+def test_dynamic_shapes_left_to_inductor_stay_in_one_graph():
+    """Under dynamic shapes (``dynamic=True``, or automatically after a recompile for a new shape) the op stays in the
+    graph (the recorded shape is the one traced); before, formatting a symbolic dim broke it (fullgraph: an error)."""
+    torch._dynamo.reset()
+    fly_lightning.DISPATCH_LOG.reset()
+    x, w = _args("rms_norm", (True,))
+    with dispatch_config(inductor_ops={"rms_norm"}):
+        f = torch.compile(CASES["rms_norm"].public, backend="aot_eager", fullgraph=True, dynamic=True)
+        y1 = f(x, w)
+        y2 = f(torch.cat([x, x]), w)
+    (rec,) = fly_lightning.DISPATCH_LOG.records("rms_norm")
+    assert rec["backend"] == "inductor" and rec["shape"].startswith("x".join(map(str, x.shape)))
+    torch.testing.assert_close(y2, torch.cat([y1, y1]))
+
+
 # --- differentiation the custom op cannot serve: forward-mode AD and torch.func --------------------------------------
 
 

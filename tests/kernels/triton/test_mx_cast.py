@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 import fly_lightning
-from fly_lightning.kernels.triton._mx_elements import _pow2_multiplier, mantissa_bits, rceil_biased
+from fly_lightning.kernels.triton._mx_elements import block_scales, mantissa_bits, rceil_biased
 from fly_lightning.kernels.triton.mx_cast import cast_support, launch, launch_cols, mx_cast_triton
 from fly_lightning.ops.mx_cast import mx_cast_reference
 from fly_lightning.quant import formats
@@ -98,28 +98,36 @@ def test_rceil_scale_rule_on_every_bf16_amax(fmt):
 
 @triton.jit
 def _multipliers(OUT, RCEIL: tl.constexpr):
-    biased = tl.arange(0, 256)
-    if RCEIL:
-        mult = _pow2_multiplier(biased, 127 - tl.where(biased == 0, 127, biased))
-    else:
-        mult = _pow2_multiplier(biased, 127 - tl.maximum(biased, 1))
-    tl.store(OUT + biased, mult)
+    """``block_scales`` on block maxima ``2^(s - 127)`` (exponent field s, EMAX 0: the biased scale is s; field 255
+    is inf) and a NaN block, for every s: the multiplier it pairs with each biased scale."""
+    s = tl.arange(0, 256)
+    amax = (s << 23).to(tl.float32, bitcast=True)
+    has_nan = s == 256  # none: 255 comes from the inf maximum (floor) ...
+    biased, mult = block_scales(amax, has_nan, 0, RCEIL, 0x7FFFFF)
+    tl.store(OUT + s, biased)
+    tl.store(OUT + 256 + s, mult.to(tl.int32, bitcast=True))
+    nan_biased, nan_mult = block_scales(amax, s >= 0, 0, RCEIL, 0x7FFFFF)  # ... or from NaN blocks (both modes)
+    tl.store(OUT + 512 + s, nan_biased)
+    tl.store(OUT + 768 + s, nan_mult.to(tl.int32, bitcast=True))
 
 
 @pytest.mark.parametrize("mode", ["floor", "rceil"])
 def test_multiplier_from_bits_on_every_scale(mode):
-    """``block_scales``' element multiplier, built from bits, for every biased scale (254: an fp32 subnormal; 255:
-    a NaN block, 0) equals the reference's: floor ``1 / max(2^(s - 127), 2^-126)``, rceil ``2^(127 - s)`` (1 for
-    scale 0)."""
-    got = torch.empty(256, dtype=torch.float32)
-    _multipliers[(1,)](got, RCEIL=mode == "rceil")
-    s = torch.arange(256, dtype=torch.int32)
+    """``block_scales``' element multiplier, built from bits, for every biased scale it gives (0 to 254 from block
+    maxima, 255 from NaN blocks and, floor, inf maxima) equals the reference's: floor ``1 / max(2^(s - 127),
+    2^-126)``, rceil ``2^(127 - s)`` with 1 for scale 0; 0 in NaN blocks."""
+    out = torch.empty(1024, dtype=torch.int32)
+    _multipliers[(1,)](out, RCEIL=mode == "rceil")
+    biased = torch.cat([out[:256], out[512:768]]).long()
+    got = torch.cat([out[256:512], out[768:]]).view(torch.float32)
+    assert torch.equal(out[512:768], torch.full((256,), 255, dtype=torch.int32))
+    s = torch.arange(256)
+    assert torch.equal(out[:255].long(), s[:255]) and out[255] == (255 if mode == "floor" else 254)
     if mode == "floor":
-        divisor = torch.clamp((s << 23).view(torch.float32), min=2.0**-126)
-        want = 1.0 / divisor
+        want = 1.0 / torch.clamp((biased.int() << 23).view(torch.float32), min=2.0**-126)
     else:
-        want = torch.where(s == 0, 1.0, torch.exp2(127.0 - s.double())).float()
-        want[255] = 0.0
+        want = torch.where(biased == 0, 1.0, torch.exp2(127.0 - biased.double())).float()
+        want[biased == 255] = 0.0
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 

@@ -1,0 +1,120 @@
+"""MX forward numerics for ``FlyMoE``'s experts (``FlyMoE.mx``, set by ``FlyMXConfig``), in the two forms of
+``formats.KERNEL_PREFERENCES``:
+
+- emulated: activations (token rows along H, the SwiGLU output along I) and weights (along their input dim, from the
+  high-precision master every step) are cast to MX and back (``mx_fake_quantize``); the bf16 grouped GEMMs then run on
+  exactly the products an MX GEMM with fp32 accumulation computes (torchao's emulated path);
+- MX GEMM: each projection casts its rows and weights to MX bytes and scales (``mx_cast``) and runs ``mx_grouped_mm``
+  (``MXGroupedProjection``), for backends that multiply MX natively (FlyDSL's scaled MFMAs on gfx950).
+
+Both pass gradients straight through the casts and compute them from the MX values (``grad_x = grad @ w_q^T``,
+``grad_w = x_q^T @ grad`` per expert), so the forms differ only in summation order. Hopper has no MX tensor cores:
+there ``mx_grouped_mm`` dequantises to bf16 before the bf16 GEMM (0.7-0.8x bf16 on the grouped suite), and
+``"auto"`` takes the emulated form.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fly_lightning.ops.grouped_mm import autocast_operands, grouped_mm_backward_op
+from fly_lightning.ops.mx_cast import mx_cast
+from fly_lightning.ops.mx_dequantize import mx_dequantize
+from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
+from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm
+from fly_lightning.ops.mx_scaled_mm import emulated_form
+from fly_lightning.quant import formats
+
+
+class MXExperts:
+    """The experts' MX numerics (see the module docstring).
+
+    Args: ``weight`` / ``activation`` (None: weight-only) formats, scale ``mode`` and ``kernel_preference``, as
+    ``FlyMXConfig``'s; ``frozen``: the block's expert container holds the weights in MX itself
+    (``FlyMXConfig(frozen=True)``: its ``projections()`` are already the dequantised MX values, no master), so
+    ``weight`` passes them through and the emulated form is kept.
+    """
+
+    def __init__(
+        self, weight: str, activation: str | None, mode: str, frozen: bool = False, kernel_preference: str = "auto"
+    ) -> None:
+        self.weight_fmt, self.act_fmt, self.mode, self.frozen = weight, activation, mode, frozen
+        self.kernel_preference = formats.as_kernel_preference(kernel_preference)
+
+    def mx_gemm(self, device: torch.device, *kn: tuple[int, int]) -> bool:
+        """Whether the projections, of ``(K, N)`` dims ``kn``, run ``mx_grouped_mm`` on ``device``
+        (``MXGroupedProjection``) rather than the emulated form: one form for the whole block."""
+        if self.frozen:
+            return False
+        pref, weight_only = self.kernel_preference, self.act_fmt is None
+        return not any(emulated_form(pref, "mx_grouped_mm", device, weight_only, None, k, n) for k, n in kn)
+
+    def act(self, x: Tensor) -> Tensor:
+        return x if self.act_fmt is None else mx_fake_quantize(x, self.act_fmt, self.mode)
+
+    def weight(self, w_EKN: Tensor) -> Tensor:
+        """``[E, K, N]`` weights cast along K (the contraction dim), same layout, no copy of the master: rows of the
+        ``[E, N, K]`` storage (Hugging Face's layout) or the columns of ``[E * K, N]`` (K-major storage)."""
+        if self.frozen:
+            return w_EKN
+        e, k, n = _checked(w_EKN).shape
+        if w_EKN.is_contiguous():  # blocks down the columns of [E * K, N]: K % 32 == 0 keeps them within one expert
+            return mx_fake_quantize(w_EKN.reshape(e * k, n), self.weight_fmt, self.mode, 0).reshape(e, k, n)
+        rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column (a view of [E, N, K] storage)
+        return mx_fake_quantize(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
+
+    def project(self, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
+        """``grouped_mm(x, w, offs)`` on the MX values through ``mx_grouped_mm`` (``mx_gemm``'s form): rows in
+        expert order, high-precision ``x`` and master ``w``; differentiable in both."""
+        x_MK, w_EKN = autocast_operands(x_MK, w_EKN)
+        return MXGroupedProjection.apply(x_MK, w_EKN, offs_E, self)
+
+    def __repr__(self) -> str:
+        frozen = ", frozen" if self.frozen else ""
+        return (
+            f"MXExperts(weight={self.weight_fmt}{frozen}, activation={self.act_fmt}, mode={self.mode}, "
+            f"kernel_preference={self.kernel_preference})"
+        )
+
+
+def _checked(w_EKN: Tensor) -> Tensor:
+    if w_EKN.shape[1] % formats.BLOCK:  # else column-wise blocks of [E * K, N] would straddle two experts
+        raise ValueError(f"MXExperts: the input dim K={w_EKN.shape[1]} of {list(w_EKN.shape)} is not a multiple of 32")
+    return w_EKN
+
+
+class MXGroupedProjection(torch.autograd.Function):
+    """``y = grouped_mm(x_q, w_q, offs)`` computed as ``mx_grouped_mm`` of the MX casts (MX x MX), with the
+    straight-through backward of the emulated form: ``grad_x = grad @ w_q^T``, ``grad_w = x_q^T @ grad`` per expert,
+    ``x_q`` / ``w_q`` dequantised from the saved MX bytes (``mx_dequantize``: half the bytes a bf16 copy would keep)."""
+
+    @staticmethod
+    def forward(ctx, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, mx: MXExperts) -> Tensor:
+        e, k, n = _checked(w_EKN).shape
+        rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # [E, N, K] rows: a view of HF storage, else one copy
+        w_d, w_s = mx_cast(rows, mx.weight_fmt, mx.mode)
+        w_d, w_s = w_d.reshape(e, n, -1), w_s.reshape(e, n, -1)
+        if mx.act_fmt is None:  # weight-only: the rows as they are
+            x_d, x_s = x_MK, None
+            ctx.save_for_backward(x_MK, w_d, w_s, offs_E)
+        else:
+            x_d, x_s = mx_cast(x_MK, mx.act_fmt, mx.mode)
+            ctx.save_for_backward(x_d, x_s, w_d, w_s, offs_E)
+        ctx.mx, ctx.dtype = mx, x_MK.dtype
+        return mx_grouped_mm(x_d, w_d, w_s, mx.weight_fmt, offs_E, x_scale=x_s, x_fmt=mx.act_fmt, out_dtype=x_MK.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_MN: Tensor):
+        mx, dtype = ctx.mx, ctx.dtype
+        if mx.act_fmt is None:
+            x_q, w_d, w_s, offs_E = ctx.saved_tensors
+        else:
+            x_d, x_s, w_d, w_s, offs_E = ctx.saved_tensors
+            x_q = mx_dequantize(x_d, x_s, mx.act_fmt, dtype)
+        e, n = w_d.shape[:2]
+        w_q = mx_dequantize(w_d.reshape(e * n, -1), w_s.reshape(e * n, -1), mx.weight_fmt, dtype)
+        w_q_EKN = w_q.reshape(e, n, -1).transpose(1, 2)  # [E, K, N], K-major like Hugging Face's storage
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dx, dw = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, need_w)
+        return (dx if need_x else None), (dw if need_w else None), None, None

@@ -1,0 +1,52 @@
+"""``modules.moe_mx``: the experts' MX GEMM form (``MXGroupedProjection``) against the emulated form on direct calls,
+both weight layouts and an empty group; which form ``MXExperts`` takes."""
+
+import sys
+
+import pytest
+import torch
+
+from fly_lightning.modules.moe_mx import MXExperts
+from fly_lightning.ops.grouped_mm import grouped_mm
+
+E, M, K, N = 3, 40, 64, 96
+
+
+def _operands(k_major: bool):
+    torch.manual_seed(0)
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(E, K, N) if k_major else torch.randn(E, N, K).transpose(1, 2)  # K-major, or HF's [E, N, K]
+    w = w.detach().requires_grad_()
+    offs = torch.tensor([16, 16, M], dtype=torch.int32)  # the middle expert gets no rows
+    return x, w, offs
+
+
+@pytest.mark.parametrize("k_major", [False, True])
+@pytest.mark.parametrize("fmts", [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e4m3", None)])
+def test_projection_equals_the_emulated_form(k_major, fmts):
+    mx = MXExperts(fmts[0], fmts[1], "floor", kernel_preference="mx_gemm")
+    x, w, offs = _operands(k_major)
+    xe, we = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y = mx.project(x, w, offs)
+    y_e = grouped_mm(mx.act(xe), mx.weight(we), offs)
+    torch.testing.assert_close(y, y_e, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_e.backward(g)
+    torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad, we.grad, rtol=1e-5, atol=1e-5)
+    assert w.grad[1].abs().max() == 0  # the empty expert
+
+
+def test_which_form(monkeypatch):
+    op = sys.modules["fly_lightning.ops.mx_scaled_mm"]  # the module (the package exports the function by that name)
+    cpu, on_bounds, off_bounds = torch.device("cpu"), ((128, 256), (128, 128)), ((96, 256), (128, 96))
+    auto = MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil")
+    assert not auto.mx_gemm(cpu, *on_bounds)  # no native backend: per-expert rows unknown, the emulated form
+    monkeypatch.setattr(op, "native_backend", lambda name, device: "flydsl")
+    assert auto.mx_gemm(cpu, *on_bounds) and not auto.mx_gemm(cpu, *off_bounds)
+    assert not MXExperts("mxfp8_e4m3", None, "rceil").mx_gemm(cpu, *on_bounds)  # weight-only: native takes MX x MX
+    assert not MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil", frozen=True).mx_gemm(cpu, *on_bounds)
+    assert not MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil", kernel_preference="emulated").mx_gemm(cpu, *on_bounds)
+    forced = MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil", kernel_preference="mx_gemm")
+    assert forced.mx_gemm(cpu, *off_bounds)  # asked for: the op's own fallback decides what runs

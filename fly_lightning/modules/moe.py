@@ -6,6 +6,7 @@ grouped GEMM on the token rows in expert order -> ``swiglu`` -> down grouped GEM
 Two data paths, numerically identical:
 - ``plain``: copy the token rows into expert order, then ``grouped_mm``;
 - ``fused``: ``moe_grouped_mm`` reads the token rows through the permutation inside the gate/up GEMM (no copy).
+Experts in the MX GEMM form (``FlyMoE.mx``, ``modules.moe_mx``) take the plain path: ``mx_grouped_mm`` reads MX rows.
 
 Both leave the down GEMM's rows in expert order: ``moe_combine`` reads each token's k rows through the inverse
 permutation and sums them weighted, in fp32 and slot order (deterministic, no atomics), rounding once to the input's
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 from fly_lightning.modules import moe_convert
 from fly_lightning.modules.moe_layout import LAYOUTS, RouterWeight, init_experts, make_experts
 from fly_lightning.modules.moe_mx import MXExperts
-from fly_lightning.ops.grouped_mm import grouped_mm
+from fly_lightning.ops.grouped_mm import autocast_operands, grouped_mm
 from fly_lightning.ops.moe_combine import moe_combine
 from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm
 from fly_lightning.ops.moe_route import group_reason, moe_route, moe_route_reference
@@ -99,9 +100,12 @@ def experts_forward(
     ``gate_up_EHN`` is ``[E, H, 2I]`` (gate columns first) when ``up_EHI`` is None, else the ``[E, H, I]`` gate.
     ``mx``: the GEMM operands go through MX casts (``MXExperts``: fake-quantised, or cast for ``mx_grouped_mm``).
     """
-    h_dim, i_dim = down_EIH.shape[2], down_EIH.shape[1]
-    mx_gemm = mx is not None and mx.mx_gemm(x_TH.device, (h_dim, gate_up_EHN.shape[2]), (i_dim, h_dim))
-    if mx is not None and not mx_gemm:
+    out_dtype = x_TH.dtype  # the input's (under autocast the MX casts below may take the autocast dtype)
+    mx_gemm = mx is not None and mx.mx_gemm(x_TH, gate_up_EHN, down_EIH)
+    if mx is not None and not mx_gemm:  # emulated: cast to the autocast dtype first, as the MX GEMM form and Linears
+        x_TH, gate_up_EHN = autocast_operands(x_TH, gate_up_EHN)
+        down_EIH = autocast_operands(x_TH, down_EIH)[1]
+        up_EHI = None if up_EHI is None else autocast_operands(x_TH, up_EHI)[1]
         x_TH, gate_up_EHN, down_EIH = mx.act(x_TH), mx.weight(gate_up_EHN), mx.weight(down_EIH)
         up_EHI = None if up_EHI is None else mx.weight(up_EHI)
     k = weights_Tk.shape[1]
@@ -126,7 +130,7 @@ def experts_forward(
         rows = mx.project(h, down_EIH, offs_E)
     else:
         rows = grouped_mm(h if mx is None else mx.act(h), down_EIH, offs_E)  # expert order
-    return moe_combine(rows, weights_Tk, inv, out_dtype=x_TH.dtype)
+    return moe_combine(rows, weights_Tk, inv, out_dtype=out_dtype)
 
 
 def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fly_lightning.dtensor import is_dtensor
 from fly_lightning.ops.grouped_mm import autocast_operands, grouped_mm_backward_op
 from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_dequantize import mx_dequantize
@@ -42,13 +43,22 @@ class MXExperts:
         self.weight_fmt, self.act_fmt, self.mode, self.frozen = weight, activation, mode, frozen
         self.kernel_preference = formats.as_kernel_preference(kernel_preference)
 
-    def mx_gemm(self, device: torch.device, *kn: tuple[int, int]) -> bool:
-        """Whether the projections, of ``(K, N)`` dims ``kn``, run ``mx_grouped_mm`` on ``device``
+    def mx_gemm(self, x: Tensor, *weights_EKN: Tensor) -> bool:
+        """Whether the projections of rows like ``x`` by ``weights_EKN`` (``[E, K, N]`` each) run ``mx_grouped_mm``
         (``MXGroupedProjection``) rather than the emulated form: one form for the whole block."""
         if self.frozen:
             return False
+        per_byte = formats.as_format(self.weight_fmt).per_byte
+        common = dict(
+            groups=weights_EKN[0].shape[0],
+            weight_bytes=max(w.numel() for w in weights_EKN) // per_byte,
+            dtensor=any(is_dtensor(t) for t in (x, *weights_EKN)),
+        )
         pref, weight_only = self.kernel_preference, self.act_fmt is None
-        return not any(emulated_form(pref, "mx_grouped_mm", device, weight_only, None, k, n) for k, n in kn)
+        return not any(
+            emulated_form(pref, "mx_grouped_mm", x.device, weight_only, None, w.shape[1], w.shape[2], **common)
+            for w in weights_EKN
+        )
 
     def act(self, x: Tensor) -> Tensor:
         return x if self.act_fmt is None else mx_fake_quantize(x, self.act_fmt, self.mode)
@@ -102,6 +112,7 @@ class MXGroupedProjection(torch.autograd.Function):
             x_d, x_s = mx_cast(x_MK, mx.act_fmt, mx.mode)
             ctx.save_for_backward(x_d, x_s, w_d, w_s, offs_E)
         ctx.mx, ctx.dtype = mx, x_MK.dtype
+        ctx.n_major = w_EKN.stride(2) == 1 and w_EKN.stride(1) != 1  # a contiguous [E, K, N] master (torchtitan)
         return mx_grouped_mm(x_d, w_d, w_s, mx.weight_fmt, offs_E, x_scale=x_s, x_fmt=mx.act_fmt, out_dtype=x_MK.dtype)
 
     @staticmethod
@@ -116,5 +127,11 @@ class MXGroupedProjection(torch.autograd.Function):
         w_q = mx_dequantize(w_d.reshape(e * n, -1), w_s.reshape(e * n, -1), mx.weight_fmt, dtype)
         w_q_EKN = w_q.reshape(e, n, -1).transpose(1, 2)  # [E, K, N], K-major like Hugging Face's storage
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, need_w)
+        if need_w and ctx.n_major:  # dW in the master's own layout (no copy by autograd): the layout is read off the
+            # third argument's strides, so an expanded scalar (strides 0) stands for an N-major [E, K, N]
+            like = w_q_EKN.new_empty(()).expand(w_q_EKN.shape)
+            dx, _ = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, False)
+            _, dw = grouped_mm_backward_op(grad_MN, x_q, like, offs_E, False, True)
+        else:
+            dx, dw = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, need_w)
         return (dx if need_x else None), (dw if need_w else None), None, None

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C._functorch import TransformType, get_interpreter_stack, peek_interpreter_stack
+from torch._dynamo.comptime import comptime
 from torch.autograd import forward_ad
 
 from fly_lightning import policy
@@ -150,20 +151,37 @@ class EagerCall:
         return self.op(*args)
 
 
-@torch.compiler.assume_constant_result
-def _traced_shapes(*tensors: Tensor) -> str:
-    """The tensors' shapes for the dispatch log, read once when traced: under dynamic shapes (``dynamic=True``, or
-    automatically after a recompile for a new shape) a symbolic dim shows the value it was traced with; formatting
-    it in the traced code would break the graph."""
-    return ", ".join("x".join(str(int(n)) for n in t.shape) for t in tensors)
+_SHAPES: list[str] = []  # shapes noted while Dynamo traces one call of ``_left_to_inductor`` (compile-time only)
+
+
+def _note_shape(t: Tensor) -> None:
+    """At trace time (``comptime``: plain Python, no graph node, nothing run), note ``t``'s traced shape: a symbolic
+    dim (dynamic shapes: ``dynamic=True``, or automatically after a recompile) as its hint, ``?`` without one.
+    Formatting the dims in the traced code would break the graph at every symbolic dim."""
+
+    @comptime
+    def _(ctx) -> None:
+        dims = [n.node.hint if isinstance(n, torch.SymInt) else n for n in ctx.get_local("t").as_fake().shape]
+        _SHAPES.append("x".join("?" if n is None else str(n) for n in dims))
+
+
+def _record_noted(name: str, dtype: str) -> None:
+    @comptime
+    def _(ctx) -> None:
+        shape = ", ".join(_SHAPES)
+        _SHAPES.clear()
+        record_inductor(ctx.get_local("name").as_python_constant(), shape, ctx.get_local("dtype").as_python_constant())
 
 
 def _left_to_inductor(op: Op, args: tuple, tensors: list[Tensor]) -> Any:
-    """Under ``torch.compile``: validate, count the call (``record_inductor`` runs after each run of the graph) and
-    return the op's traced form, which Inductor compiles with its neighbours."""
+    """Under ``torch.compile``: validate, record the decision while Dynamo traces (``record_inductor``: ``calls``
+    counts the graphs holding the op) and return the op's traced form, which Inductor compiles with its
+    neighbours."""
     if op.validate is not None:
         op.validate(*args)
-    record_inductor(op.name, _traced_shapes(*tensors), str(tensors[0].dtype).removeprefix("torch.") if tensors else "-")
+    for t in tensors:
+        _note_shape(t)
+    _record_noted(op.name, str(tensors[0].dtype).removeprefix("torch.") if tensors else "-")
     return op.traced(*args)
 
 

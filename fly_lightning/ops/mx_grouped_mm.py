@@ -10,7 +10,7 @@ Operands, one E8M0 scale per 32 values along K (OCP MX):
 - ``w`` always MX, ``[E, N, K / per_byte]`` with scales ``[E, N, K / 32]``: the layout of transformers' and
   ``nn.Linear``-style expert weights ``[E, N, K]`` (K contiguous) cast along K, i.e. ``mx_cast`` of its ``[E * N, K]``
   rows reshaped. The blocks then run along each output column's contraction dim, as the MX GEMM needs; an ``[E, K,
-  N]`` (N-contiguous) weight is cast through its transposed rows the same way (``MXExperts.weight``).
+  N]`` (N-contiguous) weight is cast through its transposed rows the same way (``MXGroupedProjection``).
 
 Formats: ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp4_e2m1`` (two elements per byte along K, element ``2j`` in the low
 nibble). Forward only, as ``mx_scaled_mm``; no autograd here (the MoE block's straight-through backward runs the bf16

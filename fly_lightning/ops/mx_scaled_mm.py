@@ -25,12 +25,13 @@ _OUT = (torch.bfloat16, torch.float16, torch.float32)
 NATIVE_BACKENDS = ("flydsl",)
 """Backends whose kernels multiply MX operands on MX tensor cores (FlyDSL's ``v_mfma_scale_f32_*`` on gfx950). Every
 other backend dequantises to bf16 and runs a bf16 GEMM (Hopper has no MX tensor cores)."""
-NATIVE_K_MULTIPLE, NATIVE_N_MULTIPLE = 128, 4
-"""The native kernels' shape boundaries (the FlyDSL MX GEMMs' constraints: K % 128, N % 4; MX x MX only)."""
-EMULATED_MIN_ROWS = 128
-"""Rows from which the dequantising backends' MX GEMM is a bf16 GEMM on dequantised operands (the Triton plan's
-``PREPASS_MIN_M``); below, its kernel converts the MX bytes in its main loop, reading a quarter to a half of the
-bytes a bf16 weight would take."""
+NATIVE_K_MULTIPLE, NATIVE_N_MULTIPLE, NATIVE_MAX_GROUPS, NATIVE_MAX_BYTES = 128, 4, 1024, 2**31
+"""The native kernels' boundaries (the FlyDSL MX GEMMs' constraints: K % 128, N % 4, grouped E <= 1024, each tensor
+under 2 GiB; MX x MX only)."""
+IN_LOOP_BACKEND, IN_LOOP_K_MULTIPLE, EMULATED_MIN_ROWS = "triton", 128, 128
+"""The Triton backend (CUDA sm90+, K % 128, weight-only with bf16 activations) converts the MX bytes in its main loop
+below ``EMULATED_MIN_ROWS`` rows (its plan's ``PREPASS_MIN_M``), reading a quarter to a half of the bytes a bf16
+weight takes; from there it dequantises both operands to bf16 for cuBLAS."""
 
 
 def _validate(
@@ -140,6 +141,15 @@ def native_backend(op: str, device: torch.device) -> str | None:
     return None
 
 
+@torch.compiler.assume_constant_result  # as native_backend
+def in_loop_backend(op: str, device: torch.device) -> bool:
+    """Whether ``IN_LOOP_BACKEND`` is one of ``op``'s candidates, available and on its hardware for ``device``
+    (NVIDIA sm90+)."""
+    if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    return IN_LOOP_BACKEND in get_dispatch_config().candidates(op) and BACKENDS[IN_LOOP_BACKEND].is_available()
+
+
 def emulated_form(
     preference: str,
     op: str,
@@ -148,19 +158,35 @@ def emulated_form(
     rows: int | None = None,
     k: int | None = None,
     n: int | None = None,
+    *,
+    bf16: bool = True,
+    groups: int | None = None,
+    weight_bytes: int | None = None,
+    dtensor: bool = False,
 ) -> bool:
     """Whether an MX training layer fake-quantises and runs the plain GEMM (True) rather than casting to MX and
-    running the MX GEMM ``op`` (False), for ``formats.KERNEL_PREFERENCES`` value ``preference``, ``rows`` x ``k``
-    activations and ``n`` outputs (None: unknown, as per-expert rows are).
+    running the MX GEMM ``op`` (False), for ``formats.KERNEL_PREFERENCES`` value ``preference``: ``rows`` x ``k``
+    activations (``bf16`` or not) to ``n`` outputs, ``groups`` experts whose MX weights take ``weight_bytes`` (None:
+    unknown, as per-expert rows are); ``dtensor``: an operand is a DTensor.
 
-    ``"auto"``: where a native backend is a candidate, the MX GEMM for what it takes (MX x MX on its boundaries;
-    anything else would run ATen's dequantising fallback). Elsewhere the MX GEMMs dequantise to bf16 before a bf16
-    GEMM from ``EMULATED_MIN_ROWS`` rows, and fake-quantised operands give that GEMM the same values for 4 bytes moved
-    per element instead of 6 (cast, then dequantise) and a launch fewer; below that (or with unknown rows, MoE
-    experts: the emulated form) the MX GEMM reads the MX bytes in its main loop."""
+    ``"auto"`` takes the MX GEMM only where a kernel would multiply the MX bytes themselves: a native backend within
+    its boundaries (``NATIVE_*``: MX x MX), or the in-loop Triton kernel below ``EMULATED_MIN_ROWS`` rows (its
+    boundaries: ``in_loop_backend``, K, bf16 activations for weight-only). Everywhere else the MX GEMM would
+    dequantise to bf16 first (Triton's prepass, or ATen's fallback), and fake-quantised operands give the same GEMM
+    the same values for 4 bytes moved per element instead of 6 (cast, then dequantise) and a launch fewer. DTensors:
+    emulated (the fake quantisation runs on them; the MX ops have no sharding rule)."""
     if preference != "auto":
         return preference == "emulated"
+    if dtensor:
+        return True
     if native_backend(op, device) is not None:
-        off_bounds = (k is not None and k % NATIVE_K_MULTIPLE != 0) or (n is not None and n % NATIVE_N_MULTIPLE != 0)
+        off_bounds = (
+            (k is not None and k % NATIVE_K_MULTIPLE != 0)
+            or (n is not None and n % NATIVE_N_MULTIPLE != 0)
+            or (groups is not None and groups > NATIVE_MAX_GROUPS)
+            or (weight_bytes is not None and weight_bytes >= NATIVE_MAX_BYTES)
+        )
         return weight_only or off_bounds
-    return rows is None or rows >= EMULATED_MIN_ROWS
+    in_loop = rows is not None and rows < EMULATED_MIN_ROWS and in_loop_backend(op, device)
+    in_loop = in_loop and k is not None and k % IN_LOOP_K_MULTIPLE == 0 and (bf16 or not weight_only)
+    return not in_loop

@@ -1,9 +1,9 @@
 """The torchao configuration: ``quantize_(model, FlyMXConfig(...), filter_fn=...)`` (or ``Fly*Strategy(quantization=
-FlyMXConfig(...))``) swaps each selected ``nn.Linear`` for ``FlyMXLinear``, whose forward GEMM runs on MX values
-through the dispatched MX operators (``mx_fake_quantize``; ``mx_cast`` and ``mx_scaled_mm`` where a backend multiplies
-MX natively: their dispatch log, support matrix and callbacks cover it), and gives each selected ``FlyMoE`` block MX
-expert numerics (``FlyMoE.mx``: operands through ``mx_fake_quantize``, then the grouped GEMMs). ``mx_filter`` selects
-both, leaving the output head and routers in high precision.
+FlyMXConfig(...))``) swaps each selected ``nn.Linear`` for ``FlyMXLinear`` and gives each selected ``FlyMoE`` block
+MX expert numerics (``FlyMoE.mx``). Both multiply MX values through the dispatched MX operators, in the form
+``kernel_preference`` picks: ``mx_fake_quantize`` then the plain GEMMs (emulated), or ``mx_cast`` then
+``mx_scaled_mm`` / ``mx_grouped_mm`` (MX GEMM); the dispatch log, support matrix and callbacks cover them.
+``mx_filter`` selects both, leaving the output head and routers in high precision.
 
 ``FlyMXConfig(frozen=True)`` stores the selected weights in MX instead, with no high-precision master and no weight
 gradient (``quant.frozen``): Linears become ``FlyMXFrozenLinear``, a block's expert container ``FlyMXFrozenExperts``.
@@ -39,11 +39,11 @@ class FlyMXConfig(AOBaseConfig):
             ``formats.default_mode`` (``"rceil"`` when every format is MXFP8, else ``"floor"``).
         frozen: store the weights in MX (data and scales as buffers), drop the high-precision weights, no weight
             gradient (``fly_lightning.quant.frozen``); False: training, cast from the master every forward.
-        kernel_preference: how training layers multiply (``formats.KERNEL_PREFERENCES``): ``"auto"`` (default; the MX
-            GEMM ops where a backend multiplies MX natively, else ``"emulated"``), ``"emulated"`` (fake-quantised
-            operands and the plain GEMM: the same products) or ``"mx_gemm"``; torchao's ``KernelPreference.AUTO`` /
-            ``.EMULATED`` are taken too. Frozen weights ignore it: Linears run ``mx_scaled_mm``, experts the bf16
-            grouped GEMMs on their dequantised weights.
+        kernel_preference: how training layers multiply (``formats.KERNEL_PREFERENCES``): ``"auto"`` (default;
+            the MX GEMM ops where a kernel multiplies the MX bytes themselves, else ``"emulated"``), ``"emulated"``
+            (fake-quantised operands and the plain GEMM: the same products) or ``"mx_gemm"``; torchao's
+            ``KernelPreference.AUTO`` / ``.EMULATED`` are taken too. Frozen weights ignore it: Linears run
+            ``mx_scaled_mm``, experts the bf16 grouped GEMMs on their dequantised weights.
     """
 
     weight: str = "mxfp8_e4m3"

@@ -127,7 +127,8 @@ KERNEL_PREFERENCES = ("auto", "emulated", "mx_gemm")
 """How MX training layers multiply (``FlyMXConfig.kernel_preference``): ``"mx_gemm"`` casts the operands to MX bytes
 and scales and runs the MX GEMM ops (``mx_scaled_mm``, ``mx_grouped_mm``); ``"emulated"`` fake-quantises them
 (``mx_fake_quantize``) and runs the plain GEMM on the MX values (torchao's emulated form); ``"auto"`` takes
-``"mx_gemm"`` where a backend multiplies MX natively, else ``"emulated"``."""
+``"mx_gemm"`` where a kernel would multiply the MX bytes themselves, else ``"emulated"``
+(``ops.mx_scaled_mm.emulated_form``)."""
 
 
 def as_kernel_preference(preference: str | enum.Enum) -> str:

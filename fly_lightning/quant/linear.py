@@ -8,10 +8,9 @@ multiplies them, in one of two forms of the same arithmetic (``MXSpec.kernel_pre
 - ``"mx_gemm"``: cast both to MX bytes and scales (``mx_cast``) and multiply with ``mx_scaled_mm``;
 - ``"emulated"``: fake-quantise both (``mx_fake_quantize``: cast and back in one pass) and run the plain GEMM on
   the MX values (``_product``), as torchao's emulated MX training does;
-- ``"auto"`` (default): ``ops.mx_scaled_mm.emulated_form``: ``"mx_gemm"`` where a backend multiplies MX natively
-  (FlyDSL on gfx950, MX x MX) or, without one, below 128 rows (the Triton kernel reads the MX bytes in its main
-  loop); else emulated. Without MX tensor cores (Hopper, CPU) ``mx_scaled_mm`` itself dequantises its operands to
-  bf16 before a bf16 GEMM from 128 rows, so there both forms give the GEMM the same values.
+- ``"auto"`` (default): the MX GEMM where a kernel multiplies the MX bytes themselves (a native backend, FlyDSL on
+  gfx950, MX x MX; or the Triton kernel's main loop below 128 rows), else emulated: elsewhere ``mx_scaled_mm``
+  dequantises its operands before a plain GEMM anyway (``ops.mx_scaled_mm.emulated_form``).
 
 The weight stays a plain high-precision parameter, so optimizers, state dicts and checkpoints see the module as the
 ``nn.Linear`` it replaced. Backward is the straight-through estimator on ATen
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from fly_lightning.dtensor import is_dtensor
 from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
 from fly_lightning.ops.mx_scaled_mm import emulated_form, mx_scaled_mm
@@ -48,19 +48,21 @@ class MXSpec:
             object.__setattr__(self, "mode", formats.default_mode(self.weight, self.activation).value)
         object.__setattr__(self, "kernel_preference", formats.as_kernel_preference(self.kernel_preference))
 
-    def emulated(
-        self, device: torch.device, rows: int | None = None, k: int | None = None, n: int | None = None
-    ) -> bool:
-        """Whether the forward of ``rows`` x ``k`` activations to ``n`` outputs on ``device`` fake-quantises and runs a
-        plain GEMM (``ops.mx_scaled_mm.emulated_form``; see the module docstring)."""
-        return emulated_form(self.kernel_preference, "mx_scaled_mm", device, self.activation is None, rows, k, n)
+    def emulated(self, x_MK: Tensor, w_NK: Tensor) -> bool:
+        """Whether the forward of ``x_MK`` with weight ``w_NK`` fake-quantises and runs a plain GEMM
+        (``ops.mx_scaled_mm.emulated_form``; see the module docstring)."""
+        (m, k), n = x_MK.shape, w_NK.shape[0]
+        return emulated_form(
+            self.kernel_preference, "mx_scaled_mm", x_MK.device, self.activation is None, m, k, n,
+            bf16=x_MK.dtype == torch.bfloat16, dtensor=is_dtensor(x_MK) or is_dtensor(w_NK),
+        )  # fmt: skip
 
 
 def _product(x_q: Tensor, w_q: Tensor) -> Tensor:
     """``x_q @ w_q^T`` on MX values; fp32 operands on a GPU through cuBLAS's bf16 GEMM with an fp32 result, as
     ``mx_scaled_mm``'s prepass runs them (MX values are bf16 values; weight-only fp32 activations are rounded to bf16
     there too), not an fp32 GEMM."""
-    if x_q.is_cuda and x_q.dtype == torch.float32:
+    if x_q.is_cuda and x_q.dtype == torch.float32 and not (is_dtensor(x_q) or is_dtensor(w_q)):  # no DTensor rule
         return torch.mm(x_q.bfloat16(), w_q.bfloat16().t(), out_dtype=torch.float32)
     return x_q @ w_q.t()
 
@@ -69,7 +71,7 @@ class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: Tensor, w_NK: Tensor, spec: MXSpec) -> Tensor:
         ctx.save_for_backward(x_MK, w_NK)
-        if spec.emulated(x_MK.device, x_MK.shape[0], *w_NK.shape[::-1]):
+        if spec.emulated(x_MK, w_NK):
             w_q = mx_fake_quantize(w_NK, spec.weight, spec.mode)
             x_q = x_MK if spec.activation is None else mx_fake_quantize(x_MK, spec.activation, spec.mode)
             return _product(x_q, w_q)

@@ -222,3 +222,17 @@ def test_op_without_local_shard_rule_runs_the_reference_recorded(mesh):
     torch.testing.assert_close(mixed.full_tensor(), swiglu_reference(gate, up))
     (rec,) = DISPATCH_LOG.records("swiglu")
     assert rec["backend"] == "aten" and rec["fallback"] and "no local-shard rule" in rec["reason"]
+
+
+def test_mx_linear_auto_takes_the_emulated_form_on_dtensors(mesh):
+    """``FlyMXLinear(kernel_preference="auto")`` on a tensor-parallel weight at few rows: the emulated form (the fake
+    quantisation runs on DTensors; the MX cast and GEMM have no sharding rule), equal to the plain module's."""
+    from fly_lightning.quant.linear import FlyMXLinear, MXSpec
+
+    torch.manual_seed(0)
+    lin = FlyMXLinear(128, 64, bias=False, spec=MXSpec())
+    x = torch.randn(16, 128)
+    want = lin(x)
+    lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    y = lin(distribute_tensor(x, mesh, [Replicate()]))
+    torch.testing.assert_close(_full(y), want)

@@ -88,31 +88,34 @@ def test_emulated_and_mx_gemm_forms_multiply_the_same_values(config, dtype):
 
 
 def test_auto_form_by_backend_rows_and_shape(monkeypatch):
-    """``kernel_preference="auto"``: with a native backend (FlyDSL on gfx950, faked here) the MX GEMM for MX x MX
-    within its boundaries (K % 128, N % 4), else emulated (weight-only, or off the boundaries: the native kernels
-    would fall back to ATen); without one, emulated from 128 rows (the GEMM then dequantises anyway), the MX GEMM
-    below (its kernel reads the MX bytes)."""
+    """``kernel_preference="auto"``: the MX GEMM only where a kernel multiplies the MX bytes: a native backend
+    (FlyDSL on gfx950, faked here) for MX x MX within its boundaries (K % 128, N % 4), or the in-loop Triton kernel
+    (faked available) below 128 rows with K % 128 and, weight-only, bf16 activations; everything else emulated."""
     op = sys.modules["fly_lightning.ops.mx_scaled_mm"]  # the module (the package exports the function by that name)
-    cases = [  # native, activation, rows, in_features -> the MX GEMM form
-        (None, "mxfp8_e4m3", 128, 128, False),
-        (None, "mxfp8_e4m3", 127, 128, True),
-        (None, None, 16, 128, True),
-        (None, None, 128, 128, False),
-        ("flydsl", "mxfp8_e4m3", 128, 128, True),
-        ("flydsl", "mxfp8_e4m3", 16, 128, True),
-        ("flydsl", None, 16, 128, False),
-        ("flydsl", "mxfp8_e4m3", 128, 96, False),
+    cases = [  # native, in-loop, activation, rows, in_features, dtype -> the MX GEMM form
+        (None, False, "mxfp8_e4m3", 16, 128, torch.float32, False),  # the CPU: nothing multiplies MX bytes here
+        (None, True, "mxfp8_e4m3", 128, 128, torch.float32, False),
+        (None, True, "mxfp8_e4m3", 127, 128, torch.float32, True),
+        (None, True, "mxfp8_e4m3", 16, 96, torch.float32, False),  # off the kernel's K % 128
+        (None, True, None, 16, 128, torch.bfloat16, True),
+        (None, True, None, 16, 128, torch.float32, False),  # weight-only fp32 activations: Triton refuses them
+        ("flydsl", False, "mxfp8_e4m3", 128, 128, torch.float32, True),
+        ("flydsl", False, "mxfp8_e4m3", 16, 128, torch.float32, True),
+        ("flydsl", False, None, 16, 128, torch.float32, False),
+        ("flydsl", False, "mxfp8_e4m3", 128, 96, torch.float32, False),
     ]
-    for native, activation, rows, k, mx_gemm in cases:
+    for native, in_loop, activation, rows, k, dtype, mx_gemm in cases:
         monkeypatch.setattr(op, "native_backend", lambda name, device, n=native: n)
-        layer = FlyMXLinear.from_linear(nn.Linear(k, 32), MXSpec(activation=activation))
+        monkeypatch.setattr(op, "in_loop_backend", lambda name, device, b=in_loop: b)
+        layer = FlyMXLinear.from_linear(nn.Linear(k, 32, dtype=dtype), MXSpec(activation=activation))
         fly_lightning.DISPATCH_LOG.reset()
-        layer(torch.randn(rows, k))
+        layer(torch.randn(rows, k, dtype=dtype))
         ops = {r["op"] for r in fly_lightning.DISPATCH_LOG.records()}
         want = {"mx_cast", "mx_scaled_mm"} if mx_gemm else {"mx_fake_quantize"}
-        assert ops == want, (native, activation, rows, k, ops)
-    assert MXSpec(kernel_preference="emulated").emulated(torch.device("cpu"), 1)  # explicit: no question asked
-    assert not MXSpec(kernel_preference="mx_gemm").emulated(torch.device("cpu"), 4096)
+        assert ops == want, (native, in_loop, activation, rows, k, dtype, ops)
+    x, w = torch.randn(1, 128), torch.randn(32, 128)
+    assert MXSpec(kernel_preference="emulated").emulated(x, w)  # explicit: no question asked
+    assert not MXSpec(kernel_preference="mx_gemm").emulated(x, w)
 
 
 def test_default_scale_mode_is_rceil_for_mxfp8_and_floor_with_mxfp4():

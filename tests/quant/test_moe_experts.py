@@ -116,6 +116,31 @@ def test_both_forms_under_torch_compile(preference):
     torch.testing.assert_close(gxc, gx, rtol=1e-6, atol=1e-6)
 
 
+def test_both_forms_quantise_autocast_values_under_autocast(monkeypatch):
+    """bf16-mixed with fp32 masters: both forms cast tokens and masters to bf16 before the MX casts (as
+    ``FlyMXLinear``), so they quantise the same values (quantising the fp32 values in one form and their bf16
+    roundings in the other had differed by 5%); the block's output keeps the input's dtype."""
+    from fly_lightning.modules import moe_mx
+
+    seen = []
+    for fn in ("act", "weight"):
+        original = getattr(moe_mx.MXExperts, fn)
+        monkeypatch.setattr(moe_mx.MXExperts, fn, lambda self, t, f=original: seen.append(t.dtype) or f(self, t))
+    cast = moe_mx.mx_cast
+    monkeypatch.setattr(moe_mx, "mx_cast", lambda t, *a, **k: seen.append(t.dtype) or cast(t, *a, **k))
+    x = torch.randn(T, H)
+    y = {}
+    for p in ("emulated", "mx_gemm"):
+        moe = _moe()
+        quantize_(moe, FlyMXConfig(kernel_preference=p), filter_fn=mx_filter)
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y[p] = moe(x)
+        assert y[p].dtype == torch.float32 and len(seen) >= 4 and set(seen) == {torch.bfloat16}, (p, seen)
+    rel = ((y["mx_gemm"] - y["emulated"]).norm() / y["emulated"].norm()).item()
+    assert rel < 0.04, rel  # the same MX values; bf16 GEMM outputs rounded apart in each form, through SwiGLU
+
+
 def test_the_filter_keeps_the_head_and_routers_in_high_precision():
     class Net(nn.Module):
         def __init__(self):

@@ -40,13 +40,20 @@ def test_projection_equals_the_emulated_form(k_major, fmts):
 
 def test_which_form(monkeypatch):
     op = sys.modules["fly_lightning.ops.mx_scaled_mm"]  # the module (the package exports the function by that name)
-    cpu, on_bounds, off_bounds = torch.device("cpu"), ((128, 256), (128, 128)), ((96, 256), (128, 96))
+    x = torch.randn(8, 128)
+    on_bounds = (torch.randn(4, 128, 256), torch.randn(4, 128, 128))
+    off_bounds = (torch.randn(4, 96, 256), torch.randn(4, 128, 96))
     auto = MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil")
-    assert not auto.mx_gemm(cpu, *on_bounds)  # no native backend: per-expert rows unknown, the emulated form
+    assert not auto.mx_gemm(x, *on_bounds)  # no native backend: per-expert rows unknown, the emulated form
     monkeypatch.setattr(op, "native_backend", lambda name, device: "flydsl")
-    assert auto.mx_gemm(cpu, *on_bounds) and not auto.mx_gemm(cpu, *off_bounds)
-    assert not MXExperts("mxfp8_e4m3", None, "rceil").mx_gemm(cpu, *on_bounds)  # weight-only: native takes MX x MX
-    assert not MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil", frozen=True).mx_gemm(cpu, *on_bounds)
-    assert not MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil", kernel_preference="emulated").mx_gemm(cpu, *on_bounds)
+    assert auto.mx_gemm(x, *on_bounds) and not auto.mx_gemm(x, *off_bounds)
+    too_many = (torch.randn(1025, 128, 4), torch.randn(1025, 4, 128))  # FlyDSL takes up to 1024 experts
+    assert not auto.mx_gemm(x, *too_many)
+    monkeypatch.setattr(op, "NATIVE_MAX_BYTES", 128 * 256 * 4)  # each MX tensor under 2 GiB, scaled down here
+    assert not auto.mx_gemm(x, *on_bounds)
+    monkeypatch.setattr(op, "NATIVE_MAX_BYTES", 2**31)
+    assert not MXExperts("mxfp8_e4m3", None, "rceil").mx_gemm(x, *on_bounds)  # weight-only: native takes MX x MX
+    assert not MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil", frozen=True).mx_gemm(x, *on_bounds)
+    assert not MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil", kernel_preference="emulated").mx_gemm(x, *on_bounds)
     forced = MXExperts("mxfp8_e4m3", "mxfp8_e4m3", "rceil", kernel_preference="mx_gemm")
-    assert forced.mx_gemm(cpu, *off_bounds)  # asked for: the op's own fallback decides what runs
+    assert forced.mx_gemm(x, *off_bounds)  # asked for: the op's own fallback decides what runs

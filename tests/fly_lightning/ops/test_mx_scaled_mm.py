@@ -84,3 +84,19 @@ def test_fake_gives_the_real_shape():
         fake = mx_scaled_mm_op(mode.from_tensor(a), None, None, mode.from_tensor(b), mode.from_tensor(s), "mxfp8_e4m3",
                                torch.bfloat16)  # fmt: skip
     assert (fake.shape, fake.dtype) == (real.shape, real.dtype)
+
+
+def test_the_auto_form_rule_follows_the_kernels_boundaries():
+    """``emulated_form``'s constants are the kernels' own (a kernel's change of boundary must move ``auto`` too)."""
+    import sys
+
+    from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as native
+    from fly_lightning.kernels.triton import mx_scaled_mm as triton_kernel
+
+    op = sys.modules["fly_lightning.ops.mx_scaled_mm"]
+    assert op.NATIVE_K_MULTIPLE == native.BK and op.NATIVE_MAX_GROUPS == native.MAX_GROUPS
+    assert op.NATIVE_MAX_BYTES == native.MAX_BYTES + 1  # "under 2 GiB"
+    assert op.IN_LOOP_K_MULTIPLE == triton_kernel.K_ALIGN and op.EMULATED_MIN_ROWS == triton_kernel.PREPASS_MIN_M
+    assert op.IN_LOOP_BACKEND == "triton" and op.NATIVE_BACKENDS == ("flydsl",)
+    assert not op.in_loop_backend("mx_scaled_mm", torch.device("cpu"))
+    assert op.native_backend("mx_scaled_mm", torch.device("cpu")) is None

@@ -50,13 +50,14 @@ class MXExperts:
             return False
         per_byte = formats.as_format(self.weight_fmt).per_byte
         common = dict(
+            bf16=True,  # without a native backend: emulated at any dtype (fp32 expert forms not measured apart)
             groups=weights_EKN[0].shape[0],
             weight_bytes=max(w.numel() for w in weights_EKN) // per_byte,
             dtensor=any(is_dtensor(t) for t in (x, *weights_EKN)),
         )
         pref, weight_only = self.kernel_preference, self.act_fmt is None
         return not any(
-            emulated_form(pref, "mx_grouped_mm", x.device, weight_only, None, w.shape[1], w.shape[2], **common)
+            emulated_form(pref, "mx_grouped_mm", x.device, weight_only, w.shape[1], w.shape[2], **common)
             for w in weights_EKN
         )
 

@@ -28,10 +28,9 @@ other backend dequantises to bf16 and runs a bf16 GEMM (Hopper has no MX tensor 
 NATIVE_K_MULTIPLE, NATIVE_N_MULTIPLE, NATIVE_MAX_GROUPS, NATIVE_MAX_BYTES = 128, 4, 1024, 2**31
 """The native kernels' boundaries (the FlyDSL MX GEMMs' constraints: K % 128, N % 4, grouped E <= 1024, each tensor
 under 2 GiB; MX x MX only)."""
-IN_LOOP_BACKEND, IN_LOOP_K_MULTIPLE, EMULATED_MIN_ROWS = "triton", 128, 128
-"""The Triton backend (CUDA sm90+, K % 128, weight-only with bf16 activations) converts the MX bytes in its main loop
-below ``EMULATED_MIN_ROWS`` rows (its plan's ``PREPASS_MIN_M``), reading a quarter to a half of the bytes a bf16
-weight takes; from there it dequantises both operands to bf16 for cuBLAS."""
+IN_LOOP_BACKEND, IN_LOOP_K_MULTIPLE = "triton", 128
+"""The Triton backend's boundaries (CUDA sm90+, K % 128, MX or bf16 activations): fp32 models take the MX GEMM form
+there (see ``emulated_form``)."""
 
 
 def _validate(
@@ -143,8 +142,8 @@ def native_backend(op: str, device: torch.device) -> str | None:
 
 @torch.compiler.assume_constant_result  # as native_backend
 def in_loop_backend(op: str, device: torch.device) -> bool:
-    """Whether ``IN_LOOP_BACKEND`` is one of ``op``'s candidates, available and on its hardware for ``device``
-    (NVIDIA sm90+)."""
+    """Whether ``IN_LOOP_BACKEND`` (Triton) is one of ``op``'s candidates, available and on its hardware for
+    ``device`` (NVIDIA sm90+)."""
     if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device) < (9, 0):
         return False
     return IN_LOOP_BACKEND in get_dispatch_config().candidates(op) and BACKENDS[IN_LOOP_BACKEND].is_available()
@@ -155,7 +154,6 @@ def emulated_form(
     op: str,
     device: torch.device,
     weight_only: bool,
-    rows: int | None = None,
     k: int | None = None,
     n: int | None = None,
     *,
@@ -165,16 +163,16 @@ def emulated_form(
     dtensor: bool = False,
 ) -> bool:
     """Whether an MX training layer fake-quantises and runs the plain GEMM (True) rather than casting to MX and
-    running the MX GEMM ``op`` (False), for ``formats.KERNEL_PREFERENCES`` value ``preference``: ``rows`` x ``k``
+    running the MX GEMM ``op`` (False), for ``formats.KERNEL_PREFERENCES`` value ``preference``: ``k``-wide
     activations (``bf16`` or not) to ``n`` outputs, ``groups`` experts whose MX weights take ``weight_bytes`` (None:
-    unknown, as per-expert rows are); ``dtensor``: an operand is a DTensor.
+    unknown); ``dtensor``: an operand is a DTensor (the MX ops have no sharding rule: emulated).
 
-    ``"auto"`` takes the MX GEMM only where a kernel would multiply the MX bytes themselves: a native backend within
-    its boundaries (``NATIVE_*``: MX x MX), or the in-loop Triton kernel below ``EMULATED_MIN_ROWS`` rows (its
-    boundaries: ``in_loop_backend``, K, bf16 activations for weight-only). Everywhere else the MX GEMM would
-    dequantise to bf16 first (Triton's prepass, or ATen's fallback), and fake-quantised operands give the same GEMM
-    the same values for 4 bytes moved per element instead of 6 (cast, then dequantise) and a launch fewer. DTensors:
-    emulated (the fake quantisation runs on them; the MX ops have no sharding rule)."""
+    ``"auto"``: a native backend within its boundaries (``NATIVE_*``: MX x MX) takes the MX GEMM. Without one the MX
+    GEMMs dequantise to bf16 (Triton's prepass from 128 rows, ATen's fallback) or convert in their main loop, and the
+    ``mx_linear`` suite (H200, 2984bba, event-timed ``FlyMXLinear``) measured the emulated form faster for bf16 at every
+    row count: forward 1.22x MXFP8 / 1.27x MXFP4 from 128 rows (geomeans; 0.93-0.94x on the two largest MXFP4 shapes),
+    1.04x / 1.33x below, forward+backward 1.08x / 1.16x and 1.09x / 1.07x. fp32 models take the MX GEMM form where
+    Triton takes it (the emulated form's fp32 passes cost 0.93x / 0.96x there)."""
     if preference != "auto":
         return preference == "emulated"
     if dtensor:
@@ -187,6 +185,7 @@ def emulated_form(
             or (weight_bytes is not None and weight_bytes >= NATIVE_MAX_BYTES)
         )
         return weight_only or off_bounds
-    in_loop = rows is not None and rows < EMULATED_MIN_ROWS and in_loop_backend(op, device)
-    in_loop = in_loop and k is not None and k % IN_LOOP_K_MULTIPLE == 0 and (bf16 or not weight_only)
-    return not in_loop
+    if bf16:
+        return True
+    takes = not weight_only and k is not None and k % IN_LOOP_K_MULTIPLE == 0
+    return not (takes and in_loop_backend(op, device))

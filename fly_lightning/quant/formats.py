@@ -185,8 +185,11 @@ def _encode_e2m1(v: Tensor) -> Tensor:
 
 
 def _decode_e2m1(codes: Tensor) -> Tensor:
-    values = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = values[(codes & 7).long()]
+    """From the bits (no table: a host-to-device copy per call would forbid CUDA-graph capture): exponent e and
+    mantissa m give ``m / 2`` for e = 0, else ``2^(e - 1) * (1 + m / 2)`` (``_E2M1_VALUES``), exact in fp32."""
+    e = ((codes >> 1) & 3).to(torch.float32)
+    m = (codes & 1).to(torch.float32)
+    mag = torch.where(e == 0, m * 0.5, torch.exp2(e - 1) * (1 + m * 0.5))
     return torch.where((codes & 8) != 0, -mag, mag)
 
 

@@ -8,9 +8,9 @@ multiplies them, in one of two forms of the same arithmetic (``MXSpec.kernel_pre
 - ``"mx_gemm"``: cast both to MX bytes and scales (``mx_cast``) and multiply with ``mx_scaled_mm``;
 - ``"emulated"``: fake-quantise both (``mx_fake_quantize``: cast and back in one pass) and run the plain GEMM on
   the MX values (``_product``), as torchao's emulated MX training does;
-- ``"auto"`` (default): the MX GEMM where a kernel multiplies the MX bytes themselves (a native backend, FlyDSL on
-  gfx950, MX x MX; or the Triton kernel's main loop below 128 rows), else emulated: elsewhere ``mx_scaled_mm``
-  dequantises its operands before a plain GEMM anyway (``ops.mx_scaled_mm.emulated_form``).
+- ``"auto"`` (default): the MX GEMM where a backend multiplies MX natively (FlyDSL on gfx950, MX x MX) and for
+  fp32 models the Triton kernel takes; else emulated, measured faster for bf16 on the H200 at every row count
+  (``ops.mx_scaled_mm.emulated_form``).
 
 The weight stays a plain high-precision parameter, so optimizers, state dicts and checkpoints see the module as the
 ``nn.Linear`` it replaced. Backward is the straight-through estimator on ATen
@@ -51,9 +51,9 @@ class MXSpec:
     def emulated(self, x_MK: Tensor, w_NK: Tensor) -> bool:
         """Whether the forward of ``x_MK`` with weight ``w_NK`` fake-quantises and runs a plain GEMM
         (``ops.mx_scaled_mm.emulated_form``; see the module docstring)."""
-        (m, k), n = x_MK.shape, w_NK.shape[0]
+        k, n = x_MK.shape[1], w_NK.shape[0]
         return emulated_form(
-            self.kernel_preference, "mx_scaled_mm", x_MK.device, self.activation is None, m, k, n,
+            self.kernel_preference, "mx_scaled_mm", x_MK.device, self.activation is None, k, n,
             bf16=x_MK.dtype == torch.bfloat16, dtensor=is_dtensor(x_MK) or is_dtensor(w_NK),
         )  # fmt: skip
 

@@ -37,6 +37,7 @@ SUITES = {
     "mx_grouped_mm": "bench_mx_grouped_mm",
     "mx_memory": "bench_mx_memory",
     "mx_cast": "bench_mx_cast",
+    "mx_linear": "bench_mx_linear",
     "host_profile": "profile_host",
 }
 

@@ -110,16 +110,18 @@ def experts_forward(
         up_EHI = None if up_EHI is None else mx.weight(up_EHI)
     k = weights_Tk.shape[1]
     inv = inverse_permutation(perm_M)  # slot -> expert-ordered row: the combine gathers through it
-    if mx_gemm:  # the MX GEMM takes MX rows in expert order: the plain path's copy, then the casts
+    if mx_gemm:  # the MX GEMM takes MX rows in expert order: the plain path's copy, then one cast for gate and up
         xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
-        project = lambda w: mx.project(xs, w, offs_E)  # noqa: E731
-    elif fused:
-        project = lambda w: moe_grouped_mm(x_TH, w, offs_E, perm_M, topk=k, gather=True)  # noqa: E731
+        gate_up, *up = mx.project(xs, offs_E, *([gate_up_EHN] if up_EHI is None else [gate_up_EHN, up_EHI]))
+        up = up[0] if up else None
     else:
-        xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
-        project = lambda w: grouped_mm(xs, w, offs_E)  # noqa: E731
-    gate_up = project(gate_up_EHN)
-    up = None if up_EHI is None else project(up_EHI)
+        if fused:
+            project = lambda w: moe_grouped_mm(x_TH, w, offs_E, perm_M, topk=k, gather=True)  # noqa: E731
+        else:
+            xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
+            project = lambda w: grouped_mm(xs, w, offs_E)  # noqa: E731
+        gate_up = project(gate_up_EHN)
+        up = None if up_EHI is None else project(up_EHI)
     if score_before_experts:  # torchtitan: the score scales the expert input; experts are linear up to SwiGLU
         gate, up = split_gate_up(gate_up, up)
         s = weights_Tk.reshape(-1).index_select(0, perm_M.long()).unsqueeze(1).to(gate.dtype)
@@ -127,7 +129,7 @@ def experts_forward(
         weights_Tk = torch.ones_like(weights_Tk)  # the combine is then a plain sum (still in fp32)
     h = swiglu(gate_up, up, activation)
     if mx_gemm:
-        rows = mx.project(h, down_EIH, offs_E)
+        (rows,) = mx.project(h, offs_E, down_EIH)
     else:
         rows = grouped_mm(h if mx is None else mx.act(h), down_EIH, offs_E)  # expert order
     return moe_combine(rows, weights_Tk, inv, out_dtype=out_dtype)

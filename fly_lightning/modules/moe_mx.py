@@ -75,11 +75,13 @@ class MXExperts:
         rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column (a view of [E, N, K] storage)
         return mx_fake_quantize(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
 
-    def project(self, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor) -> Tensor:
-        """``grouped_mm(x, w, offs)`` on the MX values through ``mx_grouped_mm`` (``mx_gemm``'s form): rows in
-        expert order, high-precision ``x`` and master ``w``; differentiable in both."""
-        x_MK, w_EKN = autocast_operands(x_MK, w_EKN)
-        return MXGroupedProjection.apply(x_MK, w_EKN, offs_E, self)
+    def project(self, x_MK: Tensor, offs_E: Tensor, *weights_EKN: Tensor) -> tuple[Tensor, ...]:
+        """``grouped_mm(x, w, offs)`` for each of ``weights_EKN`` on the MX values through ``mx_grouped_mm``
+        (``mx_gemm``'s form): rows in expert order, high-precision ``x`` (cast once for all weights) and masters;
+        differentiable in all of them."""
+        weights_EKN = [autocast_operands(x_MK, w)[1] for w in weights_EKN]
+        x_MK = autocast_operands(x_MK, weights_EKN[0])[0]
+        return MXGroupedProjection.apply(x_MK, offs_E, self, *weights_EKN)
 
     def __repr__(self) -> str:
         frozen = ", frozen" if self.frozen else ""
@@ -96,43 +98,63 @@ def _checked(w_EKN: Tensor) -> Tensor:
 
 
 class MXGroupedProjection(torch.autograd.Function):
-    """``y = grouped_mm(x_q, w_q, offs)`` computed as ``mx_grouped_mm`` of the MX casts (MX x MX), with the
-    straight-through backward of the emulated form: ``grad_x = grad @ w_q^T``, ``grad_w = x_q^T @ grad`` per expert,
-    ``x_q`` / ``w_q`` dequantised from the saved MX bytes (``mx_dequantize``: half the bytes a bf16 copy would keep)."""
+    """``y_i = grouped_mm(x_q, w_q_i, offs)`` for each weight ``w_i``, computed as ``mx_grouped_mm`` of the MX casts
+    (the rows cast once, shared by separate gate and up weights), with the straight-through backward of the emulated
+    form: ``grad_x = sum_i grad_i @ w_q_i^T``, ``grad_w_i = x_q^T @ grad_i`` per expert, ``x_q`` / ``w_q_i``
+    dequantised from the saved MX bytes (``mx_dequantize``: half the bytes a bf16 copy would keep)."""
 
     @staticmethod
-    def forward(ctx, x_MK: Tensor, w_EKN: Tensor, offs_E: Tensor, mx: MXExperts) -> Tensor:
-        e, k, n = _checked(w_EKN).shape
-        rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # [E, N, K] rows: a view of HF storage, else one copy
-        w_d, w_s = mx_cast(rows, mx.weight_fmt, mx.mode)
-        w_d, w_s = w_d.reshape(e, n, -1), w_s.reshape(e, n, -1)
+    def forward(ctx, x_MK: Tensor, offs_E: Tensor, mx: MXExperts, *weights_EKN: Tensor) -> tuple[Tensor, ...]:
         if mx.act_fmt is None:  # weight-only: the rows as they are
             x_d, x_s = x_MK, None
-            ctx.save_for_backward(x_MK, w_d, w_s, offs_E)
         else:
             x_d, x_s = mx_cast(x_MK, mx.act_fmt, mx.mode)
-            ctx.save_for_backward(x_d, x_s, w_d, w_s, offs_E)
+        outs, saved = [], []
+        for w_EKN in weights_EKN:
+            e, k, n = _checked(w_EKN).shape
+            rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # [E, N, K] rows: a view of HF storage, else one copy
+            w_d, w_s = mx_cast(rows, mx.weight_fmt, mx.mode)
+            w_d, w_s = w_d.reshape(e, n, -1), w_s.reshape(e, n, -1)
+            saved += [w_d, w_s]
+            outs.append(
+                mx_grouped_mm(x_d, w_d, w_s, mx.weight_fmt, offs_E, x_scale=x_s, x_fmt=mx.act_fmt, out_dtype=x_MK.dtype)
+            )
+        x_saved = (x_MK,) if mx.act_fmt is None else (x_d, x_s)
+        ctx.save_for_backward(offs_E, *x_saved, *saved)
         ctx.mx, ctx.dtype = mx, x_MK.dtype
-        ctx.n_major = w_EKN.stride(2) == 1 and w_EKN.stride(1) != 1  # a contiguous [E, K, N] master (torchtitan)
-        return mx_grouped_mm(x_d, w_d, w_s, mx.weight_fmt, offs_E, x_scale=x_s, x_fmt=mx.act_fmt, out_dtype=x_MK.dtype)
+        # a contiguous [E, K, N] master (torchtitan): dW in that layout
+        ctx.n_major = [w.stride(2) == 1 and w.stride(1) != 1 for w in weights_EKN]
+        ctx.set_materialize_grads(False)  # an output nobody used gets no gradient work
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad_MN: Tensor):
+    def backward(ctx, *grads_MN: Tensor | None):
         mx, dtype = ctx.mx, ctx.dtype
+        offs_E, *rest = ctx.saved_tensors
         if mx.act_fmt is None:
-            x_q, w_d, w_s, offs_E = ctx.saved_tensors
+            x_q, *saved = rest
         else:
-            x_d, x_s, w_d, w_s, offs_E = ctx.saved_tensors
+            x_d, x_s, *saved = rest
             x_q = mx_dequantize(x_d, x_s, mx.act_fmt, dtype)
-        e, n = w_d.shape[:2]
-        w_q = mx_dequantize(w_d.reshape(e * n, -1), w_s.reshape(e * n, -1), mx.weight_fmt, dtype)
-        w_q_EKN = w_q.reshape(e, n, -1).transpose(1, 2)  # [E, K, N], K-major like Hugging Face's storage
-        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if need_w and ctx.n_major:  # dW in the master's own layout (no copy by autograd): the layout is read off the
-            # third argument's strides, so an expanded scalar (strides 0) stands for an N-major [E, K, N]
-            like = w_q_EKN.new_empty(()).expand(w_q_EKN.shape)
-            dx, _ = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, False)
-            _, dw = grouped_mm_backward_op(grad_MN, x_q, like, offs_E, False, True)
-        else:
-            dx, dw = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, need_w)
-        return (dx if need_x else None), (dw if need_w else None), None, None
+        need_x = ctx.needs_input_grad[0]
+        dx, dws = None, []
+        for i, grad_MN in enumerate(grads_MN):
+            need_w = ctx.needs_input_grad[3 + i]
+            if grad_MN is None or not (need_x or need_w):
+                dws.append(None)
+                continue
+            w_d, w_s = saved[2 * i], saved[2 * i + 1]
+            e, n = w_d.shape[:2]
+            w_q = mx_dequantize(w_d.reshape(e * n, -1), w_s.reshape(e * n, -1), mx.weight_fmt, dtype)
+            w_q_EKN = w_q.reshape(e, n, -1).transpose(1, 2)  # [E, K, N], K-major like Hugging Face's storage
+            if need_w and ctx.n_major[i]:  # dW in the master's own layout (no copy by autograd): the layout is read
+                # off the third argument's strides, so an expanded scalar (strides 0) stands for an N-major [E, K, N]
+                like = w_q_EKN.new_empty(()).expand(w_q_EKN.shape)
+                dx_i, _ = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, False)
+                _, dw = grouped_mm_backward_op(grad_MN, x_q, like, offs_E, False, True)
+            else:
+                dx_i, dw = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, need_w)
+            if need_x:
+                dx = dx_i if dx is None else dx + dx_i
+            dws.append(dw if need_w else None)
+        return dx, None, None, *dws

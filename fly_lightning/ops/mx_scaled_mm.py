@@ -28,9 +28,9 @@ other backend dequantises to bf16 and runs a bf16 GEMM (Hopper has no MX tensor 
 NATIVE_K_MULTIPLE, NATIVE_N_MULTIPLE, NATIVE_MAX_GROUPS, NATIVE_MAX_BYTES = 128, 4, 1024, 2**31
 """The native kernels' boundaries (the FlyDSL MX GEMMs' constraints: K % 128, N % 4, grouped E <= 1024, each tensor
 under 2 GiB; MX x MX only)."""
-IN_LOOP_BACKEND, IN_LOOP_K_MULTIPLE = "triton", 128
-"""The Triton backend's boundaries (CUDA sm90+, K % 128, MX or bf16 activations): fp32 models take the MX GEMM form
-there (see ``emulated_form``)."""
+DEQUANT_BACKEND, DEQUANT_K_MULTIPLE = "triton", 128
+"""The dequantising MX GEMM backend (Triton: CUDA sm90+, K % 128, MX or bf16 activations) and its K granularity:
+fp32 models take the MX GEMM form there (see ``emulated_form``)."""
 
 
 def _validate(
@@ -141,12 +141,12 @@ def native_backend(op: str, device: torch.device) -> str | None:
 
 
 @torch.compiler.assume_constant_result  # as native_backend
-def in_loop_backend(op: str, device: torch.device) -> bool:
-    """Whether ``IN_LOOP_BACKEND`` (Triton) is one of ``op``'s candidates, available and on its hardware for
-    ``device`` (NVIDIA sm90+)."""
+def dequant_backend(op: str, device: torch.device) -> bool:
+    """Whether ``DEQUANT_BACKEND`` (Triton, which converts MX to bf16 for bf16 MMAs) is one of ``op``'s candidates,
+    available and on its hardware for ``device`` (NVIDIA sm90+)."""
     if device.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(device) < (9, 0):
         return False
-    return IN_LOOP_BACKEND in get_dispatch_config().candidates(op) and BACKENDS[IN_LOOP_BACKEND].is_available()
+    return DEQUANT_BACKEND in get_dispatch_config().candidates(op) and BACKENDS[DEQUANT_BACKEND].is_available()
 
 
 def emulated_form(
@@ -187,5 +187,5 @@ def emulated_form(
         return weight_only or off_bounds
     if bf16:
         return True
-    takes = not weight_only and k is not None and k % IN_LOOP_K_MULTIPLE == 0
-    return not (takes and in_loop_backend(op, device))
+    takes = not weight_only and k is not None and k % DEQUANT_K_MULTIPLE == 0
+    return not (takes and dequant_backend(op, device))

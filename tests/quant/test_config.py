@@ -106,7 +106,7 @@ def test_auto_form_by_backend_dtype_and_shape(monkeypatch):
     ]
     for native, triton, activation, rows, k, dtype, mx_gemm in cases:
         monkeypatch.setattr(op, "native_backend", lambda name, device, n=native: n)
-        monkeypatch.setattr(op, "in_loop_backend", lambda name, device, b=triton: b)
+        monkeypatch.setattr(op, "dequant_backend", lambda name, device, b=triton: b)
         layer = FlyMXLinear.from_linear(nn.Linear(k, 32, dtype=dtype), MXSpec(activation=activation))
         fly_lightning.DISPATCH_LOG.reset()
         layer(torch.randn(rows, k, dtype=dtype))

@@ -27,7 +27,7 @@ def test_projection_equals_the_emulated_form(k_major, fmts):
     mx = MXExperts(fmts[0], fmts[1], "floor", kernel_preference="mx_gemm")
     x, w, offs = _operands(k_major)
     xe, we = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    y = mx.project(x, w, offs)
+    (y,) = mx.project(x, offs, w)
     y_e = grouped_mm(mx.act(xe), mx.weight(we), offs)
     torch.testing.assert_close(y, y_e, rtol=1e-5, atol=1e-5)
     g = torch.randn_like(y)
@@ -36,6 +36,37 @@ def test_projection_equals_the_emulated_form(k_major, fmts):
     torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(w.grad, we.grad, rtol=1e-5, atol=1e-5)
     assert w.grad[1].abs().max() == 0  # the empty expert
+
+
+@pytest.mark.parametrize("fmts", [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", None)])
+def test_separate_weights_share_one_cast_of_the_rows(monkeypatch, fmts):
+    """Separate gate and up weights: the rows are cast once for both; each output and every gradient equals the
+    emulated form's, and an output left out of the loss adds nothing to the rows' gradient."""
+    moe_mx = sys.modules["fly_lightning.modules.moe_mx"]
+    casts = []
+    real_cast = moe_mx.mx_cast
+    monkeypatch.setattr(moe_mx, "mx_cast", lambda t, *a: casts.append(tuple(t.shape)) or real_cast(t, *a))
+    mx = MXExperts(fmts[0], fmts[1], "floor", kernel_preference="mx_gemm")
+    x, gate, offs = _operands(k_major=False)
+    up = torch.randn(E, K, N).requires_grad_()  # the other layout for the second weight
+    ref = [t.detach().clone().requires_grad_() for t in (x, gate, up)]
+    y_gate, y_up = mx.project(x, offs, gate, up)
+    assert casts.count((M, K)) == (fmts[1] is not None)  # the rows once (weight-only: never)
+    y_ref = [grouped_mm(mx.act(ref[0]), mx.weight(w), offs) for w in ref[1:]]
+    torch.testing.assert_close(y_gate, y_ref[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_up, y_ref[1], rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(y_gate)
+    (y_gate * g + y_up * g.flip(0)).sum().backward()
+    (y_ref[0] * g + y_ref[1] * g.flip(0)).sum().backward()
+    for t, r in zip((x, gate, up), ref, strict=True):
+        torch.testing.assert_close(t.grad, r.grad, rtol=1e-5, atol=1e-5)
+    x.grad, up.grad = None, None
+    xe = ref[0].detach().clone().requires_grad_()
+    y_gate, y_up = mx.project(x, offs, gate, up)
+    (y_gate * g).sum().backward()  # only the gate output: the up weight gets no gradient, the rows the gate's alone
+    (grouped_mm(mx.act(xe), mx.weight(gate.detach()), offs) * g).sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
+    assert up.grad is None
 
 
 def test_which_form(monkeypatch):

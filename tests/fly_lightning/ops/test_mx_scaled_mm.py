@@ -96,7 +96,7 @@ def test_the_auto_form_rule_follows_the_kernels_boundaries():
     op = sys.modules["fly_lightning.ops.mx_scaled_mm"]
     assert op.NATIVE_K_MULTIPLE == native.BK and op.NATIVE_MAX_GROUPS == native.MAX_GROUPS
     assert op.NATIVE_MAX_BYTES == native.MAX_BYTES + 1  # "under 2 GiB"
-    assert op.IN_LOOP_K_MULTIPLE == triton_kernel.K_ALIGN
-    assert op.IN_LOOP_BACKEND == "triton" and op.NATIVE_BACKENDS == ("flydsl",)
-    assert not op.in_loop_backend("mx_scaled_mm", torch.device("cpu"))
+    assert op.DEQUANT_K_MULTIPLE == triton_kernel.K_ALIGN
+    assert op.DEQUANT_BACKEND == "triton" and op.NATIVE_BACKENDS == ("flydsl",)
+    assert not op.dequant_backend("mx_scaled_mm", torch.device("cpu"))
     assert op.native_backend("mx_scaled_mm", torch.device("cpu")) is None

@@ -111,6 +111,51 @@ def _fp4_pair_bits(packed_u8):
 
 
 @triton.jit
+def _fp4_words_lut(words_u32, s_pair):
+    """uint32 words of eight e2m1 codes (byte ``j``: elements ``2j`` low nibble, ``2j + 1``) and their bf16 scale
+    pairs (the scale in both halves) to four uint32 words of two bf16 values each, scaled (word ``j`` from byte
+    ``j``). The magnitudes index two byte tables (``prmt``: the low and high bytes of the bf16 value), the signs a
+    third, and one exact ``fma.rn.bf16x2`` (-0 addend) per word applies the scale: 21 instructions for eight
+    elements, against about 30 for the pair form's per-byte multiplies (see ``dequant_fp4``)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 m, g, m2, g2, l0, h0, s0, l1, h1, s1, z;"
+        " and.b32 m, $4, 0x77777777; and.b32 g, $4, 0x88888888; shr.u32 g, g, 3;"
+        " shr.u32 m2, m, 16; shr.u32 g2, g, 16;"
+        # magnitude code c -> bf16 bytes: low [00 00 80 C0 00 40 80 C0], high [00 3F 3F 3F 40 40 40 40]
+        " prmt.b32 l0, 0xC0800000, 0xC0804000, m; prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;"
+        " prmt.b32 s0, 0x8000, 0, g; or.b32 h0, h0, s0;"
+        " prmt.b32 l1, 0xC0800000, 0xC0804000, m2; prmt.b32 h1, 0x3F3F3F00, 0x40404040, m2;"
+        " prmt.b32 s1, 0x8000, 0, g2; or.b32 h1, h1, s1;"
+        " prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362;"
+        " prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362;"
+        " mov.b32 z, 0x80008000;"
+        " fma.rn.bf16x2 $0, $0, $5, z; fma.rn.bf16x2 $1, $1, $5, z;"
+        " fma.rn.bf16x2 $2, $2, $5, z; fma.rn.bf16x2 $3, $3, $5, z; }",
+        "=r,=r,=r,=r,r,r",
+        [words_u32, s_pair],
+        dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def dequant_fp4_words(words_u32, scale):
+    """MXFP4 tile as uint32 words of eight e2m1 codes ``[R, C / 8]`` (little-endian bytes: element ``2j`` in byte
+    ``j``'s low nibble) with scales ``[R, C / 32]`` (uint8) to bf16 ``[R, C]``: ``_fp4_words_lut`` (NVIDIA sm80+)."""
+    R: tl.constexpr = words_u32.shape[0]
+    KW: tl.constexpr = words_u32.shape[1]
+    s = _as_u8(scale).to(tl.uint32)
+    s16 = (s << 7) | tl.where((s == 0) | (s == 255), 0x40, 0)  # e8m0_to_float's bits
+    s_pair = tl.reshape(tl.broadcast_to((s16 | (s16 << 16))[:, :, None], (R, KW // 4, 4)), (R, KW))
+    o0, o1, o2, o3 = _fp4_words_lut(words_u32, s_pair)
+    w = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, KW * 4))  # word j of each group in order
+    lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (R, KW * 8))
+
+
+@triton.jit
 def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False, PTX: tl.constexpr = False):
     """MXFP4 tile packed two e2m1 codes per byte along the last dim (element ``2j`` in the low nibble), ``[R, C / 2]``
     uint8, with scales ``[R, C / 32]`` (uint8) to bf16 ``[R, C]`` (fp32 with ``FP32``).

@@ -48,7 +48,14 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize, ptx_pairs
+from fly_lightning.kernels.triton._mx_dequant import (
+    FMT_CODE,
+    dequant_fp4,
+    dequant_fp4_words,
+    dequant_fp8,
+    dequantize,
+    ptx_pairs,
+)
 from fly_lightning.kernels.triton._support import (
     ON_HIP,
     device_reason,
@@ -84,13 +91,14 @@ class MXMMConfig:
     split_k: int = 1
     fp8_cvt: str = "bits"  # "bits": integer bit placement; "hw": float8 -> f16 conversion instructions (GPU)
     prepass: bool = False
+    fp4_lut: bool = False  # MXFP4 tiles loaded as 32-bit words, decoded by byte tables (``dequant_fp4_words``; GPU)
 
     def label(self) -> str:
         if self.prepass:
             return "prepass-cublas"
         s = f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}"
         s += ("-swap" if self.swap else "") + (f"-k{self.split_k}" if self.split_k > 1 else "")
-        return s + ("-hwcvt" if self.fp8_cvt == "hw" else "")
+        return s + ("-hwcvt" if self.fp8_cvt == "hw" else "") + ("-lut" if self.fp4_lut else "")
 
 
 @triton.jit
@@ -105,6 +113,7 @@ def _load_tile(
     INTERPRET: tl.constexpr,
     HW_CVT: tl.constexpr,
     PTX: tl.constexpr,
+    LUT: tl.constexpr = False,
 ):
     """Rows ``rows`` (element offsets) x K ``[k0, k0 + BLOCK_K)`` of one operand, dequantised: bf16 (fp32 when
     interpreting, whose bf16 arithmetic and dot are unreliable)."""
@@ -114,8 +123,13 @@ def _load_tile(
             x = ((x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
     elif FMT == 3:
         s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
-        x = tl.load(P + rows[:, None] + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-        x = dequant_fp4(x, s, INTERPRET, PTX)
+        if LUT:  # 32-bit words of eight codes (rows and the tensor 4-byte aligned: the launcher's check)
+            W = P.to(tl.pointer_type(tl.uint32))
+            x = tl.load(W + rows[:, None] // 4 + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
+            x = dequant_fp4_words(x, s)
+        else:
+            x = tl.load(P + rows[:, None] + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+            x = dequant_fp4(x, s, INTERPRET, PTX)
     else:
         s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
         x = tl.load(P + rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
@@ -131,7 +145,7 @@ def _mx_mm_kernel(
     A_FMT: tl.constexpr, B_FMT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SWAP: tl.constexpr, SPLIT_K: tl.constexpr, INTERPRET: tl.constexpr, HW_CVT: tl.constexpr,
-    PTX: tl.constexpr = False,
+    PTX: tl.constexpr = False, LUT: tl.constexpr = False,
 ):  # fmt: skip
     pid = tl.program_id(0)
     num_m = tl.cdiv(M, BLOCK_M)
@@ -156,8 +170,8 @@ def _mx_mm_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX)
-        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX)
+        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX, LUT)
+        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX, LUT)
         if SWAP:
             acc = tl.dot(b, tl.trans(a), acc)
         else:
@@ -255,6 +269,12 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     if cfg.swap and not cfg.prepass and "mxfp4_e2m1" in (a_fmt, b_fmt) and cfg.block_k != K_ALIGN:
         # plan() never emits it; an explicit 128x128x64 swapped plan (8 warps, 4 stages) gave wrong results on the H200
         raise ValueError(f"mx_scaled_mm: swapped MXFP4 plans need block_k {K_ALIGN} (others are untrusted): {cfg}")
+    interp = a.device.type == "cpu" and interpreting()
+    lut = cfg.fp4_lut and not interp and ptx_pairs(a)  # inline PTX: NVIDIA only
+    if lut and any(
+        t.data_ptr() % 4 or t.stride(0) % 4 for t, f in ((a, a_fmt), (b, b_fmt)) if f == "mxfp4_e2m1"
+    ):  # fmt: skip
+        raise ValueError(f"mx_scaled_mm: {cfg} loads MXFP4 rows as 32-bit words: rows and data 4-byte aligned")
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.device)
     if cfg.prepass:
@@ -276,7 +296,7 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
              a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n),
             A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split,
-            INTERPRET=a.device.type == "cpu" and interpreting(), HW_CVT=cfg.fp8_cvt == "hw", PTX=ptx_pairs(a),
+            INTERPRET=interp, HW_CVT=cfg.fp8_cvt == "hw", PTX=ptx_pairs(a), LUT=lut,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

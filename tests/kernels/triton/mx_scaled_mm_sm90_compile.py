@@ -20,7 +20,9 @@ PAIRS = {
 }
 
 
-def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt: bool = True) -> dict:
+def variant(
+    pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt: bool = True, lut: bool = False
+) -> dict:
     a_fmt, b_fmt = PAIRS[pair]
     cfg = PLANS[plan]
     fn = _mx_mm_kernel
@@ -36,7 +38,7 @@ def variant(pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt:
     )
     const = dict(
         A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt, PTX=True,
+        GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt, PTX=True, LUT=lut,
     )  # fmt: skip
     aligned = ("A", "A_SCALE", "B", "B_SCALE", "OUT", "K", "stride_am", "stride_asm", "stride_bn", "stride_bsn")
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -57,6 +59,11 @@ VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
 for _pair in ("e4m3", "e5m2"):
     VARIANTS[f"{_pair}-large-bits-loop"] = lambda p=_pair: variant(p, "large", loop=True, hw_cvt=False)
     VARIANTS[f"{_pair}-large-hwcvt-loop"] = lambda p=_pair: variant(p, "large", loop=True, hw_cvt=True)
+
+# fp4 tiles as 32-bit words decoded by byte tables (MXMMConfig.fp4_lut), against the pair form's loop
+for _pair, _plan in (("w-fp4", "small"), ("fp4", "mid")):
+    VARIANTS[f"{_pair}-{_plan}-pairs-loop"] = lambda p=_pair, q=_plan: variant(p, q, loop=True)
+    VARIANTS[f"{_pair}-{_plan}-lut-loop"] = lambda p=_pair, q=_plan: variant(p, q, loop=True, lut=True)
 
 if __name__ == "__main__":
     report(VARIANTS)

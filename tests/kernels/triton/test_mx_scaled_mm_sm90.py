@@ -6,7 +6,7 @@ interpreter."""
 
 def test_compiles_for_sm90(compiled_variants):
     results = compiled_variants("mx_scaled_mm_sm90_compile.py")
-    assert len(results) == 20
+    assert len(results) == 24
     for name, r in results.items():
         # the bit-placement fp8 path is no plan's default on the GPU (kept for the instruction count below); at
         # 128x256 it spills 12 bytes
@@ -21,3 +21,7 @@ def test_compiles_for_sm90(compiled_variants):
         bits, hw = results[f"{pair}-large-bits-loop"], results[f"{pair}-large-hwcvt-loop"]
         assert 0 < hw["loop_instructions"] < bits["loop_instructions"] / 2, (bits, hw)
         assert hw["loop_opcodes"].get("HMUL2", 0) > 0 and bits["loop_opcodes"].get("HMUL2", 0) > 0
+    for name in ("w-fp4-small", "fp4-mid"):  # byte tables: one scale multiply per word instead of two
+        pairs, lut = results[f"{name}-pairs-loop"], results[f"{name}-lut-loop"]
+        assert 0 < lut["loop_opcodes"]["HMUL2"] * 2 == pairs["loop_opcodes"]["HMUL2"], (pairs, lut)
+        assert lut["loop_opcodes"]["PRMT"] > pairs["loop_opcodes"]["PRMT"], (pairs, lut)

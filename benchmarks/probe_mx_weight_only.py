@@ -1,12 +1,21 @@
-"""Probe (GPU): weight-only MXFP4 at few rows through Triton's own ``tl.dot_scaled`` (the compiler's e2m1 upcast to
-bf16 on Hopper, the path OpenAI's ``triton_kernels`` builds on) against our ``mx_scaled_mm`` plan and cuBLAS bf16,
-on the mx_gemm suite's weight-only shapes. Device time from CUDA-graph replays, side by side; each form checked
-against the fp32 reference first. Prints; not a suite.
+"""Probe (GPU): weight-only MXFP4 at few rows (the mx_gemm suite's shapes), our ``mx_scaled_mm`` plan against
+variants of it and against Triton's own ``tl.dot_scaled`` (the compiler's e2m1 upcast to bf16 on Hopper, the path
+OpenAI's ``triton_kernels`` builds on), with cuBLAS bf16 for scale:
 
-    python -m benchmarks.probe_dot_scaled
+- ``lut``: fp4 tiles loaded as 32-bit words and decoded by byte tables (``MXMMConfig.fp4_lut``): 489 against 512
+  static main-loop instructions per thread in the swapped plan (sm90 SASS, compiled on the CPU);
+- ``noswap``: the tokens on the MMA's M side (``mma.sync`` at 16 rows: no shared-memory copy of the converted
+  weights into registers); 473 instructions, 411 with ``lut``.
+
+Device time from CUDA-graph replays, side by side; each form checked against the fp32 reference first ("!" marks
+a relative error above 1e-2). Prints; not a suite.
+
+    python -m benchmarks.probe_mx_weight_only
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -18,7 +27,6 @@ from fly_lightning.kernels.triton import mx_scaled_mm as kernel
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
 
 SHAPES = [(16, 4096, 4096), (16, 28672, 4096), (32, 4096, 14336), (64, 6144, 4096), (64, 8192, 8192)]
-PLANS = [(64, 1, 4), (64, 2, 4), (64, 4, 4), (64, 8, 4), (128, 1, 4), (128, 2, 8), (128, 4, 8)]  # BLOCK_N, split, warps
 CALLS = 20
 
 
@@ -71,16 +79,25 @@ def main() -> None:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         b, b_s = fly_lightning.mx_cast(w, fmt, "floor")
         ref = mx_scaled_mm_reference(x, None, None, b, b_s, fmt, torch.float32)
+        plan = kernel.plan(m, n, k, None, fmt, x.device)
         fns = {
             "ours": lambda x, w, b, b_s: kernel.launch(x, None, None, b, b_s, fmt, torch.bfloat16),
             "bf16": lambda x, w, b, b_s: torch.mm(x, w.t()),
         }
-        for bn, split, warps in PLANS:
-            if k % (128 * split):
-                continue
+        variants = [replace(plan, fp4_lut=True)]
+        for bn in (64, 128):
+            for split in sorted({plan.split_k, plan.split_k * 2, max(1, plan.split_k // 2)}):
+                if k % (128 * split) == 0:
+                    unswapped = replace(plan, block_n=bn, swap=False, split_k=split)
+                    variants += [unswapped, replace(unswapped, fp4_lut=True)]
+        for cfg in variants:
+            name = cfg.label() + ("-noswap" if not cfg.swap else "")
+            fns[name] = lambda x, w, b, b_s, c=cfg: kernel.launch(x, None, None, b, b_s, fmt, torch.bfloat16, c)
+        for bn in (64, 128):
             for fast in (False, True):
-                name = f"ds{'-fast' if fast else ''}-n{bn}-k{split}-w{warps}"
-                fns[name] = lambda x, w, b, b_s, c=(bn, split, warps, fast): dot_scaled_mm(x, b, b_s, *c)
+                name = f"ds{'-fast' if fast else ''}-n{bn}-k{plan.split_k}"
+                c = (bn, plan.split_k, 4, fast)
+                fns[name] = lambda x, w, b, b_s, c=c: dot_scaled_mm(x, b, b_s, *c)
         inputs = [(x, w, b, b_s)]
         graphs, errs = {}, {}
         for name, fn in fns.items():
@@ -91,9 +108,9 @@ def main() -> None:
             except Exception as exc:  # noqa: BLE001 (a plan that does not compile is reported)
                 print(f"{m}x{n}x{k} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
         ms = interleaved_graph_ms(graphs, CALLS)
-        best = min((t, nm) for nm, t in ms.items() if nm.startswith("ds") and errs[nm] < 1e-2)
-        print(f"w4 {m}x{n}x{k}: ours {ms['ours'] * 1e3:.1f} us, bf16 {ms['bf16'] * 1e3:.1f} us, "
-              f"best dot_scaled {best[1]} {best[0] * 1e3:.1f} us", flush=True)  # fmt: skip
+        best = min((t, nm) for nm, t in ms.items() if nm not in ("ours", "bf16") and errs[nm] < 1e-2)
+        print(f"w4 {m}x{n}x{k}: ours ({plan.label()}) {ms['ours'] * 1e3:.1f} us, bf16 {ms['bf16'] * 1e3:.1f} us, "
+              f"best other {best[1]} {best[0] * 1e3:.1f} us", flush=True)  # fmt: skip
         print("   " + "  ".join(f"{nm}={t * 1e3:.1f}" + ("!" if errs[nm] > 1e-2 else "") for nm, t in ms.items()))
 
 

@@ -167,3 +167,36 @@ def test_flymxlinear_forms_are_bit_equal_from_128_rows(activation, dtype):
     else:
         assert ops["mx_gemm"]["mx_scaled_mm"] == "triton"
         assert torch.equal(y["emulated"], y["mx_gemm"])
+
+
+@pytest.mark.parametrize("swap", [True, False], ids=["swapped", "unswapped"])
+@pytest.mark.parametrize("activation", ["mxfp4_e2m1", None], ids=["fp4", "w-fp4"])
+def test_fp4_byte_tables_equal_the_pair_form_on_every_code(activation, swap):
+    """``MXMMConfig.fp4_lut`` (32-bit words decoded by byte tables, one scale multiply per word) gives the outputs of
+    the same plan's pair form bit for bit, on weights holding every byte (both nibbles of every code, signs and -0)
+    under scales from 100 to 154 plus 0, 254 and one NaN block, and against the reference where finite."""
+    from dataclasses import replace
+
+    from fly_lightning.kernels.triton.mx_scaled_mm import MXMMConfig, launch
+
+    m, n, k = 24, 320, 1024
+    fmt = "mxfp4_e2m1"
+    a, a_s, _, _ = _operands(m, n, k, activation, fmt, spread=2)
+    codes = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8)
+    b = codes.repeat(n, k // 2 // 256).roll(5, 1)
+    b = torch.stack([r.roll(i, 0) for i, r in enumerate(b)])  # every byte in every column position
+    bs = torch.randint(100, 155, (n, k // 32), device="cuda", dtype=torch.uint8)
+    bs[0, :] = 0
+    bs[1, 2] = 254
+    bs[2, 5] = 255
+    bs = bs.view(torch.float8_e8m0fnu)
+    b = b.view(formats.FORMATS[fmt].torch_dtype)
+    cfg = MXMMConfig(16 if swap else 32, 64, 128, swap=swap, split_k=2, fp8_cvt="hw")
+    pairs = launch(a, a_s, activation, b, bs, fmt, torch.float32, cfg)
+    lut = launch(a, a_s, activation, b, bs, fmt, torch.float32, replace(cfg, fp4_lut=True))
+    assert torch.equal(lut.isnan(), pairs.isnan()) and lut[:, 2].isnan().all()
+    assert torch.equal(lut.nan_to_num(), pairs.nan_to_num())
+    want = mx_scaled_mm_reference(a, a_s, activation, b, bs, fmt, torch.float32)
+    finite = torch.isfinite(want) & torch.isfinite(lut)
+    assert finite[:, 3:].all()
+    assert ((lut - want)[finite].abs() <= 2e-5 * want[finite].abs().amax()).all()

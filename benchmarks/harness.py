@@ -192,6 +192,23 @@ def interleaved_graph_ms(
     return {n: statistics.median(v) for n, v in samples.items()}
 
 
+def probe_graph_ms(
+    fns: dict[str, Callable[..., Any]], inputs: Sequence[tuple], ref: torch.Tensor, label: str, calls: int = 20
+) -> tuple[dict[str, float], dict[str, float]]:
+    """For the probes: each of ``fns`` checked against ``ref`` (relative error; "bf16" is a precision change, not
+    checked) on ``inputs[0]``, captured, then all graph-timed side by side (``interleaved_graph_ms``). A function that
+    fails is printed under ``label`` and left out. Returns (milliseconds, errors) by name."""
+    graphs, errs = {}, {}
+    for name, fn in fns.items():
+        try:
+            y = fn(*inputs[0])
+            errs[name] = ((y.float() - ref).norm() / ref.norm()).item() if name != "bf16" else 0.0
+            graphs[name] = capture_graph(fn, inputs, calls)
+        except Exception as exc:  # noqa: BLE001 (a plan that does not compile is reported)
+            print(f"{label} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+    return interleaved_graph_ms(graphs, calls), errs
+
+
 def _stats(times: list[float]) -> dict[str, float]:
     s = sorted(times)
     q = lambda p: s[min(len(s) - 1, int(p * len(s)))]

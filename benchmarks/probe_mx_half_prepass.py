@@ -9,7 +9,7 @@ from dataclasses import replace
 import torch
 
 import fly_lightning
-from benchmarks.harness import capture_graph, interleaved_graph_ms
+from benchmarks.harness import probe_graph_ms
 from fly_lightning.kernels.triton import mx_scaled_mm as kernel
 from fly_lightning.kernels.triton._mx_dequant import dequantize
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
@@ -48,18 +48,9 @@ def main() -> None:
 
                 fns[cfg.label()] = half
             inputs = [(a, a_s, b, b_s, x, w)]
-            graphs, errs = {}, {}
-            for name, fn in fns.items():
-                try:
-                    y = fn(*inputs[0])
-                    errs[name] = ((y.float() - ref).norm() / ref.norm()).item() if name != "bf16" else 0.0
-                    graphs[name] = capture_graph(fn, inputs, CALLS)
-                except Exception as exc:  # noqa: BLE001 (a config that does not compile is reported)
-                    print(f"{fmt} {m}x{n}x{k} {name}: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
-            ms = interleaved_graph_ms(graphs, CALLS)
+            ms, errs = probe_graph_ms(fns, inputs, ref, f"{fmt} {m}x{n}x{k}", CALLS)
             line = "  ".join(f"{nm}={t * 1e3:.1f}us" + ("!" if errs[nm] > 1e-2 else "") for nm, t in ms.items())
             print(f"{fmt} {m}x{n}x{k}: {line}", flush=True)
-            del graphs
             torch.cuda.empty_cache()
 
 

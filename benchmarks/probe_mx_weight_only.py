@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 import fly_lightning
-from benchmarks.harness import capture_graph, interleaved_graph_ms
+from benchmarks.harness import probe_graph_ms
 from fly_lightning.kernels.triton import mx_scaled_mm as kernel
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
 
@@ -99,15 +99,7 @@ def main() -> None:
                 c = (bn, plan.split_k, 4, fast)
                 fns[name] = lambda x, w, b, b_s, c=c: dot_scaled_mm(x, b, b_s, *c)
         inputs = [(x, w, b, b_s)]
-        graphs, errs = {}, {}
-        for name, fn in fns.items():
-            try:
-                y = fn(*inputs[0])
-                errs[name] = ((y.float() - ref).norm() / ref.norm()).item() if name != "bf16" else 0.0
-                graphs[name] = capture_graph(fn, inputs, CALLS)
-            except Exception as exc:  # noqa: BLE001 (a plan that does not compile is reported)
-                print(f"{m}x{n}x{k} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
-        ms = interleaved_graph_ms(graphs, CALLS)
+        ms, errs = probe_graph_ms(fns, inputs, ref, f"{m}x{n}x{k}", CALLS)
         best = min((t, nm) for nm, t in ms.items() if nm not in ("ours", "bf16") and errs[nm] < 1e-2)
         print(f"w4 {m}x{n}x{k}: ours ({plan.label()}) {ms['ours'] * 1e3:.1f} us, bf16 {ms['bf16'] * 1e3:.1f} us, "
               f"best other {best[1]} {best[0] * 1e3:.1f} us", flush=True)  # fmt: skip

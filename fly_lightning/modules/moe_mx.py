@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from fly_lightning.dtensor import is_dtensor
-from fly_lightning.ops.grouped_mm import autocast_operands, grouped_mm_backward_op
+from fly_lightning.ops.grouped_mm import autocast_operands, grouped_mm_backward_call
 from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_dequantize import mx_dequantize
 from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
@@ -150,10 +150,10 @@ class MXGroupedProjection(torch.autograd.Function):
             if need_w and ctx.n_major[i]:  # dW in the master's own layout (no copy by autograd): the layout is read
                 # off the third argument's strides, so an expanded scalar (strides 0) stands for an N-major [E, K, N]
                 like = w_q_EKN.new_empty(()).expand(w_q_EKN.shape)
-                dx_i, _ = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, False)
-                _, dw = grouped_mm_backward_op(grad_MN, x_q, like, offs_E, False, True)
+                dx_i, _ = grouped_mm_backward_call(grad_MN, x_q, w_q_EKN, offs_E, need_x, False)
+                _, dw = grouped_mm_backward_call(grad_MN, x_q, like, offs_E, False, True)
             else:
-                dx_i, dw = grouped_mm_backward_op(grad_MN, x_q, w_q_EKN, offs_E, need_x, need_w)
+                dx_i, dw = grouped_mm_backward_call(grad_MN, x_q, w_q_EKN, offs_E, need_x, need_w)
             if need_x:
                 dx = dx_i if dx is None else dx + dx_i
             dws.append(dw if need_w else None)

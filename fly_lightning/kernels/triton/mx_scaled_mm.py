@@ -17,7 +17,13 @@ fp4 pairs decoded in one word each (``dequant_fp4``'s PTX form: 56 us before; th
 630 -> 509 instructions per thread, 8 per weight element). The weight-only goal (2.5x bf16) needs a decode of about
 one instruction per element (values and their bits laid out in memory so that one register's nibbles decode
 together, as triton_kernels' Hopper MXFP4 path does) and the scales applied per 32-wide K slice to the MMA's partial
-sums rather than to every element.
+sums rather than to every element. ``MXMMConfig.fp4_lut`` (32-bit words of eight codes, decoded by byte tables with
+one scale multiply per word) takes the swapped loop from 512 to 489 static instructions per thread and K step, 411
+unswapped (``mma.sync`` at 16 rows); not timed yet (``benchmarks/probe_mx_weight_only.py``), so no plan picks it.
+The decode is about a third of the swapped loop; the rest is the converted weights' trip through shared memory into
+the wgmma register operand (8 ``STS.128`` + 8 ``LDSM`` per K step), operand moves, and a wait after each of its 8
+small wgmmas. Triton's own ``tl.dot_scaled`` compiles to the same shape of loop (548 instructions; 391 with
+``fast_math``, which drops NaN-scale handling).
 
 Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
 (``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs

@@ -200,3 +200,19 @@ def test_fp4_byte_tables_equal_the_pair_form_on_every_code(activation, swap):
     finite = torch.isfinite(want) & torch.isfinite(lut)
     assert finite[:, 3:].all()
     assert ((lut - want)[finite].abs() <= 2e-5 * want[finite].abs().amax()).all()
+
+
+@pytest.mark.parametrize("m", [1, 16, 32])
+def test_planned_byte_tables_fall_back_on_unaligned_rows(m):
+    """The plan picks the byte tables for weight-only MXFP4 up to 32 rows; weights whose rows are not 4-byte aligned
+    (a view one byte into a wider buffer) take the pair decode of the same tiles instead of failing."""
+    n, k = 256, 1024
+    a, _, b, bs = _operands(m, n, k, None, "mxfp4_e2m1", spread=2)
+    wide = torch.empty(n, k // 2 + 4, device="cuda", dtype=torch.uint8)
+    wide[:, 1 : 1 + k // 2] = b.view(torch.uint8)
+    shifted = wide[:, 1 : 1 + k // 2].view(b.dtype)
+    assert shifted.data_ptr() % 4
+    want = mx_scaled_mm_reference(a, None, None, b, bs, "mxfp4_e2m1", torch.float32)
+    for w in (b, shifted):
+        y = _mm(a, None, None, w, bs, "mxfp4_e2m1")
+        assert ((y - want).abs() <= 2e-5 * want.abs().amax()).all()

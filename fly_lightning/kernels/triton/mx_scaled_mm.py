@@ -77,6 +77,8 @@ PREPASS_MIN_M = 128
 the prepass won from 128 rows (0.081 against 0.085 ms MXFP8, 0.074 against 0.119 MXFP4 at 128x14336x4096; 2.3x at
 256x4096x4096); with host-bound eager timing the in-loop plan's one launch wins below about 1024 rows, a cost hidden
 whenever the host runs ahead of the GPU, as in a training step."""
+LUT_MAX_M = 32
+"""Rows up to which weight-only MXFP4 runs unswapped with the byte-table decode (``MXMMConfig.fp4_lut``)."""
 FP8_CVT = "hw"
 """How ``plan`` converts fp8 elements on the GPU: "hw" (the float8 -> f16 conversion instructions) or "bits" (integer
 bit placement). Both exact; "hw" measured 1.3-1.76x faster on all 17 dense MXFP8 shapes (H200, mx_gemm suite)."""
@@ -230,7 +232,12 @@ def _plan(
         # split K until the weights are streamed by about two waves of programs, each keeping >= 4 K steps
         while tiles * split * 2 <= 2 * sms and k % (K_ALIGN * split * 2) == 0 and k // (split * 2) >= 4 * K_ALIGN:
             split *= 2
-        return MXMMConfig(bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=True, split_k=split, fp8_cvt=FP8_CVT)
+        # weight-only MXFP4 at <= 32 rows: tokens on the MMA's M side (mma.sync) and the byte-table decode, 1.0-1.28x
+        # faster by device time than the swapped plan (probe_mx_weight_only, H200, 09b9f13); swapped from 64 rows
+        lut = m <= LUT_MAX_M and a_fmt is None and b_fmt == "mxfp4_e2m1"
+        return MXMMConfig(
+            bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=not lut, split_k=split, fp8_cvt=FP8_CVT, fp4_lut=lut
+        )
     if m >= PREPASS_MIN_M:
         return MXMMConfig(128, 256, K_ALIGN, num_warps=8, num_stages=3, fp8_cvt=FP8_CVT, prepass=True)
     # in-loop, wide tiles (128x256 w8 s3: 1.24-1.33x faster than 128x128 at M >= 1024 before the prepass replaced it)
@@ -280,7 +287,9 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     if lut and any(
         t.data_ptr() % 4 or t.stride(0) % 4 for t, f in ((a, a_fmt), (b, b_fmt)) if f == "mxfp4_e2m1"
     ):  # fmt: skip
-        raise ValueError(f"mx_scaled_mm: {cfg} loads MXFP4 rows as 32-bit words: rows and data 4-byte aligned")
+        if config is not None:
+            raise ValueError(f"mx_scaled_mm: {cfg} loads MXFP4 rows as 32-bit words: rows and data 4-byte aligned")
+        lut = False  # the plan's pick on unaligned rows: the pair decode, same tiles
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.device)
     if cfg.prepass:

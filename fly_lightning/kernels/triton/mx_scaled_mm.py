@@ -19,11 +19,14 @@ one instruction per element (values and their bits laid out in memory so that on
 together, as triton_kernels' Hopper MXFP4 path does) and the scales applied per 32-wide K slice to the MMA's partial
 sums rather than to every element. ``MXMMConfig.fp4_lut`` (32-bit words of eight codes, decoded by byte tables with
 one scale multiply per word) takes the swapped loop from 512 to 489 static instructions per thread and K step, 411
-unswapped (``mma.sync`` at 16 rows); not timed yet (``benchmarks/probe_mx_weight_only.py``), so no plan picks it.
-The decode is about a third of the swapped loop; the rest is the converted weights' trip through shared memory into
-the wgmma register operand (8 ``STS.128`` + 8 ``LDSM`` per K step), operand moves, and a wait after each of its 8
-small wgmmas. Triton's own ``tl.dot_scaled`` compiles to the same shape of loop (548 instructions; 391 with
-``fast_math``, which drops NaN-scale handling).
+unswapped (``mma.sync`` at 16 rows). Timed (``benchmarks/probe_mx_weight_only.py``, H200, graph replays, 09b9f13):
+unswapped with the tables 11.2 against 13.8 us at 16x4096x4096, 35.3 against 45.1 at 32x4096x14336, equal at
+16x28672x4096, slower at 64 rows (and swapped with the tables 1.3-1.9x slower everywhere): ``plan`` takes it for
+weight-only MXFP4 up to ``LUT_MAX_M`` rows. The decode is about a third of the swapped loop; the rest is the
+converted weights' trip through shared memory into the wgmma register operand (8 ``STS.128`` + 8 ``LDSM`` per K
+step), operand moves, and a wait after each of its 8 small wgmmas. Triton's own ``tl.dot_scaled`` compiles to the
+same shape of loop (548 instructions; 391 with ``fast_math``, which drops NaN-scale handling) and ran 1.4-4x slower
+than ours on those shapes.
 
 Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
 (``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs
@@ -337,7 +340,8 @@ def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor
     constraints="sm90+ (CUDA; ROCm on ATen); "
     "MXFP8 (e4m3/e5m2) x MXFP8, MXFP4 x MXFP4, bf16 x MX (weight-only); "
     "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
-    "bf16 MMAs with fp32 accumulation; few rows: operands swapped and K split; M >= 128: dequantised to bf16 "
+    "bf16 MMAs with fp32 accumulation; few rows: K split, operands swapped (weight-only MXFP4 up to 32 rows: not "
+    "swapped, fp4 decoded from 32-bit words where rows are 4-byte aligned); M >= 128: dequantised to bf16 "
     "in a prepass (a bf16 copy of each operand during the call), then cuBLAS",
 )
 def mx_scaled_mm_triton(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:

@@ -25,7 +25,7 @@ unswapped with the tables 11.2 against 13.8 us at 16x4096x4096, 35.3 against 45.
 weight-only MXFP4 up to ``LUT_MAX_M`` rows. The decode is about a third of the swapped loop; the rest is the
 converted weights' trip through shared memory into the wgmma register operand (8 ``STS.128`` + 8 ``LDSM`` per K
 step), operand moves, and a wait after each of its 8 small wgmmas. Triton's own ``tl.dot_scaled`` compiles to the
-same shape of loop (548 instructions; 391 with ``fast_math``, which drops NaN-scale handling) and ran 1.4-4x slower
+same shape of loop (548 instructions; 391 with ``fast_math``, which drops NaN-scale handling) and ran 1.3-2.4x slower
 than ours on those shapes.
 
 Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor

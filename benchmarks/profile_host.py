@@ -18,7 +18,7 @@ import pstats
 import torch
 
 import fly_lightning
-from benchmarks.harness import Results, host_us
+from benchmarks.harness import Results, host_us, time_ms
 from fly_lightning.kernels.triton import _mx_dequant
 from fly_lightning.kernels.triton import mx_scaled_mm as mx_kernel
 from fly_lightning.kernels.triton._math import cdiv
@@ -39,6 +39,56 @@ def _profile(fn, calls: int = 2000, top: int = 25) -> str:
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
     return s.getvalue()
+
+
+SUITE_SHAPES = (("mxfp8_e4m3", 1024, 4096, 4096), ("mxfp4_e2m1", 1024, 4096, 4096), ("mxfp4_e2m1", 256, 4096, 4096))
+SYNC_CASES = ("mxfp4_e2m1 1024x4096x4096 public", "w4 16x4096x4096 public")
+
+
+def _suite_cases(dev: str, dtype: torch.dtype) -> dict:
+    """Public calls on mx_gemm suite shapes (prepass plans of both formats, weight-only split K), host- and
+    event-timed: the suite's event times there ran well above its graph times."""
+    cases = {}
+    for fmt, m, n, k in (*SUITE_SHAPES, ("w4", 16, 4096, 4096)):
+        b_fmt = "mxfp4_e2m1" if fmt == "w4" else fmt
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        b, b_s = fly_lightning.mx_cast(torch.randn(n, k, device=dev, dtype=dtype), b_fmt, "floor")
+        a, a_s = (x, None) if fmt == "w4" else fly_lightning.mx_cast(x, fmt, "floor")
+        a_fmt = None if fmt == "w4" else fmt
+
+        def call(a=a, a_s=a_s, a_fmt=a_fmt, b=b, b_s=b_s, b_fmt=b_fmt):
+            return fly_lightning.mx_scaled_mm(a, b, b_s, b_fmt, a_scale=a_s, a_fmt=a_fmt)
+
+        name = f"{fmt} {m}x{n}x{k}"
+        cases[f"{name} public"] = call
+        cases[f"{name} event"] = lambda call=call: _event_us(call)
+        cases[f"{name} dequantize"] = (
+            (lambda a=a, a_s=a_s, b=b, b_s=b_s, f=fmt: _mx_dequant.dequantize(a, a_s, f, b, b_s, f))
+            if fmt != "w4"
+            else (lambda b=b, b_s=b_s, f=b_fmt: _mx_dequant.dequantize(b, b_s, f))
+        )
+    return cases
+
+
+def _event_us(fn, reps: int = 50) -> float:
+    """Median event time per call as ``harness.time_ms`` takes it (events around each call, no sync between), us."""
+    return time_ms(fn, [()], warmup=5, reps=reps)["median_ms"] * 1e3
+
+
+def _syncs(fn) -> str:
+    """What ``torch.cuda.set_sync_debug_mode("warn")`` reports on one call: the operations that waited on the GPU."""
+    import warnings
+
+    fn()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return "; ".join(str(w.message)[:200] for w in caught) or "none"
 
 
 def main() -> None:
@@ -88,19 +138,26 @@ def main() -> None:
         "rms_norm triton impl": lambda: rms_triton(*rms_args),
         "F.rms_norm": lambda: torch.nn.functional.rms_norm(xr, (4096,), wr, 1e-6),
     }
+    cases.update(_suite_cases(dev, bf16))
     res = Results("host_profile")
     for name, fn in cases.items():
         try:
-            us = round(host_us(fn), 2)
+            us = round(fn() if name.endswith(" event") else host_us(fn), 2)  # event cases time themselves
         except Exception as exc:  # noqa: BLE001 (a layer whose private API differs is reported, not fatal)
             us = f"{type(exc).__name__}: {str(exc)[:120]}"
         res.add(case=name, host_us=us)
         print(f"{name:40s} {us} us", flush=True)
-    for name in ("mx_scaled_mm public", "rms_norm public"):
+    for name in SYNC_CASES:  # a call that waits on the device serialises host and device time in eager steps
+        res.details[f"syncs {name}"] = _syncs(cases[name])
+    for name in ("mx_scaled_mm public", "rms_norm public", *SYNC_CASES):
         text = _profile(cases[name])
         res.details[f"cprofile {name}"] = text
         print(f"--- cProfile: {name}\n{text}", flush=True)
     res.notes.append(f"MXFP8 {M}x{N}x{K} (prepass plan), RMSNorm [16, 4096] bf16; host_us: 1000 calls, one sync")
+    res.notes.append(
+        "'<fmt> MxNxK public' (mx_gemm suite shapes): host_us as above; 'event' its mx_gemm-style event time per call "
+        "(host and device together); details 'syncs <case>': what set_sync_debug_mode reported on one call"
+    )
     res.save()
 
 

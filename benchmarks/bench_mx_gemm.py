@@ -239,9 +239,20 @@ def small_plans(m, n, k, b_fmt, inputs, ours_ms, ref) -> dict:
 
     base = kernel.plan(m, n, k, None, b_fmt, inputs[0][2].device)
     out = {"plan": base.label(), "plan_graph_ms": ours_ms}
-    for bn, warps, stages, factor in SMALL_PLANS:
-        split = max(1, int(base.split_k * factor))
-        cfg = replace(base, block_n=bn, num_warps=warps, num_stages=stages, split_k=split)
+    configs = [
+        replace(base, block_n=bn, num_warps=warps, num_stages=stages, split_k=max(1, int(base.split_k * factor)))
+        for bn, warps, stages, factor in SMALL_PLANS
+    ]
+    # swapped, K in the wgmma fragment's order (fragment_k), byte tables on and off for MXFP4, at the plan's split and
+    # half and twice it
+    luts = (False, True) if b_fmt == "mxfp4_e2m1" else (False,)
+    configs += [
+        replace(base, swap=True, fragment_k=True, fp4_lut=lut, split_k=max(1, int(base.split_k * factor)))
+        for lut in luts
+        for factor in (1, 0.5, 2)
+    ]
+    for cfg in configs:
+        split = cfg.split_k
         label = cfg.label()
         if label in out or k % (cfg.block_k * split):  # a factor that lands on a plan already timed, or K too short
             continue

@@ -5,7 +5,10 @@ OpenAI's ``triton_kernels`` builds on), with cuBLAS bf16 for scale:
 - ``lut``: fp4 tiles loaded as 32-bit words and decoded by byte tables (``MXMMConfig.fp4_lut``): 489 against 512
   static main-loop instructions per thread in the swapped plan (sm90 SASS, compiled on the CPU);
 - ``noswap``: the tokens on the MMA's M side (``mma.sync`` at 16 rows: no shared-memory copy of the converted
-  weights into registers); 473 instructions, 411 with ``lut``.
+  weights into registers); 473 instructions, 411 with ``lut``;
+- ``fragk``: swapped, K summed in the wgmma register fragment's order (``MXMMConfig.fragment_k``): each thread decodes
+  the natural run of 32 values that its fragment needs and feeds it as it is; 453 instructions, 388 with ``lut``, no
+  shared-memory round trip of the converted weights (Triton 3.6).
 
 Device time from CUDA-graph replays, side by side; each form checked against the fp32 reference first ("!" marks
 a relative error above 1e-2). Prints; not a suite.
@@ -84,13 +87,15 @@ def main() -> None:
             "ours": lambda x, w, b, b_s: kernel.launch(x, None, None, b, b_s, fmt, torch.bfloat16),
             "bf16": lambda x, w, b, b_s: torch.mm(x, w.t()),
         }
-        variants = [replace(plan, fp4_lut=True)]
-        for bn in (64, 128):
-            for split in sorted({plan.split_k, plan.split_k * 2, max(1, plan.split_k // 2)}):
-                if k % (128 * split) == 0:
-                    unswapped = replace(plan, block_n=bn, swap=False, split_k=split)
-                    variants += [unswapped, replace(unswapped, fp4_lut=True)]
-        for cfg in variants:
+        variants = []
+        for split in sorted({plan.split_k, plan.split_k * 2, max(1, plan.split_k // 2)}):
+            if k % (128 * split):
+                continue
+            for lut in (False, True):
+                swapped = replace(plan, swap=True, split_k=split, fp4_lut=lut)
+                variants += [replace(swapped, swap=False), swapped, replace(swapped, fragment_k=True)]
+                variants.append(replace(swapped, block_n=128, fragment_k=True))
+        for cfg in {c: None for c in variants if c != plan}:
             name = cfg.label() + ("-noswap" if not cfg.swap else "")
             fns[name] = lambda x, w, b, b_s, c=cfg: kernel.launch(x, None, None, b, b_s, fmt, torch.bfloat16, c)
         for bn in (64, 128):

@@ -43,10 +43,18 @@ def sass_loop(kernel) -> dict:
     branches = re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?BRA\S*\s+(?:`\()?\S*?0x([0-9a-f]+)", sass)
     loops = [(int(t, 16), int(a, 16)) for a, t in branches if int(t, 16) < int(a, 16)]
     if not loops:
-        return dict(loop_instructions=0, loop_opcodes={})
+        return dict(loop_instructions=0, loop_opcodes={}, loop_shared_stores=0, loop_ldsm=0, loop_barriers=0)
     lo, hi = max(loops, key=lambda b: b[1] - b[0])
     body = [op.split(".")[0] for a, op in ins if lo <= a <= hi]
-    return dict(loop_instructions=len(body), loop_opcodes=dict(Counter(body).most_common(12)))
+    ops = Counter(body)
+    return dict(
+        loop_instructions=len(body),
+        loop_opcodes=dict(ops.most_common(12)),
+        # register data through shared memory (stores, matrix loads back) and the block barriers around it
+        loop_shared_stores=ops["STS"] + ops["STSM"],
+        loop_ldsm=ops["LDSM"],
+        loop_barriers=ops["BAR"],
+    )
 
 
 def compile_sm90(fn, sig: dict, const: dict, aligned: tuple[str, ...], **options):

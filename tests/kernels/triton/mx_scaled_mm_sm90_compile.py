@@ -21,7 +21,13 @@ PAIRS = {
 
 
 def variant(
-    pair: str, plan: str, out: str = "bf16", loop: bool = False, hw_cvt: bool = True, lut: bool = False
+    pair: str,
+    plan: str,
+    out: str = "bf16",
+    loop: bool = False,
+    hw_cvt: bool = True,
+    lut: bool = False,
+    fragment_k: bool = False,
 ) -> dict:
     a_fmt, b_fmt = PAIRS[pair]
     cfg = PLANS[plan]
@@ -39,6 +45,7 @@ def variant(
     const = dict(
         A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=hw_cvt, PTX=True, LUT=lut,
+        FRAG_K=fragment_k,
     )  # fmt: skip
     aligned = ("A", "A_SCALE", "B", "B_SCALE", "OUT", "K", "stride_am", "stride_asm", "stride_bn", "stride_bsn")
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -64,6 +71,13 @@ for _pair in ("e4m3", "e5m2"):
 for _pair, _plan in (("w-fp4", "small"), ("fp4", "mid")):
     VARIANTS[f"{_pair}-{_plan}-pairs-loop"] = lambda p=_pair, q=_plan: variant(p, q, loop=True)
     VARIANTS[f"{_pair}-{_plan}-lut-loop"] = lambda p=_pair, q=_plan: variant(p, q, loop=True, lut=True)
+
+
+# swapped weight-only with K in the wgmma fragment's order (MXMMConfig.fragment_k), beside the natural order's loops
+VARIANTS["w-e4m3-small-loop"] = lambda: variant("w-e4m3", "small", loop=True)
+for _tag, _pair, _lut in (("w-fp4-small-pairs", "w-fp4", False), ("w-fp4-small-lut", "w-fp4", True),
+                          ("w-e4m3-small", "w-e4m3", False)):  # fmt: skip
+    VARIANTS[f"{_tag}-fragk-loop"] = lambda p=_pair, u=_lut: variant(p, "small", loop=True, lut=u, fragment_k=True)
 
 if __name__ == "__main__":
     report(VARIANTS)

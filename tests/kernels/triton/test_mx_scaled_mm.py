@@ -157,6 +157,39 @@ def test_split_k_sums_in_the_kernel_in_split_order(out_dtype):
     assert torch.equal(y, parts[0] + parts[1] + parts[2] + parts[3])
 
 
+WEIGHT_ONLY = [pair for pair in PAIRS if pair[0] is None]
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("b_fmt", [b for _, b in WEIGHT_ONLY])
+def test_fragment_k_matches_the_reference(b_fmt, split_k):
+    """``fragment_k``: the MMA sums K in ``_fragment_k``'s order (weights decoded in natural order, then renamed;
+    activations read in that order), the same products as the reference, with rows and columns off the tiles, blocks
+    of scale 0 (2^-127) and 254, and a NaN block."""
+    m, n, k = 37, 45, 512
+    a, _, b, bs = _operands(m, n, k, None, b_fmt, seed=7)
+    bs = bs.view(torch.uint8).clone()
+    bs[1, 0], bs[2, 5], bs[3, :] = 254, 255, 0
+    bs = bs.view(torch.float8_e8m0fnu)
+    cfg = MXMMConfig(16, 32, 128, swap=True, split_k=split_k, fragment_k=True)
+    y, _ = _check(a, None, None, b, bs, b_fmt, config=cfg)
+    assert y[:, 2].isnan().all() and not y[:, 3:].isnan().any() and (y[:, 1] != 0).all()
+    assert cfg.label().endswith("-fragk")
+
+
+@pytest.mark.parametrize(
+    "a_fmt, cfg",
+    [
+        ("mxfp8_e4m3", MXMMConfig(16, 32, 128, swap=True, fragment_k=True)),  # MX activations
+        (None, MXMMConfig(16, 32, 128, fragment_k=True)),  # not swapped: the weights are not the register operand
+    ],
+)
+def test_launch_rejects_fragment_k_off_swapped_weight_only(a_fmt, cfg):
+    a, a_s, b, bs = _operands(4, 8, 128, a_fmt, "mxfp4_e2m1")
+    with pytest.raises(ValueError, match="fragment_k is for swapped weight-only"):  # before any launch
+        launch(a, a_s, a_fmt, b, bs, "mxfp4_e2m1", torch.float32, cfg)
+
+
 def test_launch_rejects_a_split_that_does_not_divide_k():
     a, a_s, b, bs = _operands(4, 8, 128, "mxfp8_e4m3", "mxfp8_e4m3")
     with pytest.raises(ValueError, match="multiple of block_k"):

@@ -1,12 +1,12 @@
 """The MX GEMM kernel compiles for the H200 (sm_90) for every format pair in the plans the launcher picks: no register
 spills, wgmma (bf16 MMAs), the MX bytes prefetched by the software pipeline (async copies) on the large plans, and
-within Hopper's shared memory. Runs Triton's compiler and bundled ptxas on the CPU, in a subprocess without the
-interpreter."""
+within Hopper's shared memory; with ``fragment_k``, the swapped weight-only loop without its shared-memory round
+trip. Runs Triton's compiler and bundled ptxas on the CPU, in a subprocess without the interpreter."""
 
 
 def test_compiles_for_sm90(compiled_variants):
     results = compiled_variants("mx_scaled_mm_sm90_compile.py")
-    assert len(results) == 24
+    assert len(results) == 28
     for name, r in results.items():
         # the bit-placement fp8 path is no plan's default on the GPU (kept for the instruction count below); at
         # 128x256 it spills 12 bytes
@@ -25,3 +25,11 @@ def test_compiles_for_sm90(compiled_variants):
         pairs, lut = results[f"{name}-pairs-loop"], results[f"{name}-lut-loop"]
         assert 0 < lut["loop_opcodes"]["HMUL2"] * 2 == pairs["loop_opcodes"]["HMUL2"], (pairs, lut)
         assert lut["loop_opcodes"]["PRMT"] > pairs["loop_opcodes"]["PRMT"], (pairs, lut)
+    # fragment_k: the decoded weights are the wgmma register operand as they are. No matrix loads of them back from
+    # shared memory, fewer stores there and a shorter loop than the same plan in natural K order
+    for tag in ("w-fp4-small-pairs", "w-fp4-small-lut", "w-e4m3-small"):
+        natural, frag = results[f"{tag}-loop"], results[f"{tag}-fragk-loop"]
+        assert frag["loop_ldsm"] == 0 and frag["loop_shared_stores"] <= natural["loop_shared_stores"], (natural, frag)
+        assert 0 < frag["loop_instructions"] < natural["loop_instructions"], (natural, frag)
+    lut, frag = results["w-fp4-small-lut-loop"], results["w-fp4-small-lut-fragk-loop"]
+    assert lut["loop_ldsm"] > 0 and frag["loop_barriers"] < lut["loop_barriers"], (lut, frag)

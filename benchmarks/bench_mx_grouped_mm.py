@@ -93,6 +93,19 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor, end: int) -> float:
     return ((y[:end].float() - ref[:end]).norm() / ref[:end].norm().clamp_min(1e-30)).item()
 
 
+SWAP_MAX_ROWS = 256  # rows per group up to which the swapped candidate (<f>_swap) is timed
+
+
+def swap_config(case: Case, cpu: bool) -> mk.MXGroupedMMConfig:
+    """The swapped candidate's tiles: 64 or 128 rows of a group on the MMA's N side, 128 weight columns on its M side;
+    the interpreter's small tiles on the CPU."""
+    flags = dict(block_k=128, swap=True, fragment_k=True, x_prepass=True)
+    if cpu:
+        return mk.MXGroupedMMConfig(16, 32, group_m=2, num_stages=1, num_warps=4, **flags)
+    rows = 64 if case.m / case.e <= 64 else 128
+    return mk.MXGroupedMMConfig(rows, 128, group_m=8, num_stages=3, num_warps=8, **flags)
+
+
 def _bf16_grouped(x, w, offs):
     return fly_lightning.grouped_mm(x, w, offs)
 
@@ -129,6 +142,11 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         ref = mx_grouped_mm_reference(*mx_args[:-1], torch.float32)
         row[f"{f}_err"] = _rel_err(y, ref, end)
         row[f"{f}_emul_err"] = _rel_err(emulated(xd, xs, wd, ws, offs, fmt), ref, end)
+        swapped = case.m / case.e <= SWAP_MAX_ROWS  # few rows per group: a weight tile feeds one or two row tiles
+        if swapped:
+            y = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
+            mk.launch(xd, xs, fmt, wd, ws, fmt, offs, y, config=swap_config(case, xd.device.type == "cpu"))
+            row[f"{f}_swap_err"] = _rel_err(y, ref, end)
         del ref, y
 
         def ours(x, w, o, mx, f=f, fmt=fmt):
@@ -141,6 +159,14 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
             cfg = mk.INTERPRETER_CONFIG if cpu else mk.loop_config(xd.shape[0], wd.shape[0], fmt, fmt)
             out = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
             return mk.launch(xd, xs, fmt, wd, ws, fmt, o, out, config=cfg)
+
+        def swap(x, w, o, mx, f=f, fmt=fmt):  # x dequantised first, weights as the MMA's register operand
+            xd, xs, wd, ws = mx[f]
+            out = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
+            return mk.launch(xd, xs, fmt, wd, ws, fmt, o, out, config=swap_config(case, xd.device.type == "cpu"))
+
+        if swapped:
+            fns[f"{f}_swap"] = swap
 
         def incl(x, w, o, mx, fmt=fmt):
             xd, xs = fly_lightning.mx_cast(x, fmt)
@@ -183,6 +209,8 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         row[f"{f}_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_ms']:.4g}")
         row[f"{f}_x_vs_emul"] = float(f"{row[f'{f}_emul_ms'] / row[f'{f}_ms']:.4g}")
         row[f"{f}_loop_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_loop_ms']:.4g}")
+        if f"{f}_swap_ms" in row:
+            row[f"{f}_swap_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_swap_ms']:.4g}")
         row[f"{f}_incl_x_vs_emul_incl"] = float(f"{row[f'{f}_emul_incl_ms'] / row[f'{f}_incl_ms']:.4g}")
         row[f"{f}_incl_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_incl_ms']:.4g}")
     return row
@@ -210,7 +238,7 @@ def _summarise(res: Results) -> None:
     for f in FORMATS:
         for key, goal in ((f"{f}_x_vs_bf16", GOAL_VS_BF16), (f"{f}_x_vs_emul", GOAL_VS_EMULATED),
                           (f"{f}_incl_x_vs_emul_incl", GOAL_VS_EMULATED), (f"{f}_incl_x_vs_bf16", None),
-                          (f"{f}_loop_x_vs_bf16", None)):  # fmt: skip
+                          (f"{f}_loop_x_vs_bf16", None), (f"{f}_swap_x_vs_bf16", None)):  # fmt: skip
             vals = [r[key] for r in rows if key in r]
             g = round(geomean(vals), 3) if vals else None
             res.summary[f"geomean_{key}"] = g
@@ -230,6 +258,10 @@ def _summarise(res: Results) -> None:
         "<f>_emul_incl_impl names the included path (torchao's function where installed and the layout fits).",
         "<f>_loop: the in-loop kernel alone (tiles dequantised in its main loop), timed beside ours, which takes "
         "the prepass (operands dequantised to bf16 in memory, then the bf16 grouped GEMM) from 256 rows per group.",
+        f"<f>_swap (cases of at most {SWAP_MAX_ROWS} rows per group): a candidate timed beside ours, not a plan yet: "
+        "x dequantised to bf16 first, then swapped tiles (weights on the MMA's M side, its register operand) summing K "
+        "in the register fragment's order (fragment_k); <f>_swap_err its check; geomean_<f>_swap_x_vs_bf16 over those "
+        "cases only.",
         "<f>_err: ours against the fp32 per-group product of the dequantised operands (bf16 output: ~2e-3).",
         "timing: device events over rotating input sets; every column takes turns in rotated rounds "
         f"({ROUNDS} or more) and reports the median of its round medians. <f>_cold_s: first call (compilation).",

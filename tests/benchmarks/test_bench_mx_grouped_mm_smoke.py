@@ -11,9 +11,10 @@ def test_suite_runs_every_column():
     assert row["empty"] == 1 and row["bf16_ms"] > 0
     for f in FORMATS:
         assert row[f"{f}_backend"] == "triton" and row[f"{f}_err"] < 1e-2 and row[f"{f}_emul_err"] < 1e-2, row
-        for col in ("", "_loop", "_emul", "_cast_x", "_cast_w", "_incl", "_emul_incl"):
+        for col in ("", "_loop", "_swap", "_emul", "_cast_x", "_cast_w", "_incl", "_emul_incl"):
             assert row[f"{f}{col}_ms"] > 0, col
-        for key in ("x_vs_bf16", "loop_x_vs_bf16", "x_vs_emul", "incl_x_vs_emul_incl"):
+        assert row[f"{f}_swap_err"] < 1e-2, row  # few rows per group: the swapped candidate is checked and timed
+        for key in ("x_vs_bf16", "loop_x_vs_bf16", "swap_x_vs_bf16", "x_vs_emul", "incl_x_vs_emul_incl"):
             assert row[f"{f}_{key}"] > 0 and res.summary[f"geomean_{f}_{key}"] > 0
         assert res.summary[f"goal_{f}_x_vs_bf16"] == 0.9 and res.summary[f"goal_{f}_x_vs_emul"] == 1.5
         assert res.summary[f"{f}_failed_checks"] == [] and res.summary[f"{f}_not_on_triton"] == []

@@ -45,7 +45,8 @@ def test_dispatched_call_runs_triton_and_matches_the_dequantised_product(x_fmt, 
 
 
 CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.MX_MX, mk.MXFP4_MXFP4, mk.WEIGHT_ONLY, mk.PREPASS,
-                                   mk.MXGroupedMMConfig(64, 64, 128, 4, 2, 4, programs_per_sm=0))}  # fmt: skip
+                                   mk.MXGroupedMMConfig(64, 64, 128, 4, 2, 4, programs_per_sm=0),
+                                   mk.MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True))}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -56,6 +57,26 @@ def test_configurations_leave_rows_past_the_end_unwritten(name, x_fmt, w_fmt):
     mk.launch(*args, out, config=CONFIGS[name])
     assert _err(out, args) < 1e-5  # fp32 output: the bf16 products are exact, only the summation order differs
     assert out[int(args[-1][-1]) :].isnan().all()
+
+
+@pytest.mark.parametrize("rows", [64, 128])
+@pytest.mark.parametrize("x_fmt, w_fmt", PAIRS)
+def test_swapped_fragment_k_tiles(x_fmt, w_fmt, rows):
+    """Swapped tiles summing K in the register fragment's order (MX x dequantised first): the compiled form against
+    the dequantised product, rows past the end unwritten, and close to the natural K order's output."""
+    from dataclasses import replace
+
+    cfg = mk.MXGroupedMMConfig(rows, 128, 128, 8, 3, 8, swap=True)
+    frag = replace(cfg, fragment_k=True, x_prepass=x_fmt is not None)
+    args = _problem(COUNTS, 768, 640, x_fmt, w_fmt, tail=5)
+    outs = []
+    for c in (frag, cfg):
+        out = torch.full((args[0].shape[0], 640), float("nan"), device="cuda")
+        mk.launch(*args, out, config=c)
+        assert _err(out, args) < 1e-5 and out[int(args[-1][-1]) :].isnan().all(), c
+        outs.append(out)
+    end = int(args[-1][-1])
+    assert torch.allclose(outs[0][:end], outs[1][:end], rtol=1e-4, atol=1e-4 * outs[1][:end].abs().amax().item())
 
 
 def test_nan_scales_and_element_codes_give_nan_rows():

@@ -17,6 +17,13 @@ Design:
   per tile). Weight-only never does: frozen MX experts exist to save memory, and that would hold all groups in bf16.
 - The interpreter's bf16 ``tl.dot`` and bf16 arithmetic are wrong: there the operands are dequantised to fp32 and
   stay fp32 (``UPCAST``).
+- Candidates for groups of few rows, where each weight tile feeds one or two row tiles and the kernel is bound by
+  converting weights, not by the MMA (configuration flags; no plan takes them until the mx_grouped_mm suite's
+  ``<f>_swap`` columns have timed them): ``swap`` puts the weights on the MMA's M side, as its register operand;
+  ``fragment_k`` sums K in that operand's fragment order (``_fragment_k``), so each lane decodes one natural run of
+  32 values and feeds it as it is (sm90 SASS, Triton 3.6: K loop 427 -> 384 instructions MXFP4, 372 -> 322 MXFP8,
+  nothing stored to shared memory); ``x_prepass`` dequantises MX activations to bf16 first (a copy of x only), which
+  ``fragment_k`` needs.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
+from fly_lightning.kernels.triton._fragment_k import fragment_k, to_fragment_order
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
@@ -45,13 +54,16 @@ def _operand(
     FMT: tl.constexpr,
     UPCAST: tl.constexpr,
     PTX: tl.constexpr = False,
+    FRAG_K: tl.constexpr = False,
 ):
-    """K slab ``kk`` of a tile's rows as the dot's operand ``[rows, BLOCK_K]`` (bf16, fp32 when ``UPCAST``).
+    """K slab ``kk`` of a tile's rows as the dot's operand ``[rows, BLOCK_K]`` (bf16, fp32 when ``UPCAST``); high
+    precision rows read in ``fragment_k`` order with ``FRAG_K``.
 
     ``row_ptrs`` ``[rows, 1]`` point at each row's first element (byte for MX), ``scale_ptrs`` at its first scale."""
     # if/else, no early returns: Triton generates the code after a return in a constexpr branch too
     if FMT == 0:
-        v = tl.load(row_ptrs + kk * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
+        ks = fragment_k(BLOCK_K) if FRAG_K else tl.arange(0, BLOCK_K)
+        v = tl.load(row_ptrs + kk * BLOCK_K + ks[None, :])
         if UPCAST:
             v = v.to(tl.float32)
         else:
@@ -70,13 +82,35 @@ def _operand(
     return v
 
 
+@triton.jit
+def _k_step(
+    acc, x_rows, xs_rows, w_rows, ws_rows, kk,
+    X_FMT: tl.constexpr, W_FMT: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PTX: tl.constexpr,
+    SWAP: tl.constexpr, FRAG_K: tl.constexpr,
+):  # fmt: skip
+    """One K slab into ``acc``: ``[rows, cols]``, or ``[cols, rows]`` when ``SWAP`` (weights on the MMA's M side,
+    as its register operand; with ``FRAG_K`` in the register fragment's K order, decoded in place)."""
+    a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST, FRAG_K=FRAG_K)
+    # pairwise fp4 weights (dequant_fp4's PTX) but not beside fp4 activations: 16 bytes of spills there
+    b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST, PTX=PTX and X_FMT != 3)
+    if FRAG_K:
+        tl.static_assert(SWAP and X_FMT == 0)
+        b = to_fragment_order(b)
+    if SWAP:
+        acc = tl.dot(b, tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, tl.trans(b), acc)
+    return acc
+
+
 # fmt: off
 @triton.jit
 def _mx_tile(
     tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr,
+    GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, SWAP: tl.constexpr,
+    FRAG_K: tl.constexpr,
 ):
     """Compute and store output tile ``tile`` (of group g, whose rows are [g_start, g_start + g_size))."""
     pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
@@ -92,20 +126,20 @@ def _mx_tile(
     w_rows = W + g64 * stride_we + col[:, None] * stride_wn
     ws_rows = WS + g64 * stride_wse + col[:, None] * stride_wsn
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if INTERPRET:  # the interpreter cannot range over a device value
         kk = 0
         while kk < k_tiles:
-            a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST)
-            b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST)
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = _k_step(acc, x_rows, xs_rows, w_rows, ws_rows, kk, X_FMT, W_FMT, BLOCK_K, UPCAST, PTX, SWAP, FRAG_K)
             kk += 1
     else:
         for kk in range(0, k_tiles):
-            a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST)
-            # pairwise fp4 weights (dequant_fp4's PTX) but not beside fp4 activations: 16 bytes of spills there
-            b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST, PTX=PTX and X_FMT != 3)
-            acc = tl.dot(a, tl.trans(b), acc)
+            acc = _k_step(acc, x_rows, xs_rows, w_rows, ws_rows, kk, X_FMT, W_FMT, BLOCK_K, UPCAST, PTX, SWAP, FRAG_K)
+    if SWAP:
+        acc = tl.trans(acc)
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -116,7 +150,8 @@ def _mx_grouped_mm_kernel(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, NUM_PROGS,
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr = False,
+    UPCAST: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr = False, SWAP: tl.constexpr = False,
+    FRAG_K: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -140,7 +175,7 @@ def _mx_grouped_mm_kernel(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
             _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
                      stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
-                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX)
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX, SWAP, FRAG_K)
             tile += NUM_PROGS
     else:
         for tile in range(pid, total, NUM_PROGS):
@@ -148,7 +183,7 @@ def _mx_grouped_mm_kernel(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
             _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
                      stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
-                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX)
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX, SWAP, FRAG_K)
 # fmt: on
 
 
@@ -165,14 +200,19 @@ class MXGroupedMMConfig:
     num_warps: int = 8
     programs_per_sm: int = 1
     prepass: bool = False  # operands dequantised to bf16 in memory, then the bf16 grouped GEMM (tile fields unused)
+    swap: bool = False  # weights on the MMA's M side (its register operand), the group's rows on its N side
+    fragment_k: bool = False  # swapped, high-precision x: K in the register fragment's order (``_fragment_k``)
+    x_prepass: bool = False  # MX x dequantised to bf16 in memory first (small), then the high-precision x kernel
 
     def label(self) -> str:
         if self.prepass:
             return "prepass-bf16-grouped"
         persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
+        flags = ("_swap" if self.swap else "") + ("_fragk" if self.fragment_k else "")
         return (
-            f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
-            f"_{persist}"
+            ("xprepass_" if self.x_prepass else "")
+            + f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
+            + f"_{persist}{flags}"
         )
 
 
@@ -251,6 +291,13 @@ def launch(
         return _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out)
     if k % cfg.block_k:
         raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
+    if cfg.x_prepass and x_fmt is None:
+        raise ValueError(f"mx_grouped_mm kernel: x_prepass needs MX x: {cfg}")
+    if cfg.fragment_k and not (cfg.swap and cfg.block_k == FRAGMENT_STEP and (x_fmt is None or cfg.x_prepass)):
+        raise ValueError(f"mx_grouped_mm kernel: fragment_k is for swapped tiles, block_k {FRAGMENT_STEP}, "
+                         f"high-precision x (or x_prepass): {cfg}")  # fmt: skip
+    if cfg.x_prepass:  # only x in memory as bf16 (fp32 when interpreting): the weights stay MX
+        x, x_scale, x_fmt = dequantize(x, x_scale, x_fmt), None, None
     upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
     if interp:
         progs = min(INTERPRETER_PROGRAMS, upper)
@@ -268,7 +315,8 @@ def launch(
              progs),
             X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=max(1024, next_pow2(e)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            UPCAST=interp, INTERPRET=interp, PTX=ptx_pairs(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            UPCAST=interp, INTERPRET=interp, PTX=ptx_pairs(x), SWAP=cfg.swap, FRAG_K=cfg.fragment_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out
 

@@ -27,14 +27,14 @@ converted weights' trip through shared memory into the wgmma register operand (8
 step), operand moves, and a wait after each of its 8 small wgmmas. Triton's own ``tl.dot_scaled`` compiles to the
 same shape of loop (548 instructions; 391 with ``fast_math``, which drops NaN-scale handling) and ran 1.3-2.4x slower
 than ours on those shapes.
-``MXMMConfig.fragment_k`` removes that round trip without a new weight layout: a sum over K may run in any order, so
-the swapped weight-only loop sums each 128-wide step in the order of wgmma's bf16 register fragment
-(``_fragment_k``). Lane ``c`` of a row then needs the row's natural elements ``[32 c, 32 c + 32)``: one 16-byte load
-of MXFP4 (32 of fp8), one scale; the decoded values are renamed into fragment order (``_to_fragment_order``) and the
-bf16 activations are read in that order (4-byte runs, from L2). sm90 SASS (Triton 3.6, compiled on the CPU): the loop
-drops from 489 to 388 instructions with the byte tables (512 to 453 pairs, 407 to 350 MXFP8), with no ``LDSM`` and 3
-barriers instead of 7. Not yet timed on a GPU, so no plan takes it; the mx_gemm suite's ``small_plans`` and
-``probe_mx_weight_only`` time it. ptxas still waits after each of the 8 wgmmas (it reuses the operand registers).
+``MXMMConfig.fragment_k`` removes that round trip without a new weight layout: the swapped weight-only loop sums
+each 128-wide K step in the order of wgmma's bf16 register fragment (``_fragment_k``). Lane ``c`` of a row then needs
+the row's natural elements ``[32 c, 32 c + 32)``: one 16-byte load of MXFP4 (32 of fp8) and one scale, decoded in
+place and renamed into the fragment; the bf16 activations are read in that order (4-byte runs, from L2). sm90 SASS
+(Triton 3.6, compiled on the CPU): the loop drops from 489 to 388 instructions with the byte tables (512 to 453
+pairs, 407 to 350 MXFP8), with no ``LDSM`` and 3 barriers instead of 7. Not yet timed on a GPU, so no plan takes it;
+the mx_gemm suite's ``small_plans`` and ``probe_mx_weight_only`` time it. ptxas still waits after each of the 8
+wgmmas (it gives every slice's operand the same registers).
 
 Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
 (``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs
@@ -63,6 +63,8 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
+from fly_lightning.kernels.triton._fragment_k import fragment_k, to_fragment_order
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import (
@@ -123,24 +125,6 @@ class MXMMConfig:
 
 
 @triton.jit
-def _fragment_k(BLOCK_K: tl.constexpr):
-    """The natural K offset (within a 128-wide step) that the MMA's K index ``f`` takes under ``FRAG_K``:
-    ``f = 16 j + 8 h + 2 c + p`` (wgmma's bf16 register fragment: lane ``c = lane % 4`` holds pairs ``p`` at ``2 c`` and
-    ``2 c + 8`` of every 16-wide slice ``j``) reads element ``32 c + 4 j + 2 h + p``. Lane ``c``'s 64 fragment values
-    of a row are then the row's natural elements ``[32 c, 32 c + 32)``: one contiguous load, one scale group."""
-    f = tl.arange(0, BLOCK_K)
-    return 32 * ((f // 2) % 4) + 4 * (f // 16) + 2 * ((f // 8) % 2) + f % 2
-
-
-@triton.jit
-def _to_fragment_order(v):
-    """Rows ``[R, 128]`` in natural K order to the MMA K order of ``_fragment_k``: (c, j, h, p) -> (j, h, c, p), a
-    renaming of each thread's registers once the compiler places lane ``c``'s natural run in its registers."""
-    R: tl.constexpr = v.shape[0]
-    return tl.reshape(tl.permute(tl.reshape(v, (R, 4, 8, 2, 2)), (0, 2, 3, 1, 4)), (R, 128))
-
-
-@triton.jit
 def _load_tile(
     P,
     S,
@@ -156,9 +140,9 @@ def _load_tile(
     FRAG_K: tl.constexpr = False,
 ):
     """Rows ``rows`` (element offsets) x K ``[k0, k0 + BLOCK_K)`` of one operand, dequantised: bf16 (fp32 when
-    interpreting, whose bf16 arithmetic and dot are unreliable); bf16 rows in ``_fragment_k`` order with ``FRAG_K``."""
+    interpreting, whose bf16 arithmetic and dot are unreliable); bf16 rows in ``fragment_k`` order with ``FRAG_K``."""
     if FMT == 0:  # bf16 activations
-        ks = _fragment_k(BLOCK_K) if FRAG_K else tl.arange(0, BLOCK_K)
+        ks = fragment_k(BLOCK_K) if FRAG_K else tl.arange(0, BLOCK_K)
         x = tl.load(P + rows[:, None] + (k0 + ks)[None, :])
         if INTERPRET:  # widened by hand: the interpreter's bf16 -> fp32 conversion flushes subnormals
             x = ((x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
@@ -214,7 +198,7 @@ def _mx_mm_kernel(
         b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX, LUT)
         if FRAG_K:  # weight-only, swapped: a sum over K in another order, the decoded weights left where they are
             tl.static_assert(SWAP and A_FMT == 0 and BLOCK_K == 128)
-            b = _to_fragment_order(b)
+            b = to_fragment_order(b)
         a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX, LUT, FRAG_K)
         if SWAP:
             acc = tl.dot(b, tl.trans(a), acc)
@@ -315,8 +299,8 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device)
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
-    if cfg.fragment_k and not (cfg.swap and a_fmt is None and cfg.block_k == K_ALIGN and not cfg.prepass):
-        raise ValueError(f"mx_scaled_mm: fragment_k is for swapped weight-only plans with block_k {K_ALIGN}: {cfg}")
+    if cfg.fragment_k and not (cfg.swap and a_fmt is None and cfg.block_k == FRAGMENT_STEP and not cfg.prepass):
+        raise ValueError(f"mx_scaled_mm: fragment_k is for swapped weight-only plans, block_k {FRAGMENT_STEP}: {cfg}")
     if cfg.swap and not cfg.prepass and "mxfp4_e2m1" in (a_fmt, b_fmt) and cfg.block_k != K_ALIGN:
         # plan() never emits it; an explicit 128x128x64 swapped plan (8 warps, 4 stages) gave wrong results on the H200
         raise ValueError(f"mx_scaled_mm: swapped MXFP4 plans need block_k {K_ALIGN} (others are untrusted): {cfg}")

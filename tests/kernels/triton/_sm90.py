@@ -30,9 +30,10 @@ def _ptxas() -> str:
         return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def sass_loop(kernel) -> dict:
-    """The kernel's main loop (its longest backward branch) in the SASS of the cubin Triton built: instruction count
-    and the most frequent opcodes. Static counts, per thread and loop iteration."""
+def sass_loop(kernel, innermost_mma: bool = False) -> dict:
+    """The kernel's main loop (its longest backward branch; with ``innermost_mma`` the shortest one holding an MMA,
+    the K loop inside a persistent kernel's tile loop) in the SASS of the cubin Triton built: instruction count and
+    the most frequent opcodes. Static counts, per thread and loop iteration."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
@@ -44,7 +45,11 @@ def sass_loop(kernel) -> dict:
     loops = [(int(t, 16), int(a, 16)) for a, t in branches if int(t, 16) < int(a, 16)]
     if not loops:
         return dict(loop_instructions=0, loop_opcodes={}, loop_shared_stores=0, loop_ldsm=0, loop_barriers=0)
-    lo, hi = max(loops, key=lambda b: b[1] - b[0])
+    if innermost_mma:
+        loops = [(a, b) for a, b in loops if any(a <= x <= b and op.startswith(("HGMMA", "HMMA")) for x, op in ins)]
+        if not loops:
+            return dict(loop_instructions=0, loop_opcodes={}, loop_shared_stores=0, loop_ldsm=0, loop_barriers=0)
+    lo, hi = (min if innermost_mma else max)(loops, key=lambda b: b[1] - b[0])
     body = [op.split(".")[0] for a, op in ins if lo <= a <= hi]
     ops = Counter(body)
     return dict(

@@ -1,10 +1,13 @@
 """Compile the MX grouped GEMM kernel for sm_90 without a GPU and report each variant as JSON (see ``_sm90.py``): every
 format pair in the configurations the launcher picks (few and many rows per group)."""
 
-from _sm90 import compile_sm90, report
+from dataclasses import replace
+
+from _sm90 import compile_sm90, report, sass_loop
 
 from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
     FMT_CODE,
+    MXGroupedMMConfig,
     _mx_grouped_mm_kernel,
     choose_config,
 )
@@ -22,31 +25,43 @@ PAIRS = {
 }
 
 
+# weights on the MMA's M side (register operand), 64-row groups on its N side, in natural K order and in the register
+# fragment's (fragment_k)
+SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True)
+
+
 def variant(pair: str, plan: str, out: str = "bf16") -> dict:
     x_fmt, w_fmt = PAIRS[pair]
-    cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt)
+    if plan.startswith("swap"):
+        cfg = replace(SWAPPED, fragment_k=plan == "swap-fragk")
+    else:
+        cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt)
     fn = _mx_grouped_mm_kernel
     sig = {a: "i32" for a in fn.arg_names}
     sig.update(X="*bf16" if x_fmt is None else "*u8", XS="*bf16" if x_fmt is None else "*u8", W="*u8", WS="*u8",
                OUT=f"*{out}", OFFS="*i32")  # fmt: skip
     const = dict(
         X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=1024, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, INTERPRET=False, PTX=True,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, INTERPRET=False, PTX=True, SWAP=cfg.swap,
+        FRAG_K=cfg.fragment_k,
     )  # fmt: skip
     aligned = ("X", "XS", "W", "WS", "OUT", "OFFS", "N", "K", "stride_xm", "stride_xsm", "stride_we", "stride_wn",
                "stride_wse", "stride_wsn", "stride_om")  # fmt: skip
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
-    return dict(
+    r = dict(
         spill_bytes=spill, registers=regs, shared=kernel.metadata.shared,
         wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"),
         async_copies=ttgir.count("ttg.async_copy_global_to_local"), bf16x2_fma=ptx.count("fma.rn.bf16x2"),
     )  # fmt: skip
+    r.update(sass_loop(kernel, innermost_mma=True))
+    return r
 
 
 VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in ("small", "large")}
 VARIANTS |= {f"{p}-weight-only-wide": (lambda p=p: variant(p, "weight-only-wide")) for p in ("w-e4m3", "w-fp4")}
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
+VARIANTS |= {f"{p}-{q}": (lambda p=p, q=q: variant(p, q)) for p in ("w-e4m3", "w-fp4") for q in ("swap", "swap-fragk")}
 
 if __name__ == "__main__":
     report(VARIANTS)

@@ -60,6 +60,49 @@ def test_launch_configurations(name):
     assert out[int(args[-1][-1]) :].isnan().all()
 
 
+SWAPPED = replace(mk.INTERPRETER_CONFIG, block_m=16, block_n=32, block_k=128, swap=True)
+
+
+@pytest.mark.parametrize("fragment_k", [False, True], ids=["natural", "fragk"])
+@pytest.mark.parametrize("x_fmt, w_fmt", PAIRS)
+def test_swapped_tiles(x_fmt, w_fmt, fragment_k):
+    """Weights on the MMA's M side, the group's rows on its N side: every format pair on uneven groups; with
+    ``fragment_k`` (high-precision x, or MX x dequantised first by ``x_prepass``) K summed in the register fragment's
+    order. A NaN weight block gives its column NaN in that group only; rows past the last offset stay unwritten."""
+    args = _problem(x_fmt, w_fmt, k=256, n=72)
+    scales = args[4].view(torch.uint8)
+    kept = scales[1, 3, 2].item()
+    scales[1, 3, 2] = 255  # group 1 (3 rows), weight row 3: one NaN block
+    cfg = replace(SWAPPED, fragment_k=fragment_k, x_prepass=fragment_k and x_fmt is not None)
+    out = torch.full((args[0].shape[0], 72), float("nan"))
+    mk.launch(*args, out, config=cfg)
+    end, offs = int(args[-1][-1]), args[-1].tolist()
+    nan_rows = torch.zeros(out.shape[0], dtype=torch.bool)
+    nan_rows[offs[0] : offs[1]] = True
+    assert out[:end, 3].isnan().equal(nan_rows[:end]) and out[end:].isnan().all()
+    scales[1, 3, 2] = kept
+    ref = mx_grouped_mm_reference(*args, torch.float32)[:end]
+    out[offs[0] : offs[1], 3] = ref[offs[0] : offs[1], 3]
+    assert ((out[:end] - ref).norm() / ref.norm()).item() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "x_fmt, cfg, match",
+    [
+        ("mxfp8_e4m3", replace(SWAPPED, fragment_k=True), "fragment_k is for swapped tiles"),  # MX x, no x_prepass
+        (None, replace(SWAPPED, swap=False, fragment_k=True), "fragment_k is for swapped tiles"),
+        (None, replace(SWAPPED, block_k=64, fragment_k=True), "fragment_k is for swapped tiles"),
+        (None, replace(SWAPPED, x_prepass=True), "x_prepass needs MX x"),
+    ],
+)
+def test_launch_rejects_fragment_k_and_x_prepass_off_their_forms(x_fmt, cfg, match):
+    args = _problem(x_fmt, "mxfp4_e2m1", k=256, n=8)
+    out = torch.full((args[0].shape[0], 8), float("nan"))
+    with pytest.raises(ValueError, match=match):  # before any launch
+        mk.launch(*args, out, config=cfg)
+    assert out.isnan().all()
+
+
 def test_bf16_output_and_bf16_activations():
     args = _problem(None, "mxfp8_e4m3", x_dtype=torch.bfloat16)
     out = mx_grouped_mm_triton(*args, torch.bfloat16)

@@ -1,11 +1,12 @@
 """The MX grouped GEMM kernel compiles for sm_90 (Hopper) on the CPU in every format pair and launch configuration:
 bf16 wgmma fed by software-pipelined asynchronous copies, at most the 8 bytes of register spills that the swept
-configurations have (``_mx_grouped_mm_kernel``'s table). Says nothing about speed."""
+configurations have (``_mx_grouped_mm_kernel``'s table); swapped weight-only tiles with ``fragment_k`` keep the decoded
+weights out of shared memory. Says nothing about speed."""
 
 
 def test_every_variant_compiles_to_wgmma_within_the_known_spills(compiled_variants):
     results = compiled_variants("mx_grouped_mm_sm90_compile.py")
-    assert len(results) == 15
+    assert len(results) == 19
     for name, r in results.items():
         # fp4 weights decode pairwise (dequant_fp4's PTX form) except beside fp4 activations (spills there)
         assert (r["bf16x2_fma"] > 0) == (name.startswith(("w-fp4", "e4m3-fp4"))), (name, r)
@@ -13,3 +14,9 @@ def test_every_variant_compiles_to_wgmma_within_the_known_spills(compiled_varian
         assert r["shared"] <= 232448, (name, r)  # H100/H200: 227 KB of shared memory per block
         assert r["wgmma"] > 0 and r["mma"] == 0, (name, r)  # Hopper's warpgroup MMA, not Ampere's mma.sync
         assert r["async_copies"] > 0, (name, r)  # MX bytes and scales staged through shared memory
+    # swapped weight-only tiles: with fragment_k the decoded weights feed the MMA as they are, nothing of them stored
+    # to shared memory in the K loop, and a shorter loop than the same tiles in natural K order
+    for pair in ("w-e4m3", "w-fp4"):
+        natural, frag = results[f"{pair}-swap"], results[f"{pair}-swap-fragk"]
+        assert frag["loop_shared_stores"] == frag["loop_ldsm"] == 0, (natural, frag)
+        assert 0 < frag["loop_instructions"] < natural["loop_instructions"], (natural, frag)

@@ -186,7 +186,7 @@ def test_fragment_k_matches_the_reference(b_fmt, split_k):
 )
 def test_launch_rejects_fragment_k_off_swapped_weight_only(a_fmt, cfg):
     a, a_s, b, bs = _operands(4, 8, 128, a_fmt, "mxfp4_e2m1")
-    with pytest.raises(ValueError, match="fragment_k is for swapped weight-only"):  # before any launch
+    with pytest.raises(ValueError, match="fragment_k is for swapped weight-only plans"):  # before any launch
         launch(a, a_s, a_fmt, b, bs, "mxfp4_e2m1", torch.float32, cfg)
 
 

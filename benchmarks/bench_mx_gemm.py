@@ -251,6 +251,9 @@ def small_plans(m, n, k, b_fmt, inputs, ours_ms, ref) -> dict:
         for lut in luts
         for factor in (1, 0.5, 2)
     ]
+    # 128 weight rows over two warpgroups, each with its own chain of wgmmas (sm90 loop: 382 instructions per thread
+    # with byte tables, as 64 rows over one)
+    configs += [replace(base, swap=True, fragment_k=True, fp4_lut=lut, block_n=128, num_warps=8) for lut in luts]
     for cfg in configs:
         split = cfg.split_k
         label = cfg.label()

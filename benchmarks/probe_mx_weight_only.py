@@ -94,7 +94,7 @@ def main() -> None:
             for lut in (False, True):
                 swapped = replace(plan, swap=True, split_k=split, fp4_lut=lut)
                 variants += [replace(swapped, swap=False), swapped, replace(swapped, fragment_k=True)]
-                variants.append(replace(swapped, block_n=128, fragment_k=True))
+                variants.append(replace(swapped, block_n=128, num_warps=8, fragment_k=True))  # 2 warpgroups
         for cfg in {c: None for c in variants if c != plan}:
             name = cfg.label() + ("-noswap" if not cfg.swap else "")
             fns[name] = lambda x, w, b, b_s, c=cfg: kernel.launch(x, None, None, b, b_s, fmt, torch.bfloat16, c)

@@ -218,10 +218,11 @@ def test_planned_byte_tables_fall_back_on_unaligned_rows(m):
         assert ((y - want).abs() <= 2e-5 * want.abs().amax()).all()
 
 
+@pytest.mark.parametrize("tiles", [(64, 4), (128, 8)], ids=["n64-w4", "n128-w8"])
 @pytest.mark.parametrize("lut", [False, True], ids=["pairs", "lut"])
 @pytest.mark.parametrize("fmt", ["mxfp4_e2m1", "mxfp8_e4m3", "mxfp8_e5m2"])
 @pytest.mark.parametrize("m", [1, 16, 50])
-def test_fragment_k_matches_the_reference(m, fmt, lut):
+def test_fragment_k_matches_the_reference(m, fmt, lut, tiles):
     """``MXMMConfig.fragment_k`` compiled: K summed in the wgmma fragment's order, the weights' decoded registers fed
     as they are (the sm90 compile check shows no shared-memory round trip). Against the reference, split and not,
     with a NaN block and scales 0 and 254; close to the natural order's output (only the order of fp32 sums differs)."""
@@ -237,7 +238,8 @@ def test_fragment_k_matches_the_reference(m, fmt, lut):
     bs[0, :], bs[1, 2], bs[2, 5] = 0, 254, 255
     bs = bs.view(torch.float8_e8m0fnu)
     want = mx_scaled_mm_reference(a, None, None, b, bs, fmt, torch.float32)
-    cfg = MXMMConfig(max(16, 1 << (m - 1).bit_length()), 64, 128, swap=True, fp8_cvt="hw", fp4_lut=lut)
+    bm = max(16, 1 << (m - 1).bit_length())
+    cfg = MXMMConfig(bm, tiles[0], 128, num_warps=tiles[1], swap=True, fp8_cvt="hw", fp4_lut=lut)
     outs = [launch(a, None, None, b, bs, fmt, torch.float32, replace(cfg, fragment_k=True, split_k=s)) for s in (1, 4)]
     for y in outs:
         assert y[:, 2].isnan().all() and not y[:, 3:].isnan().any()

@@ -32,7 +32,8 @@ each 128-wide K step in the order of wgmma's bf16 register fragment (``_fragment
 the row's natural elements ``[32 c, 32 c + 32)``: one 16-byte load of MXFP4 (32 of fp8) and one scale, decoded in
 place and renamed into the fragment; the bf16 activations are read in that order (4-byte runs, from L2). sm90 SASS
 (Triton 3.6, compiled on the CPU): the loop drops from 489 to 388 instructions with the byte tables (512 to 453
-pairs, 407 to 350 MXFP8), with no ``LDSM`` and 3 barriers instead of 7. Not yet timed on a GPU, so no plan takes it;
+pairs, 407 to 350 MXFP8; 382 per thread with 128 weight rows over two warpgroups, each its own chain of wgmmas),
+with no ``LDSM`` and 3 barriers instead of 7. Not yet timed on a GPU, so no plan takes it;
 the mx_gemm suite's ``small_plans`` and ``probe_mx_weight_only`` time it. ptxas still waits after each of the 8
 wgmmas (it gives every slice's operand the same registers).
 

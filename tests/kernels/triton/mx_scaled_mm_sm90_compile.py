@@ -8,6 +8,7 @@ from fly_lightning.kernels.triton.mx_scaled_mm import FMT_CODE, MXMMConfig, _mx_
 
 PLANS = {
     "small": MXMMConfig(16, 64, 128, num_warps=4, num_stages=4, swap=True, split_k=4),
+    "small-n128-w8": MXMMConfig(16, 128, 128, num_warps=8, num_stages=4, swap=True, split_k=4),  # 2 warpgroups
     "mid": MXMMConfig(64, 128, 128, num_warps=4, num_stages=4),
     "large": MXMMConfig(128, 256, 128, num_warps=8, num_stages=3),
 }
@@ -60,7 +61,7 @@ def variant(
     return r
 
 
-VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in PLANS}
+VARIANTS = {f"{p}-{q}": (lambda p=p, q=q: variant(p, q)) for p in PAIRS for q in ("small", "mid", "large")}
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
 # the fp8 conversion's two forms, with the static instruction count of the main loop (per thread and K step)
 for _pair in ("e4m3", "e5m2"):
@@ -78,6 +79,8 @@ VARIANTS["w-e4m3-small-loop"] = lambda: variant("w-e4m3", "small", loop=True)
 for _tag, _pair, _lut in (("w-fp4-small-pairs", "w-fp4", False), ("w-fp4-small-lut", "w-fp4", True),
                           ("w-e4m3-small", "w-e4m3", False)):  # fmt: skip
     VARIANTS[f"{_tag}-fragk-loop"] = lambda p=_pair, u=_lut: variant(p, "small", loop=True, lut=u, fragment_k=True)
+VARIANTS["w-fp4-small-n128-w8-lut-fragk-loop"] = lambda: variant("w-fp4", "small-n128-w8", loop=True, lut=True,
+                                                                 fragment_k=True)  # fmt: skip
 
 if __name__ == "__main__":
     report(VARIANTS)

@@ -6,7 +6,7 @@ trip. Runs Triton's compiler and bundled ptxas on the CPU, in a subprocess witho
 
 def test_compiles_for_sm90(compiled_variants):
     results = compiled_variants("mx_scaled_mm_sm90_compile.py")
-    assert len(results) == 28
+    assert len(results) == 29
     for name, r in results.items():
         # the bit-placement fp8 path is no plan's default on the GPU (kept for the instruction count below); at
         # 128x256 it spills 12 bytes
@@ -33,3 +33,5 @@ def test_compiles_for_sm90(compiled_variants):
         assert 0 < frag["loop_instructions"] < natural["loop_instructions"], (natural, frag)
     lut, frag = results["w-fp4-small-lut-loop"], results["w-fp4-small-lut-fragk-loop"]
     assert lut["loop_ldsm"] > 0 and frag["loop_barriers"] < lut["loop_barriers"], (lut, frag)
+    wide = results["w-fp4-small-n128-w8-lut-fragk-loop"]  # 128 weight rows over two warpgroups: the same per thread
+    assert wide["loop_ldsm"] == 0 and wide["loop_instructions"] < lut["loop_instructions"], (lut, wide)

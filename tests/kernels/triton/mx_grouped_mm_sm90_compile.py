@@ -1,5 +1,6 @@
 """Compile the MX grouped GEMM kernel for sm_90 without a GPU and report each variant as JSON (see ``_sm90.py``): every
-format pair in the configurations the launcher picks (few and many rows per group)."""
+format pair in the configurations the launcher picks (few and many rows per group), and the swapped weight-only
+candidates in both K orders; each with its innermost K loop's static counts."""
 
 from dataclasses import replace
 

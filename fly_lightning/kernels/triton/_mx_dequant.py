@@ -53,11 +53,22 @@ def _from_bf16_bits(bits, FP32: tl.constexpr):
 
 
 @triton.jit
+def _e8m0_bits(s):
+    """E8M0 codes (widened integers) to the bf16 bits of ``2^(s - 127)``: 0 -> 0x0040 (2^-127), 255 -> 0x7FC0 (NaN)."""
+    return (s << 7) | tl.where((s == 0) | (s == 255), 0x40, 0)
+
+
+@triton.jit
+def _e8m0_bf16_pairs(scale_u8):
+    """E8M0 scales (uint8) to uint32 words holding the bf16 scale in both halves (``fma.rn.bf16x2``'s operand)."""
+    b = _e8m0_bits(_as_u8(scale_u8).to(tl.uint32))
+    return b | (b << 16)
+
+
+@triton.jit
 def e8m0_to_float(scale_u8, FP32: tl.constexpr = False):
     """E8M0 scales (uint8) to ``2^(s - 127)`` in bf16 (fp32 with ``FP32``); 0 is 2^-127 (a subnormal), 255 NaN."""
-    s = _as_u8(scale_u8).to(tl.int32)
-    bits = (s << 7) | tl.where((s == 0) | (s == 255), 0x40, 0)  # 0 -> 0x0040 (2^-127), 255 -> 0x7FC0 (NaN)
-    return _from_bf16_bits(bits, FP32)
+    return _from_bf16_bits(_e8m0_bits(_as_u8(scale_u8).to(tl.int32)), FP32)
 
 
 @triton.jit
@@ -145,9 +156,7 @@ def dequant_fp4_words(words_u32, scale):
     ``j``'s low nibble) with scales ``[R, C / 32]`` (uint8) to bf16 ``[R, C]``: ``_fp4_words_lut`` (NVIDIA sm80+)."""
     R: tl.constexpr = words_u32.shape[0]
     KW: tl.constexpr = words_u32.shape[1]
-    s = _as_u8(scale).to(tl.uint32)
-    s16 = (s << 7) | tl.where((s == 0) | (s == 255), 0x40, 0)  # e8m0_to_float's bits
-    s_pair = tl.reshape(tl.broadcast_to((s16 | (s16 << 16))[:, :, None], (R, KW // 4, 4)), (R, KW))
+    s_pair = tl.reshape(tl.broadcast_to(_e8m0_bf16_pairs(scale)[:, :, None], (R, KW // 4, 4)), (R, KW))
     o0, o1, o2, o3 = _fp4_words_lut(words_u32, s_pair)
     w = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, KW * 4))  # word j of each group in order
     lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
@@ -168,9 +177,7 @@ def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False, PTX: tl.constexpr 
     if PTX and not FP32:
         w = _fp4_pair_bits(packed_u8)
         G: tl.constexpr = CP // 16
-        s = _as_u8(scale).to(tl.uint32)
-        s16 = (s << 7) | tl.where((s == 0) | (s == 255), 0x40, 0)  # e8m0_to_float's bits
-        s_pair = tl.broadcast_to((s16 | (s16 << 16))[:, :, None], (R, G, 16))
+        s_pair = tl.broadcast_to(_e8m0_bf16_pairs(scale)[:, :, None], (R, G, 16))
         w = tl.inline_asm_elementwise(
             "{ .reg .b32 c, z; mov.b32 c, 0x7E807E80; mov.b32 z, 0x80008000; "
             "fma.rn.bf16x2 $0, $1, c, z; fma.rn.bf16x2 $0, $0, $2, z; }",

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.triton._fragment_k import fragment_k
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv
 from fly_lightning.kernels.triton._support import interpreting, on_device
@@ -198,6 +199,55 @@ def dequant_fp4(packed_u8, scale, FP32: tl.constexpr = False, PTX: tl.constexpr 
         v = _from_bf16_bits(bits, FP32) * 2.0**126
         out = _apply_scale(v, scale, FP32)
     return out
+
+
+@triton.jit
+def load_operand(
+    row_ptrs,
+    scale_ptrs,
+    kk,
+    FMT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FP32: tl.constexpr,
+    HW_CVT: tl.constexpr = False,
+    PTX: tl.constexpr = False,
+    LUT: tl.constexpr = False,
+    FRAG_K: tl.constexpr = False,
+):
+    """K step ``kk`` (elements ``[kk * BLOCK_K, (kk + 1) * BLOCK_K)``) of a tile's rows as a dot operand
+    ``[rows, BLOCK_K]``, the MX GEMMs' one loader: bf16, or fp32 with ``FP32`` (the interpreter, whose bf16 arithmetic
+    and dot are unreliable). Offsets are step index times a constant: no divisions, and Triton's pipeliner then
+    prefetches every load of the loop (the scales included) as an async copy.
+
+    ``row_ptrs`` ``[rows, 1]`` point at each row's first element (its first byte for MX), ``scale_ptrs`` at its first
+    scale (unused for ``FMT`` 0). ``FMT`` 0: high-precision rows read as they are (bf16, or fp32 rounded to bf16), in
+    ``fragment_k`` order with ``FRAG_K``. MXFP4 with ``LUT``: rows read as 32-bit words (``dequant_fp4_words``; rows
+    4-byte aligned, the caller's check); ``HW_CVT`` and ``PTX`` as in ``dequant_fp8`` and ``dequant_fp4``."""
+    # if/else, no early returns: Triton generates the code after a return in a constexpr branch too
+    if FMT == 0:
+        ks = fragment_k(BLOCK_K) if FRAG_K else tl.arange(0, BLOCK_K)
+        v = tl.load(row_ptrs + kk * BLOCK_K + ks[None, :])
+        if not FP32:
+            v = v.to(tl.bfloat16)
+        elif v.dtype == tl.bfloat16:  # widened by hand: the interpreter's bf16 -> fp32 conversion flushes subnormals
+            v = ((v.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            v = v.to(tl.float32)
+    else:
+        s = tl.load(scale_ptrs + kk * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)[None, :])
+        if FMT == 3:
+            if LUT:
+                words = (
+                    row_ptrs.to(tl.pointer_type(tl.uint32)) + kk * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)[None, :]
+                )
+                v = dequant_fp4_words(tl.load(words), s)
+            else:
+                x = tl.load(row_ptrs + kk * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
+                v = dequant_fp4(x, s, FP32, PTX)
+        else:
+            x = tl.load(row_ptrs + kk * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
+            v = dequant_fp8(x, s, FMT == 2, FP32, HW_CVT)
+    return v
 
 
 # Prepass dequantisation: a whole MX operand to bf16 in memory, for the GEMM plans that then run a bf16 GEMM

@@ -36,50 +36,13 @@ import triton.language as tl
 
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
-from fly_lightning.kernels.triton._fragment_k import fragment_k, to_fragment_order
+from fly_lightning.kernels.triton._fragment_k import to_fragment_order
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequant_fp4, dequant_fp8, dequantize, ptx_pairs
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequantize, load_operand, ptx_pairs
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
-
-
-@triton.jit
-def _operand(
-    row_ptrs,
-    scale_ptrs,
-    kk,
-    BLOCK_K: tl.constexpr,
-    FMT: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PTX: tl.constexpr = False,
-    FRAG_K: tl.constexpr = False,
-):
-    """K slab ``kk`` of a tile's rows as the dot's operand ``[rows, BLOCK_K]`` (bf16, fp32 when ``UPCAST``); high
-    precision rows read in ``fragment_k`` order with ``FRAG_K``.
-
-    ``row_ptrs`` ``[rows, 1]`` point at each row's first element (byte for MX), ``scale_ptrs`` at its first scale."""
-    # if/else, no early returns: Triton generates the code after a return in a constexpr branch too
-    if FMT == 0:
-        ks = fragment_k(BLOCK_K) if FRAG_K else tl.arange(0, BLOCK_K)
-        v = tl.load(row_ptrs + kk * BLOCK_K + ks[None, :])
-        if UPCAST:
-            v = v.to(tl.float32)
-        else:
-            v = v.to(tl.bfloat16)
-    else:
-        G: tl.constexpr = BLOCK_K // 32
-        s = tl.load(scale_ptrs + kk * G + tl.arange(0, G)[None, :])
-        if FMT == 3:
-            b = tl.load(row_ptrs + kk * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)[None, :])
-            v = dequant_fp4(b, s, FP32=UPCAST, PTX=PTX)
-        else:
-            b = tl.load(row_ptrs + kk * BLOCK_K + tl.arange(0, BLOCK_K)[None, :])
-            # the hardware float8 -> f16 conversion on the GPU (1.3-1.76x faster in the dense MX GEMM); the
-            # interpreter (UPCAST) takes the bit path
-            v = dequant_fp8(b, s, E5M2=FMT == 2, FP32=UPCAST, HW_CVT=not UPCAST)
-    return v
 
 
 @triton.jit
@@ -90,9 +53,10 @@ def _k_step(
 ):  # fmt: skip
     """One K slab into ``acc``: ``[rows, cols]``, or ``[cols, rows]`` when ``SWAP`` (weights on the MMA's M side,
     as its register operand; with ``FRAG_K`` in the register fragment's K order, decoded in place)."""
-    a = _operand(x_rows, xs_rows, kk, BLOCK_K, X_FMT, UPCAST, FRAG_K=FRAG_K)
+    # the hardware float8 -> f16 conversion on the GPU (1.3-1.76x faster in the dense MX GEMM)
+    a = load_operand(x_rows, xs_rows, kk, X_FMT, BLOCK_K, UPCAST, not UPCAST, FRAG_K=FRAG_K)
     # pairwise fp4 weights (dequant_fp4's PTX) but not beside fp4 activations: 16 bytes of spills there
-    b = _operand(w_rows, ws_rows, kk, BLOCK_K, W_FMT, UPCAST, PTX=PTX and X_FMT != 3)
+    b = load_operand(w_rows, ws_rows, kk, W_FMT, BLOCK_K, UPCAST, not UPCAST, PTX=PTX and X_FMT != 3)
     if FRAG_K:
         tl.static_assert(SWAP and X_FMT == 0)
         b = to_fragment_order(b)

@@ -36,6 +36,10 @@ pairs, 407 to 350 MXFP8; 382 per thread with 128 weight rows over two warpgroups
 with no ``LDSM`` and 3 barriers instead of 7. Not yet timed on a GPU, so no plan takes it;
 the mx_gemm suite's ``small_plans`` and ``probe_mx_weight_only`` time it. ptxas still waits after each of the 8
 wgmmas (it gives every slice's operand the same registers).
+The counts above are of the loop before it ran over K steps (``_mx_dequant.load_operand``, offsets step index times
+a constant, no divisions): the scale loads then join the pipeliner's async copies, and every loop is shorter (Triton
+3.6; timings above predate it): swapped weight-only 512 -> 417 pairs, 489 -> 393 byte tables, 407 -> 389 MXFP8;
+``fragment_k`` 453 -> 370, 388 -> 374, 350 -> 312, 382 -> 364 over two warpgroups; unswapped 64x128 MXFP4 952 -> 878.
 
 Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
 (``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs
@@ -65,15 +69,13 @@ import triton.language as tl
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
-from fly_lightning.kernels.triton._fragment_k import fragment_k, to_fragment_order
+from fly_lightning.kernels.triton._fragment_k import to_fragment_order
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import (
     FMT_CODE,
-    dequant_fp4,
-    dequant_fp4_words,
-    dequant_fp8,
     dequantize,
+    load_operand,
     ptx_pairs,
 )
 from fly_lightning.kernels.triton._support import (
@@ -126,44 +128,6 @@ class MXMMConfig:
 
 
 @triton.jit
-def _load_tile(
-    P,
-    S,
-    rows,
-    s_rows,
-    k0,
-    FMT: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    INTERPRET: tl.constexpr,
-    HW_CVT: tl.constexpr,
-    PTX: tl.constexpr,
-    LUT: tl.constexpr = False,
-    FRAG_K: tl.constexpr = False,
-):
-    """Rows ``rows`` (element offsets) x K ``[k0, k0 + BLOCK_K)`` of one operand, dequantised: bf16 (fp32 when
-    interpreting, whose bf16 arithmetic and dot are unreliable); bf16 rows in ``fragment_k`` order with ``FRAG_K``."""
-    if FMT == 0:  # bf16 activations
-        ks = fragment_k(BLOCK_K) if FRAG_K else tl.arange(0, BLOCK_K)
-        x = tl.load(P + rows[:, None] + (k0 + ks)[None, :])
-        if INTERPRET:  # widened by hand: the interpreter's bf16 -> fp32 conversion flushes subnormals
-            x = ((x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    elif FMT == 3:
-        s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
-        if LUT:  # 32-bit words of eight codes (rows and the tensor 4-byte aligned: the launcher's check)
-            W = P.to(tl.pointer_type(tl.uint32))
-            x = tl.load(W + rows[:, None] // 4 + (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
-            x = dequant_fp4_words(x, s)
-        else:
-            x = tl.load(P + rows[:, None] + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
-            x = dequant_fp4(x, s, INTERPRET, PTX)
-    else:
-        s = tl.load(S + s_rows[:, None] + (k0 // 32 + tl.arange(0, BLOCK_K // 32))[None, :])
-        x = tl.load(P + rows[:, None] + (k0 + tl.arange(0, BLOCK_K))[None, :])
-        x = dequant_fp8(x, s, FMT == 2, INTERPRET, HW_CVT)
-    return x
-
-
-@triton.jit
 def _mx_mm_kernel(
     A, A_SCALE, B, B_SCALE, OUT, PARTIAL, ARRIVED,
     M, N, K,
@@ -187,20 +151,20 @@ def _mx_mm_kernel(
     # rows past the end re-read valid rows (wrapped) so that loads need no mask; their results are not stored
     am = (rm % M).to(tl.int64)
     bn = (rn % N).to(tl.int64)
-    a_rows, as_rows = am * stride_am, am * stride_asm
-    b_rows, bs_rows = bn * stride_bn, bn * stride_bsn
-    k_len = K // SPLIT_K  # a multiple of BLOCK_K (the launcher's choice)
-    k_lo = tl.program_id(1) * k_len
+    a_rows, as_rows = A + (am * stride_am)[:, None], A_SCALE + (am * stride_asm)[:, None]
+    b_rows, bs_rows = B + (bn * stride_bn)[:, None], B_SCALE + (bn * stride_bsn)[:, None]
+    k_steps = K // (SPLIT_K * BLOCK_K)  # K is a multiple of BLOCK_K * SPLIT_K (the launcher's check)
+    k_lo = tl.program_id(1) * k_steps
     if SWAP:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_lo, k_lo + k_len, BLOCK_K):
-        b = _load_tile(B, B_SCALE, b_rows, bs_rows, k0, B_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX, LUT)
+    for kk in range(k_lo, k_lo + k_steps):
+        b = load_operand(b_rows, bs_rows, kk, B_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX, LUT)
         if FRAG_K:  # weight-only, swapped: a sum over K in another order, the decoded weights left where they are
             tl.static_assert(SWAP and A_FMT == 0 and BLOCK_K == 128)
             b = to_fragment_order(b)
-        a = _load_tile(A, A_SCALE, a_rows, as_rows, k0, A_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX, LUT, FRAG_K)
+        a = load_operand(a_rows, as_rows, kk, A_FMT, BLOCK_K, INTERPRET, HW_CVT, PTX, LUT, FRAG_K)
         if SWAP:
             acc = tl.dot(b, tl.trans(a), acc)
         else:

@@ -24,7 +24,7 @@ def test_compiles_for_sm90(compiled_variants):
     for name in ("w-fp4-small", "fp4-mid"):  # byte tables: one scale multiply per word instead of two
         pairs, lut = results[f"{name}-pairs-loop"], results[f"{name}-lut-loop"]
         assert 0 < lut["loop_opcodes"]["HMUL2"] * 2 == pairs["loop_opcodes"]["HMUL2"], (pairs, lut)
-        assert lut["loop_opcodes"]["PRMT"] > pairs["loop_opcodes"]["PRMT"], (pairs, lut)
+        assert lut["loop_opcodes"]["PRMT"] > pairs["loop_opcodes"].get("PRMT", 0), (pairs, lut)  # top 12 only
     # fragment_k: the decoded weights are the wgmma register operand as they are. No matrix loads of them back from
     # shared memory, fewer stores there and a shorter loop than the same plan in natural K order
     for tag in ("w-fp4-small-pairs", "w-fp4-small-lut", "w-e4m3-small"):

@@ -44,8 +44,9 @@ def _traced() -> bool:
 
 
 def _opaque(tensors: list[Tensor]) -> bool:
-    """Whether the custom op must run: something traces the call, or a tensor is a subclass (FakeTensor, DTensor)."""
-    return _traced() or any(type(t) not in _PLAIN for t in tensors)
+    """Whether the custom op must run: something traces the call, a tensor is a subclass (FakeTensor, DTensor) or
+    on the meta device (shape inference: the op's fake implementation answers it)."""
+    return _traced() or any(type(t) not in _PLAIN or t.is_meta for t in tensors)
 
 
 _DIFFERENTIATING = (TransformType.Grad, TransformType.Jvp)
@@ -100,14 +101,27 @@ def create_graph_grads(
 class TracedOrDirect:
     """``f(*args)``: ``custom_op`` where something traces the call or a tensor subclass is given (a backward op that
     ``torch.compile`` must see as one opaque call), else ``impl``, the function the custom op wraps, called directly
-    (eager backward passes: a small MoE block's step took 8-23% less host time on the H200 host)."""
+    (eager backward passes: a small MoE block's step took 8-23% less host time on the H200 host).
 
-    def __init__(self, custom_op: Callable[..., Any], impl: Callable[..., Any]) -> None:
+    ``forward_only``: the op's name when it has no autograd formula (the MX GEMMs). A call that would need one (grad
+    mode on, an input requiring grad) raises before any kernel runs: otherwise the gradient would be dropped or kept
+    depending on which backend ran."""
+
+    def __init__(
+        self, custom_op: Callable[..., Any], impl: Callable[..., Any], forward_only: str | None = None
+    ) -> None:
         self.custom_op = custom_op
         self.impl = impl
+        self.forward_only = forward_only
 
     def __call__(self, *args: Any) -> Any:
-        if _opaque([a for a in args if isinstance(a, Tensor)]):
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if self.forward_only is not None and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            raise ValueError(
+                f"{self.forward_only}: forward only (no gradient formula), but an input requires grad; call it under "
+                "torch.no_grad(), or train through the MX layers (FlyMXLinear, MXExperts), which have one"
+            )
+        if _opaque(tensors):
             return self.custom_op(*args)
         return self.impl(*args)
 

@@ -24,7 +24,7 @@ def validate_cast(x: Tensor, fmt: str, mode: str, axis: int) -> None:
         raise ValueError(f"mx_cast: x must be a Tensor, got {type(x).__name__}")
     if x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"mx_cast: x must be float32 or bfloat16, got {x.dtype}")
-    formats.as_format(fmt)
+    formats.op_format("mx_cast", fmt)
     formats.as_mode(mode)
     if axis not in (-1, 0) or (axis == 0 and x.dim() != 2) or x.dim() < 1:
         raise ValueError(f"mx_cast: axis must be -1, or 0 for a 2-D x; got axis={axis} for shape {list(x.shape)}")

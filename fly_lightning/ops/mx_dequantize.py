@@ -21,11 +21,14 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _validate(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -> None:
-    f = formats.as_format(fmt)
+    f = formats.op_format("mx_dequantize", fmt)
     if not isinstance(data, Tensor) or not isinstance(scale, Tensor):
         raise ValueError("mx_dequantize: data and scale must be Tensors")
-    if data.element_size() != 1 or scale.element_size() != 1:
-        raise ValueError(f"mx_dequantize: data and scale must be 1-byte tensors, got {data.dtype} and {scale.dtype}")
+    if data.dtype not in (torch.uint8, formats.data_dtype(f)):
+        want = " or ".join(dict.fromkeys(str(d) for d in (formats.data_dtype(f), torch.uint8)))
+        raise ValueError(f"mx_dequantize: {f.name} data must be {want}, got {data.dtype}")
+    if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise ValueError(f"mx_dequantize: scales must be float8_e8m0fnu or uint8, got {scale.dtype}")
     if dtype not in _DTYPES:
         raise ValueError(f"mx_dequantize: dtype must be one of {[str(d) for d in _DTYPES]}, got {dtype}")
     want = [*scale.shape[:-1], scale.shape[-1] * formats.BLOCK // f.per_byte] if scale.dim() else None

@@ -139,7 +139,7 @@ def _(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> Tensor:
 
 
 # the custom op where something traces or a tensor subclass is given; eager calls skip its wrapper's host cost
-_mx_grouped_mm_call = TracedOrDirect(mx_grouped_mm_op, MX_GROUPED_MM)
+_mx_grouped_mm_call = TracedOrDirect(mx_grouped_mm_op, MX_GROUPED_MM, forward_only=_OP)
 
 
 def mx_grouped_mm(

@@ -70,6 +70,8 @@ def _mx_scaled_mm_aten(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> Tenso
     """torchao's emulated path: dequantise to bf16, a bf16 GEMM (fp32 GEMM on CPU, where bf16 matmul is slow)."""
     dtype = torch.bfloat16 if a.is_cuda else torch.float32
     da, db = _operands(a, a_scale, a_fmt, b, b_scale, b_fmt, dtype)
+    if dtype == torch.bfloat16 and out_dtype != torch.bfloat16:  # fp32 sums rounded once, not through bf16
+        return torch.mm(da, db.t(), out_dtype=torch.float32).to(out_dtype)
     return torch.mm(da, db.t()).to(out_dtype)
 
 
@@ -109,7 +111,7 @@ def _(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> Tensor:
 
 
 # the custom op where something traces or a tensor subclass is given; eager calls skip its wrapper's host cost
-_mx_scaled_mm_call = TracedOrDirect(mx_scaled_mm_op, MX_SCALED_MM)
+_mx_scaled_mm_call = TracedOrDirect(mx_scaled_mm_op, MX_SCALED_MM, forward_only="mx_scaled_mm")
 
 
 def mx_scaled_mm(

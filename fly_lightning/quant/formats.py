@@ -75,8 +75,19 @@ def as_format(fmt: MXFormat | str) -> MXFormat:
         return fmt
     try:
         return FORMATS[fmt]
-    except KeyError:
+    except (KeyError, TypeError):  # TypeError: an unhashable value
         raise ValueError(f"unknown MX format {fmt!r}; known: {sorted(FORMATS)}") from None
+
+
+def op_format(op: str, fmt: str, name: str = "fmt") -> MXFormat:
+    """The format an operator's ``name`` argument names: a format name (the custom ops' schemas take strings, and
+    the kernels key their constants by name), or ``ValueError`` naming ``op``."""
+    if not isinstance(fmt, str):
+        raise ValueError(f"{op}: {name} must be a format name, one of {sorted(FORMATS)}; got {fmt!r}")
+    try:
+        return FORMATS[fmt]
+    except KeyError:
+        raise ValueError(f"{op}: unknown MX format {fmt!r} for {name}; known: {sorted(FORMATS)}") from None
 
 
 def data_dtype(fmt: MXFormat | str) -> torch.dtype:
@@ -85,10 +96,10 @@ def data_dtype(fmt: MXFormat | str) -> torch.dtype:
     return f.torch_dtype if f.bits == 8 else torch.uint8
 
 
-def check_operand(op: str, name: str, data: Tensor, scale: Tensor, fmt: MXFormat | str, dims: int) -> int:
+def check_operand(op: str, name: str, data: Tensor, scale: Tensor, fmt: str, dims: int) -> int:
     """Validate one MX operand of ``op``: ``dims``-D data ``[..., rows, K / per_byte]`` in ``data_dtype(fmt)`` with
     ``[..., rows, K / 32]`` E8M0 scales on its device, K % 32 == 0. Raises ``ValueError`` naming ``op``; returns K."""
-    f = as_format(fmt)
+    f = op_format(op, fmt, f"{name}_fmt")
     want = data_dtype(f)
     if not isinstance(data, Tensor) or data.dim() != dims or data.dtype != want:
         got = f"{getattr(data, 'dtype', type(data).__name__)} of {getattr(data, 'dim', lambda: '?')()} dims"

@@ -10,8 +10,14 @@ from __future__ import annotations
 import torch
 
 from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as kernel
-from fly_lightning.kernels.flydsl.mx_scaled_mm import device_arch
+from fly_lightning.kernels.flydsl.mx_scaled_mm import alignment_reason, device_arch, run_or_fallback
 from fly_lightning.ops.mx_grouped_mm import MX_GROUPED_MM
+
+
+def _alignment(x, x_scale, w, w_scale, offs) -> str | None:
+    return alignment_reason(
+        ("x", x, 16), ("x_scale", x_scale, 8), ("w", w, 16), ("w_scale", w_scale, 8), ("offs", offs, 4)
+    )
 
 
 def layout_reason(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> str | None:
@@ -27,9 +33,8 @@ def layout_reason(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> str 
     for name, t in (("x", x), ("x_scale", x_scale), ("w", w), ("w_scale", w_scale), ("offs", offs)):
         if not t.is_contiguous():
             return f"{name} not contiguous"
-        align = 16 if name in ("x", "w") else 8 if name.endswith("scale") else 4
-        if t.data_ptr() % align:
-            return f"{name} not {align}-byte aligned"
+    if (reason := _alignment(x, x_scale, w, w_scale, offs)) is not None:
+        return reason
     k = w.shape[2] * 8 // kernel.FORMATS[w_fmt][0] if w_fmt in kernel.FORMATS else 0
     ok, reason = kernel.supports(x.shape[0], w.shape[1], k, x_fmt, w_fmt, out_dtype, w.shape[0])
     return None if ok else reason
@@ -49,4 +54,5 @@ def _supports(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> bool | s
     verified="compile-only",
 )
 def mx_grouped_mm_flydsl(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> torch.Tensor:
-    return kernel.launch_mx_grouped_mm(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype)
+    args = (x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype)
+    return run_or_fallback(MX_GROUPED_MM, _alignment(x, x_scale, w, w_scale, offs), args, kernel.launch_mx_grouped_mm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from fly_lightning.dispatch import record_fallback
 from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as kernel
 from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
@@ -19,6 +20,25 @@ def device_arch(device: torch.device) -> str | None:
         return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
     except (RuntimeError, AssertionError, AttributeError):
         return None
+
+
+def alignment_reason(*named: tuple[str, torch.Tensor, int]) -> str | None:
+    """Why ``(name, tensor, bytes)`` operands are not aligned as the kernels load them (16-byte data loads; scales
+    as one or two dwords per K stage; int32 offsets), or None. Checked on every call as well as in the support
+    predicate: the dispatcher caches its decision per shape, strides and dtypes, not per address."""
+    for name, t, align in named:
+        if t.data_ptr() % align:
+            return f"{name} not {align}-byte aligned"
+    return None
+
+
+def run_or_fallback(op, reason: str | None, args: tuple, launch) -> torch.Tensor:
+    """``launch(*args)``, or, for operands misaligned on this call (``reason``), ATen, the fallback counted and
+    logged with its reason."""
+    if reason is None:
+        return launch(*args)
+    record_fallback(op, ("flydsl", reason), args, f"flydsl: {reason} on this call (ATen ran)")
+    return op.impls["aten"].fn(*args)
 
 
 def layout_reason(
@@ -42,9 +62,8 @@ def layout_reason(
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
         if not t.is_contiguous():
             return f"{name} not contiguous"
-        align = 16 if name in ("a", "b") else 8  # 16-byte data loads; scales as one or two dwords per K stage
-        if t.data_ptr() % align:
-            return f"{name} not {align}-byte aligned"
+    if reason := alignment_reason(("a", a, 16), ("a_scale", a_scale, 8), ("b", b, 16), ("b_scale", b_scale, 8)):
+        return reason
     k = b.shape[1] * 8 // kernel.FORMATS[b_fmt][0] if b_fmt in kernel.FORMATS else 0
     ok, reason = kernel.supports(a.shape[0], b.shape[0], k, a_fmt, b_fmt, out_dtype)
     return None if ok else reason
@@ -63,4 +82,6 @@ def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
     verified="compile-only",
 )
 def mx_scaled_mm_flydsl(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:
-    return kernel.launch_mx_scaled_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
+    reason = alignment_reason(("a", a, 16), ("a_scale", a_scale, 8), ("b", b, 16), ("b_scale", b_scale, 8))
+    args = (a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
+    return run_or_fallback(MX_SCALED_MM, reason, args, kernel.launch_mx_scaled_mm)

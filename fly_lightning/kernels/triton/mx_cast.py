@@ -37,7 +37,7 @@ from fly_lightning.kernels.triton._mx_elements import (
     rceil_biased,
     widened,
 )
-from fly_lightning.kernels.triton._support import device_reason, on_device
+from fly_lightning.kernels.triton._support import copy_reason, device_reason, on_device
 from fly_lightning.ops.mx_cast import MX_CAST
 from fly_lightning.quant import formats
 
@@ -203,15 +203,16 @@ def cast_support(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
         return f"rceil scales from {x.dtype} input (torchao's fp32 log2 rounding; the kernel takes rceil from bf16)"
     if axis == 0:
         if x.shape[1] > 1 and x.stride(1) != 1:
-            return "columns not contiguous (column-wise cast)"
+            return copy_reason("x", x, "columns not contiguous (column-wise cast)")
         return True
     k = x.shape[-1]
     if k > 1 and x.stride(-1) != 1:
-        return "last dim not contiguous"
+        return copy_reason("x", x)
     try:
-        x.view(-1, k)
+        if x.numel():  # empty input launches nothing (and view(-1, 0) cannot infer its rows)
+            x.view(-1, k)
     except RuntimeError:
-        return "leading dims not collapsible to rows (would need a copy)"
+        return copy_reason("x", x, "leading dims not collapsible to rows")
     return True
 
 

@@ -12,7 +12,7 @@ import torch
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._mx_dequant import dequantize
-from fly_lightning.kernels.triton._support import ON_HIP, device_reason
+from fly_lightning.kernels.triton._support import ON_HIP, copy_reason, device_reason
 from fly_lightning.ops.mx_dequantize import MX_DEQUANTIZE
 from fly_lightning.quant import formats
 
@@ -36,9 +36,9 @@ def _supports(data: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dt
         return f"{dtype} output (the kernel writes bf16)"
     for name, t in (("data", data), ("scale", scale)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
-            return f"{name} last dim not contiguous"
+            return copy_reason(name, t)
         if _rows(t) is None:
-            return f"{name} leading dims not collapsible to rows (would need a copy)"
+            return copy_reason(name, t, "leading dims not collapsible to rows")
     return True
 
 

@@ -9,7 +9,7 @@ import torch
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
-from fly_lightning.kernels.triton._support import ON_HIP, device_reason
+from fly_lightning.kernels.triton._support import ON_HIP, copy_reason, device_reason
 from fly_lightning.kernels.triton.grouped_mm import MAX_GROUPS  # each program loads all offsets as one vector
 from fly_lightning.ops.mx_grouped_mm import MX_GROUPED_MM
 from fly_lightning.quant import formats
@@ -19,7 +19,7 @@ K_MULTIPLE = 128  # the fast MX kernels' boundary (as PyTorch's MX path); every 
 
 def _contiguous_rows(name: str, t: torch.Tensor | None) -> str | None:
     if t is not None and t.shape[-1] > 1 and t.stride(-1) != 1:
-        return f"{name} last dim not contiguous (would need a copy of {t.numel() * t.element_size()} bytes)"
+        return copy_reason(name, t)
     return None
 
 
@@ -37,7 +37,7 @@ def _supports(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> bool | s
         if (reason := _contiguous_rows(name, t)) is not None:
             return reason
     if offs.numel() > 1 and offs.stride(0) != 1:
-        return "offs not contiguous"
+        return copy_reason("offs", offs, "not contiguous")
     if w.shape[0] > MAX_GROUPS:
         return f"{w.shape[0]} groups (kernel takes at most {MAX_GROUPS})"
     return True

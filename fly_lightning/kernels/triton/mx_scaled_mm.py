@@ -80,6 +80,7 @@ from fly_lightning.kernels.triton._mx_dequant import (
 )
 from fly_lightning.kernels.triton._support import (
     ON_HIP,
+    copy_reason,
     device_reason,
     interpreting,
     num_sms,
@@ -231,9 +232,7 @@ def _plan(
 
 
 def _copy_reason(name: str, t: torch.Tensor) -> str | None:
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        return f"{name} last dim not contiguous (a layout copy of {t.numel() * t.element_size()} bytes would fit it)"
-    return None
+    return copy_reason(name, t) if t.shape[1] > 1 and t.stride(1) != 1 else None
 
 
 def _supports(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> bool | str:
@@ -322,7 +321,7 @@ def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor
     "triton",
     supports=_supports,
     constraints="sm90+ (CUDA; ROCm on ATen); "
-    "MXFP8 (e4m3/e5m2) x MXFP8, MXFP4 x MXFP4, bf16 x MX (weight-only); "
+    "MX x MX (e4m3, e5m2, e2m1; formats may differ), bf16 x MX (weight-only); "
     "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
     "bf16 MMAs with fp32 accumulation; few rows: K split, operands swapped (weight-only MXFP4 up to 32 rows: not "
     "swapped, fp4 decoded from 32-bit words where rows are 4-byte aligned); M >= 128: dequantised to bf16 "

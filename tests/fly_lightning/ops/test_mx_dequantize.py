@@ -18,9 +18,16 @@ def _mx(fmt: str, shape=(4, 64)) -> tuple[torch.Tensor, torch.Tensor]:
     [
         (lambda d, s: (d[:, :-1], s, "mxfp8_e4m3", torch.bfloat16), "does not match scales"),
         (lambda d, s: (d, s[:, :1], "mxfp8_e4m3", torch.bfloat16), "does not match scales"),
-        (lambda d, s: (d.float(), s, "mxfp8_e4m3", torch.bfloat16), "1-byte tensors"),
+        (lambda d, s: (d.float(), s, "mxfp8_e4m3", torch.bfloat16), "data must be"),
+        # 1-byte tensors of another meaning: read as these formats they would decode to wrong values
+        (lambda d, s: (d, s, "mxfp8_e5m2", torch.bfloat16), "mxfp8_e5m2 data must be torch.float8_e5m2 or torch.uint8"),
+        (lambda d, s: (d.view(torch.bool), s, "mxfp8_e4m3", torch.bfloat16), "data must be"),
+        (lambda d, s: (d, s.view(torch.float8_e4m3fn), "mxfp8_e4m3", torch.bfloat16), "scales must be float8_e8m0fnu"),
+        (lambda d, s: (d, s, formats.MXFP8_E4M3, torch.bfloat16), "fmt must be a format name"),
+        (lambda d, s: (d, s, ["mxfp8_e4m3"], torch.bfloat16), "fmt must be a format name"),
         (lambda d, s: (d, s, "mxfp6", torch.bfloat16), "unknown MX format"),
-        (lambda d, s: (d, s, "mxfp4_e2m1", torch.bfloat16), "does not match scales"),  # fp8 bytes read as fp4
+        (lambda d, s: (d, s, "mxfp4_e2m1", torch.bfloat16), "mxfp4_e2m1 data must be torch.uint8, got"),
+        (lambda d, s: (d.view(torch.uint8), s, "mxfp4_e2m1", torch.bfloat16), "does not match scales"),  # as fp4
         (lambda d, s: (d, s, "mxfp8_e4m3", torch.int32), "dtype must be one of"),
         (lambda d, s: (d, "s", "mxfp8_e4m3", torch.bfloat16), "must be Tensors"),
     ],

@@ -141,3 +141,14 @@ def test_listed_in_the_registry_and_the_support_matrix():
     assert fly_lightning.get_op("mx_grouped_mm").name == "mx_grouped_mm"
     table = markdown()
     assert "| `mx_grouped_mm` | aten |" in table and "| `mx_grouped_mm` | triton |" in table
+
+
+def test_an_input_requiring_grad_is_refused():
+    """Forward only (MX experts train through ``MXGroupedProjection``, which has the gradient formula)."""
+    _, _, args = _problem(None, "mxfp8_e4m3", k=128, x_dtype=torch.bfloat16)
+    x = args[0].requires_grad_()
+    with pytest.raises(ValueError, match="mx_grouped_mm: forward only"):
+        fly_lightning.mx_grouped_mm(x, args[3], args[4], args[5], args[6])
+    with torch.no_grad():
+        y = fly_lightning.mx_grouped_mm(x, args[3], args[4], args[5], args[6], out_dtype=torch.float32)
+    assert not y.requires_grad

@@ -66,6 +66,9 @@ def _operands(k: int = 64):
         (lambda a, b, s: (a.half(), b, s, "mxfp8_e4m3", {}), "bf16/fp32"),
         (lambda a, b, s: (a, b, s, "mxfp8_e4m3", {"a_fmt": "mxfp8_e4m3"}), "needs a_scale"),
         (lambda a, b, s: (a, b, s, "mxfp8_e4m3", {"out_dtype": torch.int8}), "out_dtype"),
+        # a format object, not its name: the kernels key their constants by name
+        (lambda a, b, s: (a, b, s, formats.MXFP8_E4M3, {}), "b_fmt must be a format name"),
+        (lambda a, b, s: (a, b, s, ["mxfp8_e4m3"], {}), "b_fmt must be a format name"),
     ],
 )
 def test_invalid_arguments_raise_before_any_kernel(change, match):
@@ -100,3 +103,41 @@ def test_the_auto_form_rule_follows_the_kernels_boundaries():
     assert op.DEQUANT_BACKEND == "triton" and op.NATIVE_BACKENDS == ("flydsl",)
     assert not op.dequant_backend("mx_scaled_mm", torch.device("cpu"))
     assert op.native_backend("mx_scaled_mm", torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("k", [128, 96])  # K=128: Triton (interpreter) runs it; K=96: ATen does
+def test_an_input_requiring_grad_is_refused_whichever_backend(k):
+    """Forward only: a gradient would otherwise be dropped (Triton's output) or kept (ATen's) by backend."""
+    b, s = fly_lightning.mx_cast(torch.randn(16, k), "mxfp8_e4m3")
+    a = torch.randn(8, k, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(ValueError, match="forward only"):
+        fly_lightning.mx_scaled_mm(a, b, s, "mxfp8_e4m3")
+    assert fly_lightning.DISPATCH_LOG.records("mx_scaled_mm") == []
+    with torch.no_grad():
+        y = fly_lightning.mx_scaled_mm(a, b, s, "mxfp8_e4m3", out_dtype=torch.float32)
+    ref = mx_scaled_mm_reference(a.detach(), None, None, b, s, "mxfp8_e4m3", torch.float32)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_meta_tensors_give_the_shape():
+    """Shape inference on the meta device (deferred init) goes through the op's fake, for every MX op."""
+    meta = torch.device("meta")
+    a = torch.empty(16, 128, dtype=torch.bfloat16, device=meta)
+    b = torch.empty(24, 128, dtype=torch.float8_e4m3fn, device=meta)
+    s = torch.empty(24, 4, dtype=torch.float8_e8m0fnu, device=meta)
+    offs = torch.tensor([8, 16], dtype=torch.int32, device=meta)
+    outs = {
+        "mx_scaled_mm": fly_lightning.mx_scaled_mm(a, b, s, "mxfp8_e4m3"),
+        "mx_grouped_mm": fly_lightning.mx_grouped_mm(a, b.view(2, 12, 128), s.view(2, 12, 4), "mxfp8_e4m3", offs),
+        "mx_dequantize": fly_lightning.mx_dequantize(b, s, "mxfp8_e4m3"),
+        "mx_cast": fly_lightning.mx_cast(a, "mxfp8_e4m3")[0],
+        "mx_fake_quantize": fly_lightning.mx_fake_quantize(a, "mxfp8_e4m3"),
+    }
+    shapes = {name: (tuple(y.shape), y.device.type) for name, y in outs.items()}
+    assert shapes == {
+        "mx_scaled_mm": ((16, 24), "meta"),
+        "mx_grouped_mm": ((16, 12), "meta"),
+        "mx_dequantize": ((24, 128), "meta"),
+        "mx_cast": ((16, 128), "meta"),
+        "mx_fake_quantize": ((16, 128), "meta"),
+    }

@@ -172,3 +172,21 @@ def test_launch_function_traces_and_compiles(tmp_path):
     assert facts["keys"] == ["(256, 512, 'mxfp8_e4m3', 'mxfp8_e4m3', torch.bfloat16, '64x128', 4)"]
     assert facts["shape"] == [333, 256] and facts["dtype"] == "torch.bfloat16"
     assert [p.parent.name for p in (tmp_path / "dump").glob("*/*final_isa.s")] == ["fly_mx_scaled_mm_fwd_0"]
+
+
+def test_a_misaligned_call_under_a_cached_decision_runs_aten(monkeypatch):
+    """As the dense op: alignment is checked per call, since the dispatch key holds no addresses."""
+    import fly_lightning
+    from fly_lightning.kernels.flydsl import mx_grouped_mm as backend
+    from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
+
+    monkeypatch.setattr(backend.kernel, "launch_mx_grouped_mm", lambda *args: "kernel")
+    x, xs, _, w, ws, _, offs, out = _operands(m=16, e=2, n=8, k=128, rocm=False)
+    assert backend.mx_grouped_mm_flydsl(x, xs, F8, w, ws, F8, offs, out) == "kernel"
+    odd = torch.zeros(x.numel() + 1, dtype=torch.uint8)[1:].view(x.dtype).view(x.shape)
+    odd.copy_(x)
+    y = backend.mx_grouped_mm_flydsl(odd, xs, F8, w, ws, F8, offs, out)
+    rows = int(offs[-1])  # rows past the last offset are left unwritten
+    torch.testing.assert_close(y[:rows], mx_grouped_mm_reference(x, xs, F8, w, ws, F8, offs, out)[:rows])
+    (rec,) = fly_lightning.DISPATCH_LOG.records("mx_grouped_mm")
+    assert rec["fallback"] and "x not 16-byte aligned on this call" in rec["reason"]

@@ -210,3 +210,26 @@ def test_launch_function_traces_and_compiles(tmp_path):
     ]
     assert facts["shapes"] == [[100, 256], [30, 132]] and facts["dtypes"] == ["torch.bfloat16", "torch.float32"]
     assert [p.parent.name for p in (tmp_path / "dump").glob("*/*final_isa.s")] == ["fly_mx_scaled_mm_fwd_0"]
+
+
+def test_a_misaligned_call_under_a_cached_decision_runs_aten(monkeypatch):
+    """Alignment is not part of the dispatch key: a later call whose operands sit at an unaligned address (a view at
+    an odd offset, same shape and strides) must not reach the kernel. It runs ATen, counted and logged."""
+    import fly_lightning
+    from fly_lightning.kernels.flydsl import mx_scaled_mm as backend
+    from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
+
+    launched = []
+    monkeypatch.setattr(backend.kernel, "launch_mx_scaled_mm", lambda *args: launched.append(args) or "kernel")
+    a, a_s, _, b, b_s, _, _ = _operands(m=8, n=16, k=128, rocm=False)
+    a = torch.randn(8, 128).to(torch.float8_e4m3fn)
+    aligned = torch.randn(16, 128).to(torch.float8_e4m3fn)
+    odd = torch.zeros(16 * 128 + 1, dtype=torch.uint8)[1:].view(torch.float8_e4m3fn).view(16, 128)
+    odd.copy_(aligned)
+    assert aligned.data_ptr() % 16 == 0 and odd.data_ptr() % 16 == 1
+    assert backend.mx_scaled_mm_flydsl(a, a_s, F8, aligned, b_s, F8, torch.float32) == "kernel"
+    y = backend.mx_scaled_mm_flydsl(a, a_s, F8, odd, b_s, F8, torch.float32)
+    assert len(launched) == 1
+    torch.testing.assert_close(y, mx_scaled_mm_reference(a, a_s, F8, aligned, b_s, F8, torch.float32))
+    (rec,) = fly_lightning.DISPATCH_LOG.records("mx_scaled_mm")
+    assert rec["fallback"] and "b not 16-byte aligned on this call" in rec["reason"] and rec["calls"] == 1

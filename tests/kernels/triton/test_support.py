@@ -54,3 +54,36 @@ def test_interpreter_row_blocks(monkeypatch):
     assert _support.rows_per_program(300, 16, t) == 512
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert _support.rows_per_program(2064, 32, t) == 32
+
+
+# --- layout fallback reasons ----------------------------------------------------------------------------------------
+
+
+def test_every_mx_layout_fallback_names_the_copy_bytes():
+    """An input the Triton MX kernels cannot read in its layout runs on ATen, and the dispatch log says what a copy
+    into their layout would take (the bytes of the input that needs it)."""
+    import fly_lightning
+
+    x = torch.randn(64, 128)
+    b, bs = fly_lightning.mx_cast(torch.randn(24, 128), "mxfp8_e4m3")
+    a, a_s = fly_lightning.mx_cast(x, "mxfp8_e4m3")
+    wd, ws = b.view(2, 12, 128), bs.view(2, 12, 4)
+    strided = lambda t: t.t().contiguous().t()  # noqa: E731 (same values, last dim not contiguous)
+    calls = {
+        ("mx_cast", 32768): lambda: fly_lightning.mx_cast(x.t(), "mxfp8_e4m3"),
+        ("mx_cast", 32768, "columns"): lambda: fly_lightning.mx_cast(x.t(), "mxfp8_e4m3", "floor", 0),
+        ("mx_fake_quantize", 32768): lambda: fly_lightning.mx_fake_quantize(x.t(), "mxfp8_e4m3"),
+        ("mx_dequantize", 3072): lambda: fly_lightning.mx_dequantize(strided(b), bs, "mxfp8_e4m3"),
+        ("mx_scaled_mm", 256): lambda: fly_lightning.mx_scaled_mm(a, b, bs, "mxfp8_e4m3", a_scale=strided(a_s),
+                                                                  a_fmt="mxfp8_e4m3"),
+        ("mx_grouped_mm", 8): lambda: fly_lightning.mx_grouped_mm(
+            x, wd, ws, "mxfp8_e4m3", torch.tensor([8, 0, 64, 0], dtype=torch.int32)[::2]
+        ),
+    }  # fmt: skip
+    for key, call in calls.items():
+        fly_lightning.DISPATCH_LOG.reset()
+        call()
+        (record,) = fly_lightning.DISPATCH_LOG.records(key[0])
+        triton_reason = record["reason"].split("triton: ")[1]
+        assert record["backend"] == "aten" and f"a layout copy of {key[1]} bytes" in triton_reason, (key, record)
+        assert len(key) == 2 or key[2] in triton_reason

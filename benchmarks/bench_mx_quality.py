@@ -29,7 +29,7 @@ def fine_tune(quant: str, steps: int, precision: str, seed: int = 0, val_batches
     quant, _, mode = quant.partition(":")
     model = MoECausalLM(quant=quant, quant_mode=mode or None, export_dir=None)
     fmt = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1"}.get(quant)
-    mode = FlyMXConfig(fmt, fmt, mode or None).mode if fmt else "-"  # the mode the run used
+    mode = FlyMXConfig(fmt, fmt, mode or None).spec.mode if fmt else "-"  # the mode the run used
     data = LMData(seed=seed)
     trainer = L.Trainer(
         strategy="flydsl",

@@ -62,7 +62,7 @@ class MXExperts:
         )
 
     def act(self, x: Tensor) -> Tensor:
-        return x if self.act_fmt is None else mx_fake_quantize(x, self.act_fmt, self.mode)
+        return x if self.act_fmt is None else _fake_quantize(x, self.act_fmt, self.mode)
 
     def weight(self, w_EKN: Tensor) -> Tensor:
         """``[E, K, N]`` weights cast along K (the contraction dim), same layout, no copy of the master: rows of the
@@ -71,9 +71,9 @@ class MXExperts:
             return w_EKN
         e, k, n = _checked(w_EKN).shape
         if w_EKN.is_contiguous():  # blocks down the columns of [E * K, N]: K % 32 == 0 keeps them within one expert
-            return mx_fake_quantize(w_EKN.reshape(e * k, n), self.weight_fmt, self.mode, 0).reshape(e, k, n)
+            return _fake_quantize(w_EKN.reshape(e * k, n), self.weight_fmt, self.mode, 0).reshape(e, k, n)
         rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column (a view of [E, N, K] storage)
-        return mx_fake_quantize(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
+        return _fake_quantize(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
 
     def project(self, x_MK: Tensor, offs_E: Tensor, *weights_EKN: Tensor) -> tuple[Tensor, ...]:
         """``grouped_mm(x, w, offs)`` for each of ``weights_EKN`` on the MX values through ``mx_grouped_mm``
@@ -91,6 +91,16 @@ class MXExperts:
         )
 
 
+def _castable(t: Tensor) -> Tensor:
+    """``t`` in a dtype the MX casts take: fp16 (``16-true`` / ``16-mixed`` runs) widened to fp32, where it is exact."""
+    return t.float() if t.dtype == torch.float16 else t
+
+
+def _fake_quantize(t: Tensor, fmt: str, mode: str, axis: int = -1) -> Tensor:
+    """``mx_fake_quantize`` of ``t`` in its own dtype (fp16 through fp32: ``_castable``)."""
+    return mx_fake_quantize(_castable(t), fmt, mode, axis).to(t.dtype)
+
+
 def _checked(w_EKN: Tensor) -> Tensor:
     if w_EKN.shape[1] % formats.BLOCK:  # else column-wise blocks of [E * K, N] would straddle two experts
         raise ValueError(f"MXExperts: the input dim K={w_EKN.shape[1]} of {list(w_EKN.shape)} is not a multiple of 32")
@@ -106,14 +116,14 @@ class MXGroupedProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_MK: Tensor, offs_E: Tensor, mx: MXExperts, *weights_EKN: Tensor) -> tuple[Tensor, ...]:
         if mx.act_fmt is None:  # weight-only: the rows as they are
-            x_d, x_s = x_MK, None
+            x_d, x_s = _castable(x_MK), None
         else:
-            x_d, x_s = mx_cast(x_MK, mx.act_fmt, mx.mode)
+            x_d, x_s = mx_cast(_castable(x_MK), mx.act_fmt, mx.mode)
         outs, saved = [], []
         for w_EKN in weights_EKN:
             e, k, n = _checked(w_EKN).shape
             rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # [E, N, K] rows: a view of HF storage, else one copy
-            w_d, w_s = mx_cast(rows, mx.weight_fmt, mx.mode)
+            w_d, w_s = mx_cast(_castable(rows), mx.weight_fmt, mx.mode)
             w_d, w_s = w_d.reshape(e, n, -1), w_s.reshape(e, n, -1)
             saved += [w_d, w_s]
             outs.append(

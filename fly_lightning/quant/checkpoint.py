@@ -102,6 +102,14 @@ def _refuse_sharded(key: str, *tensors: Tensor) -> None:
         raise MXCheckpointError(f"MX checkpoint: {key} is sharded (DTensor); gather the model before saving/loading")
 
 
+def _refuse_meta(key: str, *tensors: Tensor) -> None:
+    """Loading into meta tensors would write nothing (``copy_`` there is a no-op) and report success."""
+    if any(t.is_meta for t in tensors):
+        raise MXCheckpointError(
+            f"MX checkpoint: {key} is on the meta device; materialise the model first (module.to_empty(device=...))"
+        )
+
+
 def master_values(data: Tensor, scale: Tensor, fmt: str, mode: str) -> Tensor:
     """fp32 values ``[..., K]`` whose MX cast (``fmt``, ``mode``) is ``(data, scale)`` again: the dequantised values
     except where the cast is not the inverse of dequantising (torchao's conventions, kept by ``formats``):
@@ -351,6 +359,7 @@ def _load(path: Path, targets: dict[str, MXTarget], handle, weights: dict, stric
     keys = [k for k in targets if k in weights]
     for key in keys:  # everything checked, bytes included, before the model is touched (read twice: no copy kept)
         _refuse_sharded(key, *targets[key].tensors)
+        _refuse_meta(key, *targets[key].tensors)
         _check_entry(path, targets[key], weights[key], handle)
         _read_checked(path, key, weights[key], handle)
     with torch.no_grad():

@@ -9,7 +9,12 @@ MX expert numerics (``FlyMoE.mx``). Both multiply MX values through the dispatch
 gradient (``quant.frozen``): Linears become ``FlyMXFrozenLinear``, a block's expert container ``FlyMXFrozenExperts``.
 To freeze only the experts: ``filter_fn=lambda m, fqn: isinstance(m, FlyMoE)``.
 
-A Linear whose ``in_features`` is not a multiple of 32 (MX blocks) is left as it is, with a warning naming it.
+Left as they are, with a warning naming them: a Linear whose ``in_features`` is not a multiple of 32 (MX blocks);
+a parametrized Linear (``torch.nn.utils.parametrize``: its weight is computed, its trainable tensors would be lost);
+``nn.MultiheadAttention``'s ``out_proj`` (attention reads its weight directly, never calls it); a layer torchao
+already quantized; an MX layer (frozen) whose stored format differs from a new config's. A training ``FlyMXLinear``
+takes a new config's numerics (its master weight is there). A selected ``FlyMoE`` block's shared experts are
+converted with it, with ``mx_filter``'s rules: ``quantize_`` does not visit a selected module's children.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torchao.core.config import AOBaseConfig
 from torchao.quantization.transform_module import register_quantize_module_handler
 
@@ -36,7 +42,8 @@ class FlyMXConfig(AOBaseConfig):
         weight: the weights' MX format: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4_e2m1"``.
         activation: the activations' format, or None for weight-only (bf16/fp32 activations times MX weights).
         mode: scale mode, ``"floor"`` or ``"rceil"`` (torchao's ``ScaleCalculationMode`` values). None (default):
-            ``formats.default_mode`` (``"rceil"`` when every format is MXFP8, else ``"floor"``).
+            ``formats.default_mode`` of the formats (``"rceil"`` when every format is MXFP8, else ``"floor"``),
+            resolved in ``spec``, so that ``dataclasses.replace`` with other formats takes their default.
         frozen: store the weights in MX (data and scales as buffers), drop the high-precision weights, no weight
             gradient (``fly_lightning.quant.frozen``); False: training, cast from the master every forward.
         kernel_preference: how training layers multiply (``formats.KERNEL_PREFERENCES``): ``"auto"`` (default;
@@ -56,12 +63,13 @@ class FlyMXConfig(AOBaseConfig):
         formats.as_format(self.weight)
         if self.activation is not None:
             formats.as_format(self.activation)
-        mode = formats.default_mode(self.weight, self.activation) if self.mode is None else self.mode
-        self.mode = formats.as_mode(mode).value
+        if self.mode is not None:
+            self.mode = formats.as_mode(self.mode).value
         self.kernel_preference = formats.as_kernel_preference(self.kernel_preference)
 
     @property
     def spec(self) -> MXSpec:
+        """The layers' numerics: the formats, the scale mode (the formats' default when ``mode`` is None), the form."""
         return MXSpec(self.weight, self.activation, self.mode, self.kernel_preference)
 
 
@@ -79,43 +87,80 @@ def torchao_quantized(module: nn.Module) -> str | None:
 
 def mx_filter(module: nn.Module, fqn: str) -> bool:
     """``quantize_``'s ``filter_fn`` for ``FlyMXConfig``: every ``nn.Linear`` and swapped MoE block, except the output
-    head (``lm_head``) and routers (``gate``/``router``), which published MX recipes keep in high precision."""
-    if not isinstance(module, (nn.Linear, FlyMoE)):
-        return False
+    head (``lm_head``), routers (``gate``/``router``, a shared expert's ``shared_expert_gate``), which published MX
+    recipes keep in high precision, and ``nn.MultiheadAttention``'s ``out_proj`` (never called: see the module
+    docstring)."""
+    if not isinstance(module, (nn.Linear, FlyMoE, FlyMXFrozenLinear)) or isinstance(module, _NEVER_CALLED):
+        return False  # frozen MX Linears: selected so that a new config's different format is reported
     last = fqn.rsplit(".", 1)[-1]
-    return last not in ("lm_head", "output", "gate", "router") and not fqn.endswith(".router.gate")
+    gates = ("lm_head", "output", "gate", "router", "shared_expert_gate")
+    return last not in gates and not fqn.endswith(".router.gate")
+
+
+_NEVER_CALLED = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
+"""Linears whose owner reads the weight without calling them (``nn.MultiheadAttention.out_proj``): an MX forward
+would never run there, and a frozen one would take away the weight the owner reads."""
+
+
+def _left(module: nn.Module, why: str, left: str = "left as it is") -> nn.Module:
+    warnings.warn(f"FlyMXConfig: Linear({module.in_features}, {module.out_features}) {left}: {why}", stacklevel=3)
+    return module
 
 
 @register_quantize_module_handler(FlyMXConfig)
 def _swap_linear(module: nn.Module, config: FlyMXConfig) -> nn.Module:
     if isinstance(module, FlyMoE):
         return _mx_experts(module, config)
-    if not isinstance(module, nn.Linear):  # FlyMXFrozenLinear included: it holds no nn.Linear weight
+    if isinstance(module, FlyMXFrozenLinear):  # no master to convert again from
+        if _stored(module.spec) != _stored(config.spec):
+            return _left(module, f"frozen in MX as {_stored(module.spec)}; a new config cannot re-cast it")
+        return module
+    if not isinstance(module, nn.Linear):
         return module
     if (owner := torchao_quantized(module)) is not None:
-        warnings.warn(
-            f"FlyMXConfig: Linear({module.in_features}, {module.out_features}) left as it is: already quantized by "
-            f"torchao ({owner})",
-            stacklevel=2,
-        )
-        return module
+        return _left(module, f"already quantized by torchao ({owner})")
+    if isinstance(module, _NEVER_CALLED):
+        return _left(module, "its owner (nn.MultiheadAttention) reads the weight without calling it")
+    if parametrize.is_parametrized(module):
+        return _left(module, "parametrized (its weight is computed from trainable tensors a swap would lose)")
     if isinstance(module, FlyMXLinear) and not config.frozen:
+        module.spec = config.spec  # a training layer: the master weight is there, the new numerics apply
         return module
     if module.in_features % formats.BLOCK:
-        warnings.warn(
-            f"FlyMXConfig: Linear({module.in_features}, {module.out_features}) left in high precision: in_features "
-            f"is not a multiple of {formats.BLOCK}",
-            stacklevel=2,
-        )
-        return module
+        return _left(module, f"in_features is not a multiple of {formats.BLOCK}", "left in high precision")
     if config.frozen:  # from a Linear or a training FlyMXLinear: its master is dropped
         return FlyMXFrozenLinear.from_linear(module, config.spec)
     return FlyMXLinear.from_linear(module, config.spec)
 
 
+def _stored(spec: MXSpec) -> tuple[str, str | None, str]:
+    """What a frozen layer's stored bytes and forward are fixed to (a new frozen config must match them)."""
+    return (spec.weight, spec.activation, spec.mode)
+
+
+def _swap_children(parent: nn.Module, prefix: str, config: FlyMXConfig) -> None:
+    """``_swap_linear`` on the Linears below ``parent`` that ``mx_filter`` selects (their names from ``prefix``)."""
+    for name, child in list(parent.named_children()):
+        fqn = f"{prefix}.{name}"
+        if isinstance(child, FlyMXFrozenLinear) or mx_filter(child, fqn):
+            setattr(parent, name, _swap_linear(child, config))
+        elif not isinstance(child, nn.Linear):
+            _swap_children(child, fqn, config)
+
+
+_SHARED = ("shared_experts", "shared_expert")  # FlyMoE's dense experts (torchtitan's; Qwen2-MoE's / Llama-4's)
+
+
 def _mx_experts(moe: FlyMoE, config: FlyMXConfig) -> FlyMoE:
-    """The block's experts take MX forward numerics (``FlyMoE.mx``); its router and shared experts are not touched
-    here (the shared experts' ``nn.Linear`` layers are ``quantize_``'s own targets)."""
+    """The block's experts take MX forward numerics (``FlyMoE.mx``), its shared experts' Linears the Linear rules
+    (``quantize_`` does not visit the children of a module it selected); the router stays as it is."""
+    for attr in _SHARED:
+        shared = getattr(moe, attr, None)
+        if isinstance(shared, nn.Linear):
+            if mx_filter(shared, attr):
+                setattr(moe, attr, _swap_linear(shared, config))
+        elif isinstance(shared, nn.Module):
+            _swap_children(shared, attr, config)
     bad = [f"{n} {d}" for n, d in (("hidden", moe.hidden_size), ("intermediate", moe.intermediate_size)) if d % 32]
     if bad:
         warnings.warn(
@@ -124,12 +169,17 @@ def _mx_experts(moe: FlyMoE, config: FlyMXConfig) -> FlyMoE:
             stacklevel=2,
         )
         return moe
+    spec = config.spec
     if isinstance(moe.experts, FlyMXFrozenExperts):
-        if not config.frozen:
-            warnings.warn("FlyMXConfig: MoE experts already frozen in MX are left frozen", stacklevel=2)
+        if not config.frozen or _stored(moe.experts.spec) != _stored(spec):
+            warnings.warn(
+                f"FlyMXConfig: MoE experts frozen in MX as {_stored(moe.experts.spec)} are left as they are (no "
+                "master to cast again from)",
+                stacklevel=2,
+            )
         return moe
     if config.frozen:
-        moe.experts = FlyMXFrozenExperts.from_moe(moe, config.spec)  # the old container (the masters) goes
+        moe.experts = FlyMXFrozenExperts.from_moe(moe, spec)  # the old container (the masters) goes
         install_saved_tensor_hooks(moe)
-    moe.mx = MXExperts(config.weight, config.activation, config.mode, config.frozen, config.kernel_preference)
+    moe.mx = MXExperts(spec.weight, spec.activation, spec.mode, config.frozen, spec.kernel_preference)
     return moe

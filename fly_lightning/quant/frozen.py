@@ -32,16 +32,15 @@ from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_dequantize import mx_dequantize
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
 from fly_lightning.quant import formats
-from fly_lightning.quant.linear import MXSpec
+from fly_lightning.quant.linear import COMPUTE, MXSpec, adopt_module_state, check_features, linear_dtypes
 
 VERSION = 1  # of the stored layout and metadata (state dicts and MX checkpoints)
-_COMPUTE = (torch.bfloat16, torch.float32)  # what mx_cast / mx_scaled_mm take
 
 
 def quantize_rows(w: Tensor, fmt: str, mode: str) -> tuple[Tensor, Tensor]:
     """``w`` ``[..., K]`` cast to MX along its last dim: ``(data, scale)`` as ``uint8`` (see the module docstring)."""
     x = w.detach()
-    if x.dtype not in _COMPUTE:
+    if x.dtype not in COMPUTE:
         x = x.float()  # fp16 is exact in fp32
     data, scale = mx_cast(x.reshape(-1, x.shape[-1]).contiguous(), fmt, mode)
     f = formats.as_format(fmt)
@@ -64,11 +63,10 @@ def dequantize_rows(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -
     return mx_dequantize(data, scale, fmt, dtype)
 
 
-def _compute_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
-    """The autocast dtype under autocast (as ``F.linear``), else the original weights' dtype (fp16: fp32)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return stored if stored in _COMPUTE else torch.float32
+def _operand_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
+    """The dtype of dequantised expert weights: the autocast dtype under autocast (as ``F.linear``), else the original
+    weights' dtype, the block's compute dtype (fp16 too: its grouped GEMMs take one dtype for rows and weights)."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else stored
 
 
 def _metadata(fmt: str, mode: str, shape: list[int], **extra: object) -> dict:
@@ -91,14 +89,17 @@ def _check_metadata(owner: str, mine: dict, state: object) -> None:
 
 class _FrozenMXFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK: Tensor, data_NK: Tensor, scale_NK: Tensor, spec: MXSpec) -> Tensor:
-        ctx.save_for_backward(data_NK, scale_NK)  # the MX bytes, not a dequantised weight
-        ctx.spec = spec
+    def forward(x_MK: Tensor, data_NK: Tensor, scale_NK: Tensor, spec: MXSpec) -> Tensor:
         b, b_scale = typed(data_NK, scale_NK, spec.weight)
         if spec.activation is None:
             return mx_scaled_mm(x_MK, b, b_scale, spec.weight, out_dtype=x_MK.dtype)
         a, a_scale = mx_cast(x_MK, spec.activation, spec.mode)
         return mx_scaled_mm(a, b, b_scale, spec.weight, a_scale=a_scale, a_fmt=spec.activation, out_dtype=x_MK.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # apart from forward: torch.func.grad needs it
+        ctx.save_for_backward(inputs[1], inputs[2])  # the MX bytes, not a dequantised weight
+        ctx.spec = inputs[3]
 
     @staticmethod
     def backward(ctx, grad_MN: Tensor):
@@ -153,8 +154,7 @@ class FlyMXFrozenLinear(nn.Module):
         data, scale = quantize_rows(linear.weight, spec.weight, new.spec.mode)
         new.weight_data, new.weight_scale = data, scale
         new.bias = linear.bias
-        new._forward_hooks, new._forward_pre_hooks = linear._forward_hooks, linear._forward_pre_hooks
-        return new
+        return adopt_module_state(new, linear)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -165,15 +165,14 @@ class FlyMXFrozenLinear(nn.Module):
         return dequantize_rows(self.weight_data, self.weight_scale, self.spec.weight, dtype or self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        dtype = _compute_dtype(x.device, self.dtype)
+        check_features(self, x)
+        dtype, out = linear_dtypes(x, self.dtype)
         with torch.autocast(x.device.type, enabled=False):
-            y = _FrozenMXFunction.apply(x2.to(dtype), self.weight_data, self.weight_scale, self.spec)
+            x2 = x.reshape(-1, self.in_features).to(dtype)
+            y = _FrozenMXFunction.apply(x2, self.weight_data, self.weight_scale, self.spec)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        if not torch.is_autocast_enabled(x.device.type) and self.dtype not in _COMPUTE:
-            y = y.to(self.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.to(out).reshape(*x.shape[:-1], self.out_features)
 
     def get_extra_state(self) -> dict:
         return _metadata(self.spec.weight, self.spec.mode, [self.out_features, self.in_features],
@@ -233,8 +232,8 @@ class FlyMXFrozenExperts(nn.Module):
     def projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
         """The grouped GEMMs' operands, as every expert container gives them: ``(gate_up or gate, up or None,
         down)``, dequantised (no gradient)."""
-        dtype = _compute_dtype(self._dtype.device, self.dtype)
-        ws = {name: self.operand(name, dtype) for name in self.names}
+        device = getattr(self, f"{self.names[0]}_data").device  # a saved buffer: _dtype stays put on a meta load
+        ws = {name: self.operand(name, _operand_dtype(device, self.dtype)) for name in self.names}
         if self._hooks and torch.is_grad_enabled():
             for name, w in ws.items():  # the pack hook recognises them by storage, shape and strides
                 self._live[_key(w)] = (name, w)

@@ -67,10 +67,40 @@ def _product(x_q: Tensor, w_q: Tensor) -> Tensor:
     return x_q @ w_q.t()
 
 
+COMPUTE = (torch.bfloat16, torch.float32)
+"""Dtypes the MX casts take; other float operands (fp16: Lightning's ``16-true`` / ``16-mixed``) are computed in fp32,
+where fp16 values are exact, and the result is rounded back."""
+
+
+def linear_dtypes(x: Tensor, stored: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """``(compute, out)`` dtypes of an MX Linear's forward: ``out`` as ``F.linear`` gives it (the autocast dtype under
+    autocast, else the weights' ``stored`` dtype), ``compute`` the same or fp32 where the MX casts cannot take it."""
+    out = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else stored
+    return (out if out in COMPUTE else torch.float32), out
+
+
+def adopt_module_state(new: nn.Module, old: nn.Module) -> nn.Module:
+    """``new`` (replacing ``old``) takes its train/eval flag and forward and backward hooks (the dicts themselves, so
+    handles still remove them). State-dict hooks stay behind: they describe ``old``'s parameters."""
+    new.training = old.training
+    for name, value in vars(old).items():
+        if name.startswith(("_forward_", "_backward_")) or name == "_is_full_backward_hook":
+            setattr(new, name, value)
+    return new
+
+
+def check_features(owner: nn.Module, x: Tensor) -> None:
+    """An input of the wrong width gets a named error before any cast or kernel (as ``nn.Linear`` refuses it)."""
+    if x.dim() == 0 or x.shape[-1] != owner.in_features:
+        raise ValueError(
+            f"{type(owner).__name__}: input of shape {list(x.shape)} has {x.shape[-1] if x.dim() else 0} features, "
+            f"the layer takes {owner.in_features}"
+        )
+
+
 class _MXLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_MK: Tensor, w_NK: Tensor, spec: MXSpec) -> Tensor:
-        ctx.save_for_backward(x_MK, w_NK)
+    def forward(x_MK: Tensor, w_NK: Tensor, spec: MXSpec) -> Tensor:
         if spec.emulated(x_MK, w_NK):
             w_q = mx_fake_quantize(w_NK, spec.weight, spec.mode)
             x_q = x_MK if spec.activation is None else mx_fake_quantize(x_MK, spec.activation, spec.mode)
@@ -80,6 +110,10 @@ class _MXLinearFunction(torch.autograd.Function):
             return mx_scaled_mm(x_MK, b, b_scale, spec.weight, out_dtype=x_MK.dtype)
         a, a_scale = mx_cast(x_MK, spec.activation, spec.mode)
         return mx_scaled_mm(a, b, b_scale, spec.weight, a_scale=a_scale, a_fmt=spec.activation, out_dtype=x_MK.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Tensor) -> None:  # apart from forward: torch.func.grad needs it
+        ctx.save_for_backward(inputs[0], inputs[1])
 
     @staticmethod
     def backward(ctx, grad_MN: Tensor):
@@ -100,26 +134,22 @@ class FlyMXLinear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: MXSpec) -> FlyMXLinear:
-        """Wrap ``linear``'s own parameters (shared, not copied): same state dict keys, shapes and tensors."""
+        """Wrap ``linear``'s own parameters (shared, not copied): same state dict keys, shapes and tensors; its
+        train/eval flag and forward/backward hooks too (``adopt_module_state``)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features, new.spec = linear.in_features, linear.out_features, spec
         new.weight, new.bias = linear.weight, linear.bias
-        new._forward_hooks, new._forward_pre_hooks = linear._forward_hooks, linear._forward_pre_hooks
-        return new
+        return adopt_module_state(new, linear)
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if torch.is_autocast_enabled(x.device.type):  # as F.linear: operands in the autocast dtype
-            dtype = torch.get_autocast_dtype(x.device.type)
-            x2, w = x2.to(dtype), self.weight.to(dtype)
-        else:
-            x2, w = x2.to(self.weight.dtype), self.weight
+        check_features(self, x)
+        dtype, out = linear_dtypes(x, self.weight.dtype)  # as F.linear: operands in the autocast dtype under it
         with torch.autocast(x.device.type, enabled=False):
-            y = _MXLinearFunction.apply(x2, w, self.spec)
+            y = _MXLinearFunction.apply(x.reshape(-1, self.in_features).to(dtype), self.weight.to(dtype), self.spec)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return y.to(out).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (

@@ -282,3 +282,14 @@ def test_master_values_cast_back_to_the_same_bytes(fmt, mode, dtype):
     deq = formats.from_mx(data, scale, fmt)
     same = (back.float() == deq) | (scale.view(torch.uint8) == 0).repeat_interleave(32, -1)
     assert same.float().mean() > 0.95
+
+
+def test_loading_into_a_meta_model_is_refused(tmp_path):
+    """``copy_`` into meta tensors writes nothing: a load there would report keys it never set."""
+    src = _net(0, FlyMXConfig(frozen=True))
+    save_mx_checkpoint(src, tmp_path / "m.safetensors")
+    with torch.device("meta"):
+        dst = Net()
+    quantize_(dst, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    with pytest.raises(MXCheckpointError, match="on the meta device; materialise the model first"):
+        load_mx_checkpoint(dst, tmp_path / "m.safetensors")

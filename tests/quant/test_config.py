@@ -119,11 +119,16 @@ def test_auto_form_by_backend_dtype_and_shape(monkeypatch):
 
 
 def test_default_scale_mode_is_rceil_for_mxfp8_and_floor_with_mxfp4():
-    assert FlyMXConfig().mode == "rceil" and FlyMXConfig("mxfp8_e5m2", None).mode == "rceil"
-    assert FlyMXConfig("mxfp4_e2m1").mode == "floor" and FlyMXConfig("mxfp4_e2m1", None).mode == "floor"
-    assert FlyMXConfig("mxfp8_e4m3", "mxfp4_e2m1").mode == "floor"  # one mode for both casts: fp4's
-    assert FlyMXConfig(mode="floor").mode == "floor" and FlyMXConfig("mxfp4_e2m1", mode="rceil").mode == "rceil"
+    mode = lambda *args, **kw: FlyMXConfig(*args, **kw).spec.mode  # noqa: E731
+    assert mode() == "rceil" and mode("mxfp8_e5m2", None) == "rceil"
+    assert mode("mxfp4_e2m1") == "floor" and mode("mxfp4_e2m1", None) == "floor"
+    assert mode("mxfp8_e4m3", "mxfp4_e2m1") == "floor"  # one mode for both casts: fp4's
+    assert mode(mode="floor") == "floor" and mode("mxfp4_e2m1", mode="rceil") == "rceil"
     assert MXSpec().mode == "rceil" and MXSpec("mxfp4_e2m1", "mxfp4_e2m1").mode == "floor"  # the same rule
+    # the default is the formats', resolved when used: a config derived with other formats takes theirs
+    derived = dataclasses.replace(FlyMXConfig(), weight="mxfp4_e2m1", activation="mxfp4_e2m1")
+    assert derived.mode is None and derived.spec.mode == "floor"
+    assert dataclasses.replace(FlyMXConfig(mode="rceil"), weight="mxfp4_e2m1").spec.mode == "rceil"  # as asked
 
 
 def test_invalid_config_is_named():
@@ -170,3 +175,72 @@ def test_training_linears_under_torch_compile_whole_graph(preference):
     yc = torch.compile(model, backend="aot_eager", fullgraph=True)(x)
     gxc, gwc = torch.autograd.grad(yc, (x, model[0].weight), g)
     assert torch.equal(yc, y) and torch.equal(gxc, gx) and torch.equal(gwc, gw)
+
+
+def test_layers_a_swap_would_break_are_left_with_a_warning():
+    """A parametrized Linear (its weight is computed from trainable tensors) and ``nn.MultiheadAttention.out_proj``
+    (attention reads its weight without calling it) stay as they are, in either mode."""
+    for frozen in (False, True):
+        lin = nn.Linear(64, 64)
+        torch.nn.utils.parametrizations.weight_norm(lin)
+        mha = nn.MultiheadAttention(64, 4, batch_first=True)
+        model = nn.ModuleDict({"lin": lin, "mha": mha})
+        with pytest.warns(UserWarning, match="parametrized"):
+            quantize_(model, FlyMXConfig(frozen=frozen), filter_fn=lambda m, fqn: isinstance(m, nn.Linear))
+        assert model["lin"] is lin and len(list(lin.parameters())) == 3  # bias, original0, original1
+        assert type(mha.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+        x = torch.randn(2, 5, 64)
+        mha(x, x, x)  # runs (a frozen out_proj would have no weight to read)
+    assert not fly_lightning.mx_filter(mha.out_proj, "mha.out_proj")
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_swapped_layers_keep_mode_hooks_and_check_their_input_width(frozen):
+    from fly_lightning.quant import FlyMXFrozenLinear
+
+    lin = nn.Linear(64, 32).eval()
+    seen = []
+    lin.register_forward_pre_hook(lambda m, args, kwargs: seen.append("pre") or None, with_kwargs=True)
+    lin.register_forward_hook(lambda m, args, out: seen.append("post"), always_call=True)
+    model = nn.Sequential(lin)
+    quantize_(model, FlyMXConfig(frozen=frozen))
+    new = model[0]
+    assert type(new) is (FlyMXFrozenLinear if frozen else FlyMXLinear) and not new.training
+    new(torch.randn(3, 64))
+    assert seen == ["pre", "post"]
+    with pytest.raises(ValueError, match=r"input of shape \[4, 48\] has 48 features, the layer takes 64"):
+        new(torch.randn(4, 48))
+
+
+def test_a_second_config_retunes_training_layers_and_reports_frozen_ones():
+    from fly_lightning.modules.moe import FlyMoE
+
+    net = nn.Sequential(nn.Linear(64, 64), FlyMoE(64, 32, 4, 2))
+    quantize_(net, FlyMXConfig(), filter_fn=fly_lightning.mx_filter)
+    fp4 = FlyMXConfig("mxfp4_e2m1", "mxfp4_e2m1")
+    quantize_(net, fp4, filter_fn=fly_lightning.mx_filter)
+    assert net[0].spec == fp4.spec and net[1].mx.weight_fmt == "mxfp4_e2m1"  # one model, one set of numerics
+    frozen = nn.Sequential(nn.Linear(64, 64))
+    quantize_(frozen, FlyMXConfig(frozen=True), filter_fn=fly_lightning.mx_filter)
+    with pytest.warns(UserWarning, match="frozen in MX as .*mxfp8_e4m3.* a new config cannot re-cast it"):
+        quantize_(frozen, FlyMXConfig("mxfp4_e2m1", frozen=True), filter_fn=fly_lightning.mx_filter)
+    assert frozen[0].spec.weight == "mxfp8_e4m3"
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_fp16_models_and_fp16_autocast_compute_through_fp32(frozen):
+    """fp16 (Lightning's 16-true / 16-mixed): the MX casts take bf16 / fp32, so fp16 operands are widened (exactly)
+    and the result comes back in fp16, as ``F.linear`` gives it."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 32))
+    fp32 = copy.deepcopy(ref)
+    quantize_(fp32, FlyMXConfig(frozen=frozen))
+    half = copy.deepcopy(ref).half()
+    quantize_(half, FlyMXConfig(frozen=frozen))
+    x = torch.randn(4, 64)
+    y = half(x.half())
+    assert y.dtype == torch.float16
+    torch.testing.assert_close(y.float(), fp32(x), rtol=2e-2, atol=2e-2)  # fp16 weights and output rounding
+    with torch.autocast("cpu", dtype=torch.float16):
+        z = fp32(x)
+    assert z.dtype == torch.float16

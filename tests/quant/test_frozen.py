@@ -258,3 +258,55 @@ def test_frozen_modules_under_torch_compile():
         (gxc,) = torch.autograd.grad(yc, x, g)
         assert torch.equal(yc, y) and torch.equal(gxc, gx)
     assert not moe.experts._hooks  # the compiled forward entered none (they stand aside under compile)
+
+
+def test_a_selected_blocks_shared_experts_are_converted_with_it():
+    """``quantize_`` does not visit the children of a module its filter selected: the block's handler converts its
+    shared experts' Linears itself (its gate stays high precision, as routers do)."""
+    shared = nn.Sequential(nn.Linear(64, 128), nn.SiLU(), nn.Linear(128, 64))
+    moe = FlyMoE(64, 32, 4, 2, shared_experts=shared)
+    moe.shared_expert, moe.shared_expert_gate = nn.Linear(64, 64), nn.Linear(64, 1)
+    for frozen, kind in ((False, FlyMXLinear), (True, FlyMXFrozenLinear)):
+        block = copy.deepcopy(moe)
+        quantize_(block, FlyMXConfig(frozen=frozen), filter_fn=lambda m, fqn: isinstance(m, FlyMoE))
+        assert block.mx is not None
+        assert [type(m) for m in block.shared_experts] == [kind, nn.SiLU, kind]
+        assert type(block.shared_expert) is kind and type(block.shared_expert_gate) is nn.Linear
+        block(torch.randn(5, 64))
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_moe_block_in_fp16(frozen):
+    """An fp16 model (``16-true``): the casts run in fp32 (fp16 is exact there), the block computes in fp16."""
+    moe = _moe()
+    quantize_(moe, FlyMXConfig(frozen=frozen), filter_fn=mx_filter)
+    moe.half()
+    y = moe(torch.randn(6, 64).half())
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
+
+
+def test_frozen_experts_loaded_by_assignment_into_a_meta_model():
+    """Deferred init: a meta-device model, converted, then ``load_state_dict(assign=True)``. The non-persistent dtype
+    marker stays on meta; the experts take their device from the loaded MX buffers."""
+    src = _moe()
+    quantize_(src, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    with torch.device("meta"):
+        dst = FlyMoE(64, 32, 4, 2)
+    quantize_(dst, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    dst.load_state_dict(src.state_dict(), assign=True)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(dst(x), src(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_input_gradient_under_torch_func_grad(frozen):
+    """``torch.func.grad`` through the MX Linears (their autograd functions keep ``setup_context`` apart)."""
+    model = _dense()
+    ref = copy.deepcopy(model)
+    quantize_(model, FlyMXConfig(frozen=frozen))
+    x = torch.randn(3, 64)
+    g = torch.func.grad(lambda t: model(t).square().sum())(x)
+    xl = x.clone().requires_grad_()
+    model(xl).square().sum().backward()
+    torch.testing.assert_close(g, xl.grad)
+    assert ref is not model

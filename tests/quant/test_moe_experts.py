@@ -70,7 +70,7 @@ def test_experts_match_the_oracle_forward_and_backward(config, preference):
     ref = _moe()
     x = torch.randn(T, H, requires_grad=True)
     xr = x.detach().clone().requires_grad_()
-    y, y_ref = moe(x), _oracle(ref, xr, config.weight, config.activation, config.mode)
+    y, y_ref = moe(x), _oracle(ref, xr, config.weight, config.activation, config.spec.mode)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     ops = {r["op"] for r in fly_lightning.DISPATCH_LOG.records()}
     assert ("mx_grouped_mm" in ops) == (preference == "mx_gemm") and ("mx_fake_quantize" in ops) != (

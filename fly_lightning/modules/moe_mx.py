@@ -79,8 +79,7 @@ class MXExperts:
         """``grouped_mm(x, w, offs)`` for each of ``weights_EKN`` on the MX values through ``mx_grouped_mm``
         (``mx_gemm``'s form): rows in expert order, high-precision ``x`` (cast once for all weights) and masters;
         differentiable in all of them."""
-        weights_EKN = [autocast_operands(x_MK, w)[1] for w in weights_EKN]
-        x_MK = autocast_operands(x_MK, weights_EKN[0])[0]
+        x_MK, *weights_EKN = autocast_operands(x_MK, *weights_EKN)
         return MXGroupedProjection.apply(x_MK, offs_E, self, *weights_EKN)
 
     def __repr__(self) -> str:

@@ -259,18 +259,18 @@ def _backward(ctx, grad: Tensor):
 _grouped_mm_eager = EagerCall(GROUPED_MM, grouped_mm_op, _setup_context, _backward)
 
 
-def autocast_operands(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
-    """Cast floating operands (fp32, or the other 16-bit type) to the autocast dtype where autocast is on, as
-    autocast does for ``mm`` (it leaves fp64 alone).
+def autocast_operands(x: Tensor, *ws: Tensor) -> tuple[Tensor, ...]:
+    """``(x, *ws)`` with floating operands (fp32, or the other 16-bit type) cast to the autocast dtype where autocast
+    is on for ``x``'s device, as autocast does for ``mm`` (it leaves fp64 alone).
 
     Custom ops are invisible to autocast, so without this a ``bf16-mixed`` run would hand fp32 weights to the op and
     every call would fall back. The cast is differentiable: gradients reach the fp32 parameters as with ``F.linear``.
     """
-    if not isinstance(x, Tensor) or not isinstance(w, Tensor) or not torch.is_autocast_enabled(x.device.type):
-        return x, w
+    tensors = (x, *ws)
+    if not all(isinstance(t, Tensor) for t in tensors) or not torch.is_autocast_enabled(x.device.type):
+        return tensors
     dtype = torch.get_autocast_dtype(x.device.type)
-    cast = lambda t: t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t  # noqa: E731
-    return cast(x), cast(w)
+    return tuple(t.to(dtype) if t.dtype in (torch.float32, torch.float16, torch.bfloat16) else t for t in tensors)
 
 
 def grouped_mm(x_MK: Tensor, w: Tensor, offs_E: Tensor, *, out_dtype: torch.dtype | None = None) -> Tensor:

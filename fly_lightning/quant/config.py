@@ -142,9 +142,9 @@ def _swap_children(parent: nn.Module, prefix: str, config: FlyMXConfig) -> None:
     """``_swap_linear`` on the Linears below ``parent`` that ``mx_filter`` selects (their names from ``prefix``)."""
     for name, child in list(parent.named_children()):
         fqn = f"{prefix}.{name}"
-        if isinstance(child, FlyMXFrozenLinear) or mx_filter(child, fqn):
+        if mx_filter(child, fqn):
             setattr(parent, name, _swap_linear(child, config))
-        elif not isinstance(child, nn.Linear):
+        else:
             _swap_children(child, fqn, config)
 
 
@@ -156,9 +156,8 @@ def _mx_experts(moe: FlyMoE, config: FlyMXConfig) -> FlyMoE:
     (``quantize_`` does not visit the children of a module it selected); the router stays as it is."""
     for attr in _SHARED:
         shared = getattr(moe, attr, None)
-        if isinstance(shared, nn.Linear):
-            if mx_filter(shared, attr):
-                setattr(moe, attr, _swap_linear(shared, config))
+        if isinstance(shared, nn.Module) and mx_filter(shared, attr):  # the shared expert a single Linear
+            setattr(moe, attr, _swap_linear(shared, config))
         elif isinstance(shared, nn.Module):
             _swap_children(shared, attr, config)
     bad = [f"{n} {d}" for n, d in (("hidden", moe.hidden_size), ("intermediate", moe.intermediate_size)) if d % 32]

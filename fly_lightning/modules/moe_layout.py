@@ -43,7 +43,18 @@ LIST_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen": ("gate_proj", "up_proj", "d
 STOCK_ORDER = {("w1", "w3", "w2"): ("w1", "w2", "w3")}  # transformers 4's Mixtral expert defines w1, w2, w3
 
 
-class RouterWeight(nn.Module):
+class _Initialised(nn.Module):
+    """A container whose own parameters ``reset_parameters`` initialises (normal, ``FlyMoE.reset_parameters``' std):
+    Lightning's FSDP2 / model-parallel setup calls it on every module holding parameters when it materialises a model
+    built on the meta device; without it they would keep uninitialised memory."""
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            for p in self.parameters(recurse=False):
+                nn.init.normal_(p, std=std)
+
+
+class RouterWeight(_Initialised):
     """The router's ``[E, H]`` weight (``gate.weight``, or ``router.gate.weight`` in torchtitan)."""
 
     def __init__(self, num_experts: int, hidden_size: int, device=None, dtype=None) -> None:
@@ -51,7 +62,7 @@ class RouterWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=device, dtype=dtype))
 
 
-class FusedExperts(nn.Module):
+class FusedExperts(_Initialised):
     """transformers v5 experts: ``gate_up_proj`` [E, 2I, H] (gate rows, then up rows) and ``down_proj`` [E, H, I]."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None, dtype=None) -> None:
@@ -150,7 +161,7 @@ def _list_load_hook(
     state_dict[prefix + "down_proj"] = torch.stack(downs)
 
 
-class SplitExperts(nn.Module):
+class SplitExperts(_Initialised):
     """torchtitan ``GroupedExperts``: ``w1`` (gate), ``w3`` (up), ``w2`` (down) as 3-D parameters.
 
     Current torchtitan stores them like stacked ``nn.Linear`` weights (``w1``/``w3`` [E, I, H], ``w2`` [E, H, I]);
@@ -177,7 +188,7 @@ class SplitExperts(nn.Module):
         return "legacy=True" if self.legacy else ""
 
 
-class TransposedFusedExperts(nn.Module):
+class TransposedFusedExperts(_Initialised):
     """transformers Llama-4 experts: ``gate_up_proj`` [E, H, 2I] (gate columns, then up) and ``down_proj`` [E, I, H],
     already the grouped GEMMs' ``[E, K, N]`` operands."""
 
@@ -191,7 +202,7 @@ class TransposedFusedExperts(nn.Module):
         return self.gate_up_proj, None, self.down_proj
 
 
-class DbrxExperts(nn.Module):
+class DbrxExperts(_Initialised):
     """transformers DBRX experts: ``mlp.w1`` (gate), ``mlp.v1`` (up), ``mlp.w2`` (down), each ``[E * I, H]``."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, device=None, dtype=None) -> None:

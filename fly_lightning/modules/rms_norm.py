@@ -61,6 +61,13 @@ class FlyRMSNorm(nn.Module):
             new.register_parameter("weight", None)
         return new
 
+    def reset_parameters(self) -> None:
+        """The initial weight (ones; zeros with an ``offset``, as Gemma's), as ``nn.RMSNorm.reset_parameters``:
+        Lightning's FSDP2 / model-parallel setup calls it to materialise a model built on the meta device."""
+        if self.weight is not None:
+            with torch.no_grad():
+                (nn.init.zeros_ if self.offset else nn.init.ones_)(self.weight)
+
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.normalized_shape[0]:
             raise ValueError(f"FlyRMSNorm: expected last dim {self.normalized_shape[0]}, got {x.shape[-1]}")

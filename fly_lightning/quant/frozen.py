@@ -27,12 +27,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from fly_lightning.modules._state import carry_module_state
 from fly_lightning.modules.moe import FlyMoE
 from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_dequantize import mx_dequantize
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm
 from fly_lightning.quant import formats
-from fly_lightning.quant.linear import COMPUTE, MXSpec, adopt_module_state, check_features, linear_dtypes
+from fly_lightning.quant.linear import COMPUTE, MXSpec, check_features, linear_dtypes
 
 VERSION = 1  # of the stored layout and metadata (state dicts and MX checkpoints)
 
@@ -154,7 +155,7 @@ class FlyMXFrozenLinear(nn.Module):
         data, scale = quantize_rows(linear.weight, spec.weight, new.spec.mode)
         new.weight_data, new.weight_scale = data, scale
         new.bias = linear.bias
-        return adopt_module_state(new, linear)
+        return carry_module_state(new, linear)
 
     @property
     def dtype(self) -> torch.dtype:

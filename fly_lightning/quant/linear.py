@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from fly_lightning.dtensor import is_dtensor
+from fly_lightning.modules._state import carry_module_state
 from fly_lightning.ops.mx_cast import mx_cast
 from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
 from fly_lightning.ops.mx_scaled_mm import emulated_form, mx_scaled_mm
@@ -79,16 +80,6 @@ def linear_dtypes(x: Tensor, stored: torch.dtype) -> tuple[torch.dtype, torch.dt
     return (out if out in COMPUTE else torch.float32), out
 
 
-def adopt_module_state(new: nn.Module, old: nn.Module) -> nn.Module:
-    """``new`` (replacing ``old``) takes its train/eval flag and forward and backward hooks (the dicts themselves, so
-    handles still remove them). State-dict hooks stay behind: they describe ``old``'s parameters."""
-    new.training = old.training
-    for name, value in vars(old).items():
-        if name.startswith(("_forward_", "_backward_")) or name == "_is_full_backward_hook":
-            setattr(new, name, value)
-    return new
-
-
 def check_features(owner: nn.Module, x: Tensor) -> None:
     """An input of the wrong width gets a named error before any cast or kernel (as ``nn.Linear`` refuses it)."""
     if x.dim() == 0 or x.shape[-1] != owner.in_features:
@@ -135,12 +126,12 @@ class FlyMXLinear(nn.Linear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: MXSpec) -> FlyMXLinear:
         """Wrap ``linear``'s own parameters (shared, not copied): same state dict keys, shapes and tensors; its
-        train/eval flag and forward/backward hooks too (``adopt_module_state``)."""
+        train/eval flag and forward/backward hooks too (``carry_module_state``)."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features, new.spec = linear.in_features, linear.out_features, spec
         new.weight, new.bias = linear.weight, linear.bias
-        return adopt_module_state(new, linear)
+        return carry_module_state(new, linear)
 
     def forward(self, x: Tensor) -> Tensor:
         check_features(self, x)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from fly_lightning.dtensor import is_dtensor
+from fly_lightning.modules._state import carry_module_state
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Unsupported(Exception):
 
 MATCHERS: list[Matcher] = []
 SHARDED = "parameters already sharded (DTensor): transform before fully_shard / parallelize_module"
+OVERRIDDEN = "forward overridden on the instance (accelerate's device or offload hooks, say): a swap would drop it"
 
 # class-name endings of modules a user may expect us to handle, for the "not recognised" list
 _INTERESTING = ("norm", "moe", "moeblock", "experts", "router", "gate")
@@ -153,6 +155,8 @@ def _try_swap(module: nn.Module, wanted: set[str], root: nn.Module) -> nn.Module
         if any(is_dtensor(p) for p in module.parameters()):
             # FSDP2 / TP keep references to this module (parameter swaps, hooks): swapping it now would break them
             return SHARDED
+        if "forward" in vars(module):
+            return OVERRIDDEN
         try:
             new = m.build(module, variant, root)
         except Unsupported as exc:
@@ -160,5 +164,6 @@ def _try_swap(module: nn.Module, wanted: set[str], root: nn.Module) -> nn.Module
         except Exception as exc:  # noqa: BLE001 - a module we misread is left as it is, never a crashed fit
             return f"conversion failed ({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''})"
         new._fly_matcher = f"{m.name}:{getattr(new, '_fly_variant', variant)}"  # a probe may settle the variant
-        return new
+        new.train(module.training)
+        return carry_module_state(new, module)  # hooks on the block or norm keep firing
     return None

@@ -416,3 +416,34 @@ def test_transform_package_is_installed_by_a_wheel():
     root = Path(fly_lightning.__file__).resolve().parents[1]
     packages = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
     assert "fly_lightning.transform" in packages
+
+
+def test_a_meta_model_materialised_as_lightning_does_is_initialised():
+    """Lightning's FSDP2 / model-parallel setup builds on the meta device, then ``to_empty`` and ``reset_parameters``
+    on every module holding parameters: the swapped norm must start at ones (zeros with an offset), as nn.RMSNorm."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(H, H), nn.RMSNorm(H))
+    fly_lightning.transform(model)
+    assert isinstance(model[1], FlyRMSNorm)
+    model.to_empty(device="cpu")
+    for m in model.modules():
+        if any(True for _ in m.parameters(recurse=False)):
+            m.reset_parameters()
+    assert torch.equal(model[1].weight, torch.ones(H))
+    gemma = FlyRMSNorm(H, offset=1.0)
+    gemma.weight.data.fill_(3.0)
+    gemma.reset_parameters()
+    assert torch.equal(gemma.weight, torch.zeros(H))
+
+
+def test_moe_weight_containers_initialise_their_own_parameters():
+    from fly_lightning.modules import moe_layout
+
+    containers = [moe_layout.RouterWeight(4, 8), moe_layout.FusedExperts(4, 8, 16),
+                  moe_layout.ExpertList(4, 8, 16, ("w1", "w3", "w2"))]  # fmt: skip
+    for c in containers:
+        with torch.no_grad():
+            for p in c.parameters():
+                p.fill_(float("nan"))
+        c.reset_parameters()
+        assert all(torch.isfinite(p).all() and 0 < p.std() < 0.1 for p in c.parameters()), type(c).__name__

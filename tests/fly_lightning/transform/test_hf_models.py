@@ -262,3 +262,35 @@ def test_router_with_state_we_do_not_model_is_left_with_reason():
     plain = transformers.Ernie4_5_MoeForCausalLM(cfg)  # Ernie 4.5's moe_statics bias alone: modelled, swapped
     swapped = [p for p, cls, _ in fly_lightning.transform(plain).swapped if cls == "Ernie4_5_MoeSparseMoeBlock"]
     assert swapped and "gate.moe_statics.e_score_correction_bias" in plain.get_submodule(swapped[0]).state_dict()
+
+
+def test_swapped_blocks_and_norms_keep_hooks_and_mode(hf, moe_model_name):
+    """A forward hook on an MoE block or a norm keeps firing after the swap (activation statistics, load monitors),
+    and an eval-mode model stays in eval mode throughout."""
+    model = hf.build(moe_model_name).eval()
+    layer = model.model.layers[0]
+    calls = {"mlp": 0, "norm": 0}
+    layer.mlp.register_forward_hook(lambda m, args, out: calls.__setitem__("mlp", calls["mlp"] + 1))
+    handle = layer.input_layernorm.register_forward_pre_hook(
+        lambda m, args: calls.__setitem__("norm", calls["norm"] + 1)
+    )
+    fly_lightning.transform(model)
+    assert getattr(model.model.layers[0].mlp, "_fly_swapped", False)
+    model(hf.tokens())
+    assert calls == {"mlp": 1, "norm": 1}
+    assert not any(m.training for m in model.modules())
+    handle.remove()  # the handle still reaches the swapped norm's hooks
+    model(hf.tokens())
+    assert calls == {"mlp": 2, "norm": 1}
+
+
+def test_a_block_with_an_instance_forward_is_left_with_reason(hf):
+    """accelerate's device and offload hooks replace ``forward`` on the instance: a swap would drop them."""
+    model = hf.build("mixtral")
+    mlp = model.model.layers[0].mlp
+    original = mlp.forward
+    mlp.forward = lambda *args, **kw: original(*args, **kw)
+    summary = fly_lightning.transform(model, ops=["moe"])
+    left = {path: why for path, _, why in summary.left}
+    assert "forward overridden on the instance" in left["model.layers.0.mlp"]
+    assert model.model.layers[0].mlp is mlp

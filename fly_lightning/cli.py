@@ -28,22 +28,23 @@ def _current_env() -> str:
     return tuning.environment_key(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-def _db(path: str | None) -> tuning.TuningDB:
-    if path:
-        return tuning.TuningDB(path)
-    db = tuning.active_db()
-    if db is None:
-        raise SystemExit(f"{PROG}: the tuning database is off (FLY_LIGHTNING_TUNING_DB=off)")
-    return db
+def _db(path: str | None, read_only: bool = False) -> tuning.TuningDB:
+    """The database named, else the active one; ``read_only``: a bad file is an error, never moved aside."""
+    if not path:
+        db = tuning.active_db()
+        if db is None:
+            raise SystemExit(f"{PROG}: the tuning database is off (FLY_LIGHTNING_TUNING_DB=off)")
+        path = db.path
+    return tuning.TuningDB(path, read_only=read_only)
 
 
 def _show(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    db = _db(args.db)
+    db = _db(args.db, read_only=True)
     current = _current_env()
-    rows = [e for e in db.entries() if args.op is None or e[1] == args.op]
+    rows = [e for e in db.entries() if args.op is None or e[1] == args.op]  # a bad file: main reports it
     console = Console()
     console.print(f"[bold]{db.path}[/]: {len(rows)} entries; this machine: {current}")
     envs = sorted({env for env, *_ in rows}, key=lambda e: e != current)
@@ -68,6 +69,13 @@ def _prune(args: argparse.Namespace) -> int:
 
 
 def _pin(args: argparse.Namespace) -> int:
+    from fly_lightning.registry import OPS
+
+    if args.op not in OPS:
+        raise SystemExit(f"{PROG} tuning pin: unknown op {args.op!r}; ops: {', '.join(sorted(OPS))}")
+    if not args.unpin and args.backend not in OPS[args.op].impls:
+        known = ", ".join(OPS[args.op].impls)
+        raise SystemExit(f"{PROG} tuning pin: {args.op} has no {args.backend!r} backend; its backends: {known}")
     _db(args.db).pin(args.env or _current_env(), args.op, args.key, None if args.unpin else args.backend)
     return 0
 
@@ -96,6 +104,8 @@ def _tune(args: argparse.Namespace, extra: list[str]) -> int:
     if args.hf_config:
         if args.batch_size is None or args.seq_len is None:
             raise SystemExit(f"{PROG} tune: --hf-config needs --batch-size and --seq-len (the training run's)")
+        if not os.path.exists(args.hf_config):
+            raise SystemExit(f"{PROG} tune: --hf-config {args.hf_config}: no such directory or config.json")
         if extra:
             raise SystemExit(f"{PROG} tune: unrecognized arguments with --hf-config: {' '.join(extra)}")
         cmd = [sys.executable, "-m", "fly_lightning.pretune", args.hf_config, f"--batch-size={args.batch_size}",
@@ -105,6 +115,9 @@ def _tune(args: argparse.Namespace, extra: list[str]) -> int:
         cmd += extra
     rc = subprocess.call(cmd, env=env)
     added = [(e, o, k) for e, o, k, _ in db.entries() if (e, o, k) not in before]
+    if rc != 0:
+        print(f"{PROG}: tuning run failed (exit {rc}); {len(added)} shape(s) tuned into {db.path} before it stopped")
+        return rc
     print(f"{PROG}: {len(added)} shape(s) tuned into {db.path}; train with FLY_LIGHTNING_SELECT=measure to use them")
     return rc
 
@@ -145,11 +158,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args, extra = parser().parse_known_args(argv)
     if args.command != "tune" and extra:
         parser().error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "tune":
-        return _tune(args, extra)
-    if args.command == "tuning":
-        return {"show": _show, "prune": _prune, "pin": _pin}[args.action](args)
-    return {"support": _support, "diff": _diff}[args.command](args)
+    try:
+        if args.command == "tune":
+            return _tune(args, extra)
+        if args.command == "tuning":
+            return {"show": _show, "prune": _prune, "pin": _pin}[args.action](args)
+        return {"support": _support, "diff": _diff}[args.command](args)
+    except (OSError, ValueError) as exc:  # a database or path that cannot be used: one line, not a traceback
+        print(f"{PROG}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

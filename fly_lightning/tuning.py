@@ -133,21 +133,43 @@ def _empty() -> dict[str, Any]:
     return {"format": FORMAT, "version": VERSION, "environments": {}}
 
 
+def _well_formed(environments: dict) -> bool:
+    """Every level a mapping down to the entries, each naming its backend (``get`` and the CLI read them so)."""
+    return all(
+        isinstance(ops, dict)
+        and all(
+            isinstance(keys, dict)
+            and all(isinstance(entry, dict) and isinstance(entry.get("backend"), str) for entry in keys.values())
+            for keys in ops.values()
+        )
+        for ops in environments.values()
+    )
+
+
 class TuningDB:
     """The database at ``path``: ``get`` reads (cached, reloaded when the file changes), ``put``/``pin``/``prune``
     write under the lock with a merge."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, read_only: bool = False) -> None:
+        """``read_only``: a file that cannot be read or parsed raises ``ValueError`` (for commands that show it)
+        instead of being moved aside and rebuilt (what a training run does: it must never stop for a cache)."""
         self.path = Path(path)
+        self.read_only = read_only
         self._data: dict[str, Any] | None = None
         self._stamp: tuple[int, int] | None = None
 
     # --- reading ------------------------------------------------------------------------------------------------
     def _read(self) -> dict[str, Any]:
-        """The file's contents; a missing file is empty; an unreadable one is moved aside with a warning."""
+        """The file's contents; a missing file is empty; an unreadable one is moved aside with a warning (a path that
+        cannot be read at all, a directory say, is left where it is and read as empty)."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
+            return _empty()
+        except (OSError, UnicodeDecodeError) as exc:
+            if self.read_only:
+                raise ValueError(f"{self.path}: cannot be read ({type(exc).__name__}: {exc})") from None
+            warnings.warn(f"tuning database {self.path} cannot be read ({exc}); nothing tuned is used", stacklevel=3)
             return _empty()
         try:
             data = json.loads(text)
@@ -155,8 +177,12 @@ class TuningDB:
                 raise ValueError("not a fly-lightning tuning database")
             if data.get("version") != VERSION or not isinstance(data.get("environments"), dict):
                 raise ValueError(f"version {data.get('version')!r}, expected {VERSION}")
+            if not _well_formed(data["environments"]):
+                raise ValueError("malformed entries (environment -> op -> shape key -> entry with a backend)")
             return data
         except ValueError as exc:
+            if self.read_only:
+                raise ValueError(f"{self.path}: {exc}") from None
             aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
             with contextlib.suppress(OSError):
                 os.replace(self.path, aside)

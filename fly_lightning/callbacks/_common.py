@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -9,6 +11,26 @@ import torch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """``text`` to ``path`` through a temporary file in its directory and one rename: a reader (or a crash, or a full
+    disk half-way) sees the old file or the new one, never a truncated one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def writes_outputs(trainer: pl.Trainer) -> bool:
+    """Whether end-of-fit files are written: not under ``fast_dev_run``, which gives no log directory (the files
+    would land in the working directory), nor on ranks other than 0."""
+    return trainer.is_global_zero and not trainer.fast_dev_run
 
 
 def resolve_dir(trainer: pl.Trainer, dirpath: str | Path | None) -> Path:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from fly_lightning.callbacks import _common
 from fly_lightning.callbacks.manifest import Usage, make_manifest, merge_sections, rank_sections, write_manifest
@@ -149,8 +150,13 @@ class DispatchCoverage(pl.Callback):
             return
         sections = merge_sections(per_rank)
         self.manifest = make_manifest(sections, _run_info(trainer, len(per_rank), self._policy))
-        directory = self._dir or _common.resolve_dir(trainer, self.dirpath)
-        self.manifest_path = write_manifest(self.manifest, directory / self.filename)
+        self.manifest_path = None
+        if _common.writes_outputs(trainer):
+            directory = self._dir or _common.resolve_dir(trainer, self.dirpath)
+            try:  # the run is over: a file that cannot be written is reported, never a crash of a finished fit
+                self.manifest_path = write_manifest(self.manifest, directory / self.filename)
+            except OSError as exc:
+                rank_zero_warn(f"DispatchCoverage: {self.filename} not written ({type(exc).__name__}: {exc})")
         if self.print_table:
             from rich.console import Console
 
@@ -161,7 +167,8 @@ class DispatchCoverage(pl.Callback):
             console.print(coverage_table(self.manifest))
             for line in coverage_notes(self.manifest):
                 console.print(line, highlight=False, markup=False)
-            console.print(f"dispatch manifest: {self.manifest_path}", highlight=False, markup=False)
+            if self.manifest_path is not None:
+                console.print(f"dispatch manifest: {self.manifest_path}", highlight=False, markup=False)
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_listening()

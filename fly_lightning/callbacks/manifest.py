@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fly_lightning.callbacks._common import write_text_atomic
 from fly_lightning.dispatch_log import NOT_SPECIALISED
 
 if TYPE_CHECKING:
@@ -157,11 +158,9 @@ def dumps(manifest: Mapping[str, Any]) -> str:
 
 
 def write_manifest(manifest: Mapping[str, Any], path: str | Path) -> Path:
+    """Validate and write atomically (``fly-lightning diff`` reads the previous run's file: never half a file)."""
     validate_manifest(manifest)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(dumps(manifest))
-    return path
+    return write_text_atomic(path, dumps(manifest))
 
 
 def load_manifest(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:

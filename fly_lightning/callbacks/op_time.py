@@ -217,25 +217,25 @@ class OperatorTime(pl.Callback):
         if not trainer.is_global_zero or not self.results:
             return
         directory = self._dir or _common.resolve_dir(trainer, self.dirpath)
-        directory.mkdir(parents=True, exist_ok=True)
         spread = step_spread(self.results)
         outliers = set(spread["outlier_steps"])
         kept = [r for r in self.results if r.step not in outliers]
         typical = mean(kept)
-        self.json_path = directory / "op_time.json"
-        self.json_path.write_text(
-            json.dumps(
-                {
-                    "mean": mean(self.results).to_dict(),  # every profiled step
-                    "typical": typical.to_dict(),  # the mean without the outlier steps
-                    "step_ms": spread,
-                    "steps": [r.to_dict() for r in self.results],
-                },
-                indent=2,
-                sort_keys=True,
-            )
-            + "\n"
-        )
+        record = {
+            "mean": mean(self.results).to_dict(),  # every profiled step
+            "typical": typical.to_dict(),  # the mean without the outlier steps
+            "step_ms": spread,
+            "steps": [r.to_dict() for r in self.results],
+        }
+        writes = _common.writes_outputs(trainer)
+        self.json_path = None
+        if writes:
+            try:  # the run is over: a file that cannot be written is reported, never a crash of a finished fit
+                text = json.dumps(record, indent=2, sort_keys=True) + "\n"
+                self.json_path = _common.write_text_atomic(directory / "op_time.json", text)
+            except OSError as exc:
+                writes = False
+                rank_zero_warn(f"OperatorTime: op_time.json not written ({type(exc).__name__}: {exc})")
         from rich.console import Console
 
         console = Console()
@@ -244,7 +244,7 @@ class OperatorTime(pl.Callback):
         console.print(typical.table(f"time by operator, mean of {of} profiled step{'s' * (n != 1)}"))
         for line in spread_lines(spread):
             console.print(line, highlight=False)
-        if self.plot:
+        if self.plot and writes:
             if importlib.util.find_spec("matplotlib") is None:
                 console.print(
                     "op_time.png not written: matplotlib is not installed (pip install matplotlib)", highlight=False
@@ -252,7 +252,11 @@ class OperatorTime(pl.Callback):
                 return
             from fly_lightning.callbacks.plot import save_step_bars
 
-            self.png_path = save_step_bars(self.results, directory / "op_time.png")
+            try:
+                self.png_path = save_step_bars(self.results, directory / "op_time.png")
+            except (OSError, ValueError) as exc:  # a full disk, a backend that cannot render
+                rank_zero_warn(f"OperatorTime: op_time.png not written ({type(exc).__name__}: {exc})")
+                return
             if self.png_path is not None:
                 console.print(f"step breakdown: {self.png_path}", highlight=False)
 

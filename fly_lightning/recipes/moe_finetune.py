@@ -35,6 +35,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from fly_lightning.callbacks import DispatchCoverage, OperatorTime
 from fly_lightning.recipes.data import LMData
+from fly_lightning.recipes.text import has_tokenizer
 
 PROG = "fly-finetune"
 Arch = Literal["qwen3_moe", "mixtral", "olmoe"]
@@ -204,7 +205,10 @@ class MoECausalLM(L.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
-        total = max(1, self.trainer.max_steps if self.trainer.max_steps > 0 else 1000)
+        # the cosine spans the run: max_steps, else what the epochs and the data give (Lightning's estimate)
+        total = max(
+            1, self.trainer.max_steps if self.trainer.max_steps > 0 else self.trainer.estimated_stepping_batches
+        )
         warm = self.hparams.warmup_steps
 
         def schedule(step: int) -> float:
@@ -260,9 +264,8 @@ def check_pretrained(pretrained: str | None) -> str | None:
     if not pretrained:
         return None
     path = Path(pretrained).expanduser()
-    looks_local = (
-        path.is_absolute() or pretrained.startswith((".", "~")) or pretrained.count("/") > 1 or os.sep in pretrained
-    )
+    windows_path = os.sep != "/" and os.sep in pretrained  # on POSIX, "org/name" is a hub id
+    looks_local = path.is_absolute() or pretrained.startswith((".", "~")) or pretrained.count("/") > 1 or windows_path
     if path.exists() or looks_local:
         if not path.exists():
             return f"model.pretrained: {pretrained} does not exist"
@@ -306,15 +309,20 @@ class FinetuneCLI(LightningCLI):
         parser.add_lightning_class_args(OperatorTime, "op_time")
         parser.set_defaults({"op_time.every_n_steps": 10, "op_time.first_step": 5})
 
+    EVAL_OPTIONS = ("quant", "quant_mode")
+    """Model options the command line keeps over a checkpoint's hyperparameters: the numerics one checkpoint is
+    evaluated in (bf16, MXFP8, MXFP4, either scale mode). The others describe the checkpoint's model: its own win."""
+
     def _parse_ckpt_path(self) -> None:
-        """LightningCLI lets a checkpoint's hyperparameters override the command line; ``--model.quant`` given on the
-        command line wins here, so that one checkpoint can be evaluated in bf16, MXFP8 and MXFP4."""
+        """LightningCLI lets a checkpoint's hyperparameters override the command line; ``EVAL_OPTIONS`` given on the
+        command line win here."""
         sub = self.config.get("subcommand")
-        quant = self.config[sub].model.quant if sub else None
+        kept = {name: self.config[sub].model[name] for name in self.EVAL_OPTIONS} if sub else {}
         super()._parse_ckpt_path()
         raw = self._raw_args if self._raw_args is not None else sys.argv[1:]
-        if sub and any(a == "--model.quant" or a.startswith("--model.quant=") for a in raw):
-            self.config[sub].model.quant = quant
+        for name, value in kept.items():
+            if any(a == f"--model.{name}" or a.startswith(f"--model.{name}=") for a in raw):
+                self.config[sub].model[name] = value
 
     def parse_arguments(self, parser, args) -> None:
         self._raw_args = None if args is None else list(args)
@@ -325,8 +333,10 @@ class FinetuneCLI(LightningCLI):
         problem = check_pretrained(config.model.pretrained)
         if problem:
             self._parser(self.subcommand).error(problem)
-        if config.data.tokenizer is None:  # real text with a checkpoint: its own tokenizer, else bytes
-            config.data.tokenizer = config.model.pretrained if config.data.path and config.model.pretrained else "bytes"
+        if config.data.tokenizer is None:  # real text with a checkpoint: its own tokenizer (if it has one), else bytes
+            pretrained = config.model.pretrained
+            own = pretrained and (not Path(pretrained).expanduser().is_dir() or has_tokenizer(pretrained))
+            config.data.tokenizer = pretrained if config.data.path and own else "bytes"
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> L.Trainer:
         if config.get("enable_checkpointing") is False:  # --trainer.enable_checkpointing=false turns checkpoints off

@@ -23,8 +23,15 @@ Document = str | list[dict[str, Any]]  # plain text, or chat messages
 TEXT_SUFFIXES = (".txt", ".md")
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:  # in a folder of files, which one
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+
+
 def _jsonl(path: Path) -> Iterator[Document]:
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(_text(path).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -49,7 +56,7 @@ def read_documents(path: str | Path) -> list[Document]:
     )
     docs: list[Document] = []
     for f in files:
-        docs.extend(_jsonl(f) if f.suffix == ".jsonl" else [f.read_text(encoding="utf-8")])
+        docs.extend(_jsonl(f) if f.suffix == ".jsonl" else [_text(f)])
     if not docs:
         raise ValueError(f"data.path: no documents in {path} (text files: {', '.join(TEXT_SUFFIXES)}, or .jsonl)")
     return docs
@@ -68,16 +75,29 @@ def _bytes_encode(doc: Document) -> list[int]:
     return list(doc.encode("utf-8"))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether a model directory holds tokenizer files (the recipe's own ``hf_model/`` export after a ``bytes`` run
+    does not: transformers would load a tokenizer that encodes every text to nothing)."""
+    return any((Path(directory).expanduser() / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(spec: str | None) -> Tokenizer:
-    """``bytes`` (or None), or a local Hugging Face tokenizer directory."""
+    """``bytes`` (or None), a local Hugging Face tokenizer directory, or a hub id (``name`` / ``org/name``, from the
+    local cache or the hub)."""
     if spec in (None, "bytes"):
         return Tokenizer(_bytes_encode, 0, 256)
     path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"data.tokenizer: {spec} is not a directory ('bytes', or a local tokenizer directory)")
+    hub_id = not path.exists() and not path.is_absolute() and not spec.startswith((".", "~")) and spec.count("/") <= 1
+    if not path.is_dir() and not hub_id:
+        raise FileNotFoundError(f"data.tokenizer: {spec} is not a directory ('bytes', a tokenizer directory, hub id)")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(spec if hub_id else str(path), local_files_only=not hub_id)
+    if not tok("hello world", add_special_tokens=False)["input_ids"]:
+        raise ValueError(f"data.tokenizer: {spec} encodes text to no tokens (a directory without tokenizer files?)")
     eos = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
     if eos is None:
         raise ValueError(f"data.tokenizer: {spec} has no end-of-sequence (or padding) token to separate documents")

@@ -234,3 +234,44 @@ def test_one_table_under_a_fly_strategy_with_reasons_below_it(tiny, tmp_path, ca
     assert trainer.strategy.fly_report is True  # given back after the fit
     assert "rms_norm on aten:" in out and "not called:" in out
     assert max(len(line) for line in out.splitlines()) <= 80
+
+
+def test_outputs_that_cannot_be_written_warn_and_the_fit_completes(tiny, tmp_path):
+    """The run is over when the files are written: a full disk or a bad directory is reported, never raised (a raise
+    there would also skip every later on_fit_end, the model's export included)."""
+    from fly_lightning.callbacks import OperatorTime
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for cb in (DispatchCoverage(dirpath=blocker / "out"), OperatorTime(every_n_steps=1, first_step=0, plot=False,
+                                                                       dirpath=blocker / "out")):  # fmt: skip
+        with pytest.warns(UserWarning, match="not written"):
+            trainer, _ = tiny.fit(tmp_path / type(cb).__name__, [cb], steps=2)
+        assert trainer.state.finished
+
+
+def test_fast_dev_run_writes_no_files(tiny, tmp_path, monkeypatch):
+    from fly_lightning.callbacks import OperatorTime
+
+    monkeypatch.chdir(tmp_path)
+    tiny.fit(tmp_path / "logs", [DispatchCoverage(), OperatorTime(every_n_steps=1, first_step=0, plot=False)],
+             fast_dev_run=True)  # fmt: skip
+    assert not list(tmp_path.rglob("*.json"))
+
+
+def test_a_manifest_write_that_fails_keeps_the_previous_file(tmp_path, monkeypatch):
+    """Written through a temporary file and a rename: the previous run's manifest (what ``diff`` compares against)
+    survives a write that fails half-way."""
+    path = tmp_path / "m.txt"
+    _common.write_text_atomic(path, "previous")
+    real = type(path).write_text
+
+    def half(self, text):
+        real(self, text[:3])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(path), "write_text", half)
+    with pytest.raises(OSError):
+        _common.write_text_atomic(path, "the new contents")
+    monkeypatch.undo()
+    assert path.read_text() == "previous" and [p.name for p in tmp_path.iterdir()] == ["m.txt"]

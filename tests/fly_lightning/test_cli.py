@@ -93,3 +93,41 @@ def test_tune_a_transformers_model_stores_its_shapes(db, tmp_path, capsys):
 def test_tune_a_transformers_model_needs_the_run_shape(db):
     with pytest.raises(SystemExit, match="--batch-size and --seq-len"):
         cli.main(["tune", "--db", str(db.path), "--hf-config", "x"])
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"format": "fly-lightning tuning db", "version": 1, "environments": {', "Expecting"),
+        ('{"format": "fly-lightning tuning db", "version": 1, "environments": {"cpu": []}}', "malformed entries"),
+        (
+            '{"format": "fly-lightning tuning db", "version": 1, "environments": {"cpu": {"op": {"k": {}}}}}',
+            "malformed",
+        ),
+    ],
+)
+def test_show_reports_a_bad_database_and_leaves_it_where_it_is(tmp_path, capsys, content, match):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    assert cli.main(["tuning", "show", "--db", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"fly-lightning: {path}" in err and match in err and "Traceback" not in err
+    assert path.read_text() == content and sorted(p.name for p in tmp_path.iterdir()) == ["bad.json"]
+    assert cli.main(["tuning", "show", "--db", str(tmp_path)]) == 2  # a directory
+    assert "cannot be read" in capsys.readouterr().err
+
+
+def test_pin_refuses_unknown_ops_and_backends(db):
+    with pytest.raises(SystemExit, match="unknown op 'no_such_op'"):
+        cli.main(["tuning", "pin", "no_such_op", "k", "triton", "--db", str(db.path)])
+    with pytest.raises(SystemExit, match="rms_norm has no 'trition' backend"):
+        cli.main(["tuning", "pin", "rms_norm", "k", "trition", "--db", str(db.path)])
+    assert len(list(tuning.TuningDB(db.path).entries())) == 2  # nothing written
+
+
+def test_tune_refuses_a_missing_model_and_says_when_the_run_failed(db, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit, match="no such directory or config.json"):
+        cli.main(["tune", "--hf-config", str(tmp_path / "nope"), "--batch-size=1", "--seq-len=8", "--db", str(db.path)])
+    monkeypatch.setattr(subprocess, "call", lambda cmd, env: 3)
+    assert cli.main(["tune", "--steps", "1", "--db", str(db.path)]) == 3
+    assert "tuning run failed (exit 3)" in capsys.readouterr().out

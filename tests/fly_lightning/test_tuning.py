@@ -228,3 +228,18 @@ def test_two_gloo_ranks_agree_on_one_choice(tmp_path):
 def test_agreement_points():
     assert [s for s in range(1, 40) if tuning.agreement_due(s)] == [2, 3, 5, 9, 17, 33]
     assert tuning.agreement_due(513) and tuning.agreement_due(1025) and not tuning.agreement_due(600)
+
+
+def test_a_database_that_cannot_be_read_never_stops_a_run(tmp_path):
+    """A path that is a directory reads as empty (left where it is); malformed entries move the file aside; both
+    warn. ``read_only`` (the CLI's ``show``) raises instead and touches nothing."""
+    with pytest.warns(UserWarning, match="cannot be read"):
+        assert tuning.TuningDB(tmp_path).get("cpu", "rms_norm", "k") is None
+    bad = tmp_path / "db.json"
+    bad.write_text(json.dumps({"format": tuning.FORMAT, "version": tuning.VERSION, "environments": {"cpu": {"x": []}}}))
+    with pytest.raises(ValueError, match="malformed entries"):
+        tuning.TuningDB(bad, read_only=True).get("cpu", "x", "k")
+    assert bad.exists()
+    with pytest.warns(UserWarning, match="malformed entries"):
+        assert tuning.TuningDB(bad).get("cpu", "x", "k") is None
+    assert not bad.exists() and any(p.name.startswith("db.json.corrupt-") for p in tmp_path.iterdir())

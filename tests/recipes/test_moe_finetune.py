@@ -609,8 +609,10 @@ def test_cli_quant_trains_with_mx_linears_and_experts_and_evaluates(quant, fmt, 
         test_args = [
             a for a in _fit_args(tmp_path / q, f"--model.quant={q}", wide) if not a.startswith("--trainer.max_steps")
         ]
-        main(["test", *test_args[1:], f"--ckpt_path={ckpt}"])
+        mode = ["--model.quant_mode=floor"] if q != "none" else []  # kept over the checkpoint's, as quant is
+        main(["test", *test_args[1:], *mode, f"--ckpt_path={ckpt}"])
         losses[q] = record_cli[0].trainer.callback_metrics["test_loss"].item()
+        assert record_cli[0].config["test"].model.quant_mode == ("floor" if mode else None)
     assert all(math.isfinite(v) for v in losses.values()) and losses["none"] != losses[quant]
 
 
@@ -628,3 +630,24 @@ def test_a_resumed_run_reaches_the_losses_of_an_uninterrupted_one(tmp_path, no_r
     resumed = _metric(Path(record_cli[0].trainer.log_dir), "train_loss")
     assert len(whole) == 16 and len(resumed) == 12
     assert resumed == whole[4:]
+
+
+def test_hub_ids_are_not_taken_for_local_paths():
+    from fly_lightning.recipes.moe_finetune import check_pretrained
+
+    assert check_pretrained("Qwen/Qwen3-30B-A3B") is None and check_pretrained("gpt2") is None
+    assert "does not exist" in check_pretrained("./models/qwen") and "does not exist" in check_pretrained("a/b/c")
+
+
+def test_the_cosine_spans_an_epoch_bounded_run():
+    """Without max_steps the schedule runs over Lightning's estimate of the run's steps, not a fixed 1000."""
+    from types import SimpleNamespace
+
+    from fly_lightning.recipes.moe_finetune import MoECausalLM
+
+    module = MoECausalLM(warmup_steps=10)
+    module._trainer = SimpleNamespace(max_steps=-1, estimated_stepping_batches=5000)
+    config = module.configure_optimizers()
+    scheduler = config["lr_scheduler"]["scheduler"]
+    factors = {step: scheduler.lr_lambdas[0](step) for step in (1000, 2500, 4999)}
+    assert factors[1000] > 0.5 and 0.0 < factors[2500] < factors[1000] and factors[4999] < 1e-3

@@ -91,3 +91,21 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(tmp_path, tiny_tokeni
     (tmp_path / "a.txt").write_text("the cat sat on a mat " * 10)
     with pytest.raises(ValueError, match="has 15 tokens but data.vocab_size is 8"):
         _dm(tmp_path / "a.txt", tokenizer=str(tiny_tokenizer(tmp_path / "tok")), vocab_size=8)
+
+
+def test_non_utf8_text_names_its_file(tmp_path):
+    (tmp_path / "a.txt").write_text("fine")
+    (tmp_path / "b.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"b\.txt: not UTF-8 text \(byte 3"):
+        text.read_documents(tmp_path)
+
+
+def test_a_model_directory_without_tokenizer_files_is_not_a_tokenizer(tmp_path, tiny_tokenizer):
+    """The recipe's own ``hf_model/`` export after a bytes run holds no tokenizer: transformers would load one that
+    encodes every text to nothing (a corpus of end-of-sequence ids)."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    assert not text.has_tokenizer(tmp_path)
+    with pytest.raises((ValueError, OSError)):
+        text.load_tokenizer(str(tmp_path))
+    tiny_tokenizer(tmp_path / "tok")
+    assert text.has_tokenizer(tmp_path / "tok") and text.load_tokenizer(str(tmp_path / "tok")).encode("hello")

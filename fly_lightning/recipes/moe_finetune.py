@@ -317,6 +317,9 @@ class FinetuneCLI(LightningCLI):
         """LightningCLI lets a checkpoint's hyperparameters override the command line; ``EVAL_OPTIONS`` given on the
         command line win here."""
         sub = self.config.get("subcommand")
+        ckpt = self.config[sub].get("ckpt_path") if sub else None
+        if ckpt and ckpt not in ("last", "best", "hpc", "registry") and not Path(ckpt).expanduser().is_file():
+            self._parser(sub).error(f"ckpt_path: {ckpt} is not a file")  # before a model is built for nothing
         kept = {name: self.config[sub].model[name] for name in self.EVAL_OPTIONS} if sub else {}
         super()._parse_ckpt_path()
         raw = self._raw_args if self._raw_args is not None else sys.argv[1:]

@@ -651,3 +651,11 @@ def test_the_cosine_spans_an_epoch_bounded_run():
     scheduler = config["lr_scheduler"]["scheduler"]
     factors = {step: scheduler.lr_lambdas[0](step) for step in (1000, 2500, 4999)}
     assert factors[1000] > 0.5 and 0.0 < factors[2500] < factors[1000] and factors[4999] < 1e-3
+
+
+def test_a_missing_checkpoint_is_a_parser_error(tmp_path, no_reexec, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["test", *_fit_args(tmp_path)[1:], f"--ckpt_path={tmp_path / 'missing.ckpt'}"])
+    assert exc.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "missing.ckpt is not a file" in err and "Traceback" not in err

@@ -30,7 +30,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def writes_outputs(trainer: pl.Trainer) -> bool:
     """Whether end-of-fit files are written: not under ``fast_dev_run``, which gives no log directory (the files
     would land in the working directory), nor on ranks other than 0."""
-    return trainer.is_global_zero and not trainer.fast_dev_run
+    return trainer.is_global_zero and not getattr(trainer, "fast_dev_run", False)
 
 
 def resolve_dir(trainer: pl.Trainer, dirpath: str | Path | None) -> Path:

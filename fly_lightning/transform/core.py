@@ -40,7 +40,7 @@ class Unsupported(Exception):
 
 MATCHERS: list[Matcher] = []
 SHARDED = "parameters already sharded (DTensor): transform before fully_shard / parallelize_module"
-OVERRIDDEN = "forward overridden on the instance (accelerate's device or offload hooks, say): a swap would drop it"
+ACCELERATE = "accelerate hooks (_hf_hook: device map or offload) wrap its forward: a swap would drop them"
 
 # class-name endings of modules a user may expect us to handle, for the "not recognised" list
 _INTERESTING = ("norm", "moe", "moeblock", "experts", "router", "gate")
@@ -155,8 +155,8 @@ def _try_swap(module: nn.Module, wanted: set[str], root: nn.Module) -> nn.Module
         if any(is_dtensor(p) for p in module.parameters()):
             # FSDP2 / TP keep references to this module (parameter swaps, hooks): swapping it now would break them
             return SHARDED
-        if "forward" in vars(module):
-            return OVERRIDDEN
+        if hasattr(module, "_hf_hook"):
+            return ACCELERATE
         try:
             new = m.build(module, variant, root)
         except Unsupported as exc:

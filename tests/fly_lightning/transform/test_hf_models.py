@@ -284,13 +284,14 @@ def test_swapped_blocks_and_norms_keep_hooks_and_mode(hf, moe_model_name):
     assert calls == {"mlp": 2, "norm": 1}
 
 
-def test_a_block_with_an_instance_forward_is_left_with_reason(hf):
-    """accelerate's device and offload hooks replace ``forward`` on the instance: a swap would drop them."""
+def test_a_block_under_accelerate_hooks_is_left_with_reason(hf):
+    """accelerate's device-map and offload hooks (``_hf_hook``) wrap ``forward`` on the instance: a swap would drop
+    them (as ``add_hook_to_module`` leaves a module)."""
     model = hf.build("mixtral")
     mlp = model.model.layers[0].mlp
     original = mlp.forward
-    mlp.forward = lambda *args, **kw: original(*args, **kw)
+    mlp._hf_hook, mlp.forward = object(), lambda *args, **kw: original(*args, **kw)
     summary = fly_lightning.transform(model, ops=["moe"])
     left = {path: why for path, _, why in summary.left}
-    assert "forward overridden on the instance" in left["model.layers.0.mlp"]
+    assert "accelerate hooks" in left["model.layers.0.mlp"]
     assert model.model.layers[0].mlp is mlp

@@ -302,11 +302,9 @@ def test_frozen_experts_loaded_by_assignment_into_a_meta_model():
 def test_input_gradient_under_torch_func_grad(frozen):
     """``torch.func.grad`` through the MX Linears (their autograd functions keep ``setup_context`` apart)."""
     model = _dense()
-    ref = copy.deepcopy(model)
     quantize_(model, FlyMXConfig(frozen=frozen))
     x = torch.randn(3, 64)
     g = torch.func.grad(lambda t: model(t).square().sum())(x)
     xl = x.clone().requires_grad_()
     model(xl).square().sum().backward()
     torch.testing.assert_close(g, xl.grad)
-    assert ref is not model

@@ -31,15 +31,15 @@ than ours on those shapes.
 each 128-wide K step in the order of wgmma's bf16 register fragment (``_fragment_k``). Lane ``c`` of a row then needs
 the row's natural elements ``[32 c, 32 c + 32)``: one 16-byte load of MXFP4 (32 of fp8) and one scale, decoded in
 place and renamed into the fragment; the bf16 activations are read in that order (4-byte runs, from L2). sm90 SASS
-(Triton 3.6, compiled on the CPU): the loop drops from 489 to 388 instructions with the byte tables (512 to 453
-pairs, 407 to 350 MXFP8; 382 per thread with 128 weight rows over two warpgroups, each its own chain of wgmmas),
-with no ``LDSM`` and 3 barriers instead of 7. Not yet timed on a GPU, so no plan takes it;
-the mx_gemm suite's ``small_plans`` and ``probe_mx_weight_only`` time it. ptxas still waits after each of the 8
-wgmmas (it gives every slice's operand the same registers).
-The counts above are of the loop before it ran over K steps (``_mx_dequant.load_operand``, offsets step index times
-a constant, no divisions): the scale loads then join the pipeliner's async copies, and every loop is shorter (Triton
-3.6; timings above predate it): swapped weight-only 512 -> 417 pairs, 489 -> 393 byte tables, 407 -> 389 MXFP8;
-``fragment_k`` 453 -> 370, 388 -> 374, 350 -> 312, 382 -> 364 over two warpgroups; unswapped 64x128 MXFP4 952 -> 878.
+(Triton 3.6, compiled on the CPU), per thread and K step, against the same swapped plan in natural order: 374 against
+393 instructions with the byte tables, 370 against 417 pairs, 312 against 389 MXFP8 (364 with 128 weight rows over
+two warpgroups, each its own chain of wgmmas), no ``LDSM`` and 2 barriers instead of 11. Not yet timed on a GPU, so
+no plan takes it; the mx_gemm suite's ``small_plans`` and ``probe_mx_weight_only`` time it. ptxas still waits after
+each of the 8 wgmmas (it gives every slice's operand the same registers).
+The loops index K by step (``_mx_dequant.load_operand``: offsets are step times a constant, no divisions), so the
+pipeliner prefetches the scale loads too. The instruction counts and timings quoted earlier in this docstring were
+taken before that change, which shortened every small-M loop (the swapped byte-table loop 489 -> 393); the mx_gemm
+suite has not timed the new loops yet.
 
 Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
 (``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs

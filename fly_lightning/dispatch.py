@@ -40,6 +40,8 @@ class Op(OpDef):
             return _first_call(self, _decide(self, policy._active, key, args), args)
         if self.check is not None:
             self.check(*args)
+        if not decision.calls:  # no call of it has returned yet (the first raised): this one may fall back too
+            return _first_call(self, decision, args)
         decision.calls += 1
         if profile_ranges:  # only while OperatorTime profiles a step; otherwise one global read
             return call_in_range(decision, args)
@@ -99,10 +101,16 @@ def _first_call(op: OpDef, dec: Decision, args: tuple) -> Any:
         if dec.backend == "aten":
             raise
         reason = f"raised {type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
-        aten = op.impls["aten"]
-        dec.rejected = (*dec.rejected, (dec.backend, reason))
+        failed, aten = dec.backend, op.impls["aten"]
+        if profile_ranges:
+            with torch.profiler.record_function(range_name(dec.op, "aten")):
+                out = aten.fn(*args)
+        else:  # ATen raising too is the input's fault, not the kernel's: nothing changes, the next call tries again
+            out = aten.fn(*args)
+        # committed once ATen ran; the failed kernel leaves the ranks' agreement (``_adopt``) too
+        dec.rejected = (*dec.rejected, (failed, reason))
         dec.backend, dec.fn = "aten", aten.fn
-        out = call_in_range(dec, args) if profile_ranges else aten.fn(*args)
+        dec.alternatives.pop(failed, None)
     dec.first_call_s = time.perf_counter() - start
     dec.calls += 1
     return out

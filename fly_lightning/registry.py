@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 
@@ -49,6 +49,18 @@ def tensor_key(t: Tensor | None) -> tuple | None:
     if not isinstance(t, Tensor):
         return (type(t),)
     return (t.shape, t.stride(), t.dtype, t.device)
+
+
+class ScalarKey(NamedTuple):
+    """An integer argument in a shape signature, with its type: ``2``, ``2.0`` and ``True`` hash and compare alike,
+    but validation takes only the first, and a cached decision skips validation."""
+
+    type: type
+    value: Any
+
+
+def scalar_key(v: Any) -> ScalarKey:
+    return ScalarKey(type(v), v)
 
 
 def always_supported(*args: Any, **kwargs: Any) -> bool:
@@ -127,6 +139,7 @@ def clear_decisions() -> None:
 
 def reset_availability() -> None:
     """Forget cached backend availability and every dispatch decision made under it (tests, or after changing
-    TRITON_INTERPRET): a cached decision would keep a backend that is no longer there."""
+    TRITON_INTERPRET): a cached decision would keep a backend that is no longer there. The dispatch log keeps the
+    calls already made (a signature decided again gets a second row); ``DISPATCH_LOG.reset()`` clears it too."""
     backends.clear_probes()
     clear_decisions()

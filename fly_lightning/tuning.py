@@ -74,10 +74,27 @@ def active_path() -> Path | None:
 
 
 def budget_s() -> float:
-    try:
-        return float(os.environ.get("FLY_LIGHTNING_TUNING_BUDGET_S", DEFAULT_BUDGET_S))
-    except ValueError:
+    """``FLY_LIGHTNING_TUNING_BUDGET_S`` (seconds of measuring per process; 0 measures nothing), else the default; a
+    value that is not a number >= 0 is named in a warning and the default used."""
+    raw = os.environ.get("FLY_LIGHTNING_TUNING_BUDGET_S", "").strip()
+    if not raw:
         return DEFAULT_BUDGET_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:  # NaN too
+        _warn_budget(raw)
+        return DEFAULT_BUDGET_S
+    return value
+
+
+@functools.cache  # once per value: budget_s runs on every measured decision
+def _warn_budget(raw: str) -> None:
+    warnings.warn(
+        f"FLY_LIGHTNING_TUNING_BUDGET_S={raw!r} is not a number of seconds >= 0; using {DEFAULT_BUDGET_S:g}",
+        stacklevel=3,
+    )
 
 
 @functools.cache  # read once per process: the key is built on every measured decision
@@ -133,15 +150,23 @@ def _empty() -> dict[str, Any]:
     return {"format": FORMAT, "version": VERSION, "environments": {}}
 
 
+def _entry_ok(entry: Any) -> bool:
+    """An entry as ``get``'s callers read it: a backend name, timings (if any) backend -> number, a detail (if any)
+    a mapping."""
+    if not (isinstance(entry, dict) and isinstance(entry.get("backend"), str)):
+        return False
+    timings = entry.get("timings_ms", {})
+    numbers = isinstance(timings, dict) and all(
+        isinstance(t, (int, float)) and not isinstance(t, bool) for t in timings.values()
+    )
+    return numbers and isinstance(entry.get("detail", {}), dict)
+
+
 def _well_formed(environments: dict) -> bool:
-    """Every level a mapping down to the entries, each naming its backend (``get`` and the CLI read them so)."""
+    """Every level a mapping down to the entries, each well formed (``_entry_ok``: ``get`` and the CLI read them so)."""
     return all(
         isinstance(ops, dict)
-        and all(
-            isinstance(keys, dict)
-            and all(isinstance(entry, dict) and isinstance(entry.get("backend"), str) for entry in keys.values())
-            for keys in ops.values()
-        )
+        and all(isinstance(keys, dict) and all(_entry_ok(e) for e in keys.values()) for keys in ops.values())
         for ops in environments.values()
     )
 
@@ -159,9 +184,10 @@ class TuningDB:
         self._stamp: tuple[int, int] | None = None
 
     # --- reading ------------------------------------------------------------------------------------------------
-    def _read(self) -> dict[str, Any]:
-        """The file's contents; a missing file is empty; an unreadable one is moved aside with a warning (a path that
-        cannot be read at all, a directory say, is left where it is and read as empty)."""
+    def _read(self, move_aside: bool = False) -> dict[str, Any]:
+        """The file's contents; a missing file is empty; an unreadable one is read as empty with a warning, and moved
+        aside with ``move_aside`` (writers only, under the lock: a reader that moved it could take away a good file
+        that a writer had just put in its place). A path that cannot be read at all, a directory say, stays."""
         try:
             text = self.path.read_text()
         except FileNotFoundError:
@@ -183,7 +209,11 @@ class TuningDB:
         except ValueError as exc:
             if self.read_only:
                 raise ValueError(f"{self.path}: {exc}") from None
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{int(time.time())}")
+            if not move_aside:
+                warnings.warn(f"tuning database {self.path} unreadable ({exc}); nothing tuned is used", stacklevel=3)
+                return _empty()
+            # pid and nanoseconds: two writers moving bad files within a second never overwrite each other's copy
+            aside = self.path.with_name(f"{self.path.name}.corrupt-{time.time_ns()}-{os.getpid()}")
             with contextlib.suppress(OSError):
                 os.replace(self.path, aside)
             warnings.warn(
@@ -195,7 +225,7 @@ class TuningDB:
         try:
             st = self.path.stat()
             stamp = (st.st_mtime_ns, st.st_size)
-        except FileNotFoundError:
+        except OSError:  # missing, or a path that cannot be looked at (_read says which): read as empty
             stamp = None
         if self._data is None or stamp != self._stamp:
             self._data, self._stamp = self._read(), stamp
@@ -220,11 +250,16 @@ class TuningDB:
             if fcntl is not None:
                 fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                data = self._read()
+                data = self._read(move_aside=True)
                 yield data
                 tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-                tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-                os.replace(tmp, self.path)
+                try:
+                    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+                    os.replace(tmp, self.path)
+                except BaseException:  # a full disk, a directory in the file's place: no temporary file left behind
+                    with contextlib.suppress(OSError):
+                        tmp.unlink()
+                    raise
                 self._data, self._stamp = None, None
             finally:
                 if fcntl is not None:

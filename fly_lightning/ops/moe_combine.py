@@ -22,7 +22,7 @@ from fly_lightning.dispatch import register_op
 from fly_lightning.ops._eager import EagerCall, TracedOrDirect, create_graph_grads
 from fly_lightning.ops.grouped_mm import _fake
 from fly_lightning.ops.permutation import check_permutation, inverse_permutation
-from fly_lightning.registry import tensor_key
+from fly_lightning.registry import scalar_key, tensor_key
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 CHUNK_ELEMENTS = 2**25  # fp32 elements materialised at once by the ATen paths: bounds their transient copies
@@ -273,7 +273,7 @@ def _moe_dispatch_aten(
 def _dispatch_signature(
     x: Tensor, perm: Tensor, topk: int, weights: Tensor | None, out_dtype: torch.dtype | None
 ) -> tuple:
-    return (tensor_key(x), tensor_key(perm), topk, tensor_key(weights), out_dtype)
+    return (tensor_key(x), tensor_key(perm), scalar_key(topk), tensor_key(weights), out_dtype)
 
 
 MOE_DISPATCH = register_op(

@@ -35,7 +35,7 @@ from fly_lightning.ops.grouped_mm import (
 )
 from fly_lightning.ops.moe_combine import MOE_COMBINE
 from fly_lightning.ops.permutation import check_permutation, inverse_permutation
-from fly_lightning.registry import tensor_key
+from fly_lightning.registry import scalar_key, tensor_key
 
 
 def _validate_moe(
@@ -149,7 +149,16 @@ def _signature(
     scatter: bool,
     out_dtype: torch.dtype | None,
 ) -> tuple:
-    return (tensor_key(x), tensor_key(w), tensor_key(offs), tensor_key(perm), topk, gather, scatter, out_dtype)
+    return (
+        tensor_key(x),
+        tensor_key(w),
+        tensor_key(offs),
+        tensor_key(perm),
+        scalar_key(topk),
+        gather,
+        scatter,
+        out_dtype,
+    )
 
 
 MOE_GROUPED_MM = register_op(

@@ -40,7 +40,7 @@ from torch import Tensor
 
 from fly_lightning.dispatch import register_op
 from fly_lightning.ops._eager import EagerCall
-from fly_lightning.registry import tensor_key
+from fly_lightning.registry import scalar_key, tensor_key
 
 _FP32_MAX = torch.finfo(torch.float32).max
 
@@ -222,13 +222,13 @@ def _signature(
 ) -> tuple:
     return (
         tensor_key(logits_TE),
-        k,
+        scalar_key(k),
         score,
         renormalize,
         tensor_key(bias_E),
         route_scale,
-        n_groups,
-        topk_groups,
+        scalar_key(n_groups),
+        scalar_key(topk_groups),
         return_permutation,
     )
 

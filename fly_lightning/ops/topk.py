@@ -16,7 +16,7 @@ from torch import Tensor
 
 from fly_lightning.dispatch import register_op
 from fly_lightning.ops._eager import EagerCall
-from fly_lightning.registry import tensor_key
+from fly_lightning.registry import scalar_key, tensor_key
 
 
 class TopK(NamedTuple):
@@ -44,7 +44,7 @@ def topk_reference(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
 
 
 def _signature(x: Tensor, k: int) -> tuple:
-    return (tensor_key(x), k)
+    return (tensor_key(x), scalar_key(k))
 
 
 TOPK = register_op(

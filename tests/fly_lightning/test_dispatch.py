@@ -6,7 +6,7 @@ import torch
 import fly_lightning
 from fly_lightning import DISPATCH_LOG, dispatch_config
 from fly_lightning.backends import BACKENDS
-from fly_lightning.dispatch import Op
+from fly_lightning.dispatch import Decision, Op
 
 
 def _scratch_op(name="scratch", triton_supports=lambda x: True, triton_fn=None):
@@ -54,6 +54,57 @@ def test_kernel_failure_on_first_call_falls_back_and_is_recorded():
     rec = DISPATCH_LOG.records("scratch")[0]
     assert rec["backend"] == "aten" and rec["calls"] == 2
     assert "triton: raised RuntimeError: out of shared memory" in rec["reason"]
+
+
+def test_an_input_that_aten_refuses_too_changes_no_decision():
+    """A first call whose input ATen refuses as well is the input's fault: the kernel keeps the signature, and the
+    next call goes through the first-call path again (it may still fall back)."""
+    seen = []
+
+    def picky(x):
+        seen.append(float(x.sum()))
+        if x.sum() < 0:
+            raise RuntimeError("kernel refused")
+        return x * 2
+
+    def aten(x):
+        if x.sum() < -5:
+            raise ValueError("aten refused")
+        return x * 2
+
+    op = Op(name="scratch", reference=lambda x: x * 2, signature=lambda x: (x.shape, x.dtype))
+    op.implement("aten")(aten)
+    op.implement("triton")(picky)
+    with pytest.raises(ValueError, match="aten refused"):
+        op(torch.full((2,), -4.0))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert (rec["backend"], rec["calls"], rec["fallback"]) == ("triton", 0, False)
+    assert torch.equal(op(torch.ones(2)), torch.full((2,), 2.0))
+    rec = DISPATCH_LOG.records("scratch")[0]
+    assert (rec["backend"], rec["calls"]) == ("triton", 1) and seen == [-8.0, 2.0]
+
+
+def test_a_kernel_that_failed_is_never_adopted_from_another_rank():
+    def broken(x):
+        raise RuntimeError("kernel bug")
+
+    op, _ = _scratch_op(triton_fn=broken)
+    dec = Decision("scratch", "sig", "3", "float32", "triton", broken, (), 0, tuning_key="k")
+    dec.alternatives = {"aten": op.impls["aten"].fn, "triton": broken}
+    DISPATCH_LOG.add(dec)
+    assert torch.equal(fly_lightning.dispatch._first_call(op, dec, (torch.ones(3),)), torch.full((3,), 2.0))
+    assert dec.backend == "aten" and "triton" not in dec.alternatives
+    assert fly_lightning.dispatch._adopt("scratch", "k", {"backend": "triton"}) == 0 and dec.backend == "aten"
+
+
+def test_int_arguments_are_keyed_by_type():
+    """``2``, ``2.0`` and ``True`` hash alike; a decision cached for one must not let another skip validation."""
+    x = torch.randn(4, 8)
+    fly_lightning.topk(x, 2)
+    fly_lightning.topk(x, 1)
+    for k in (2.0, True):
+        with pytest.raises(ValueError, match="int"):
+            fly_lightning.topk(x, k)
 
 
 def test_policy_change_makes_a_new_decision():

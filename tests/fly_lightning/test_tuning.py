@@ -98,6 +98,55 @@ def test_a_corrupt_file_warns_and_is_rebuilt(tmp_path):
     assert list(path.parent.glob("tuning.json.corrupt-*"))  # the bad file is kept aside, not silently lost
 
 
+def test_a_reader_never_moves_the_file_only_a_writer_under_the_lock(tmp_path):
+    """A reader that moved a bad file aside could take away the good one a writer had just put there."""
+    path = tmp_path / "tuning.json"
+    path.write_text('{"format": "fly-lightning tuning db", "version": 99, "environments": {}}')
+    with pytest.warns(UserWarning, match="nothing tuned is used"):
+        assert tuning.TuningDB(path).get("env", "op", "k") is None
+    assert path.exists() and not list(tmp_path.glob("*.corrupt-*"))
+    with pytest.warns(UserWarning, match="moved to"):
+        tuning.TuningDB(path).put("env", "op", "k", "triton", {"triton": 1.0})
+    assert len(list(tmp_path.glob("tuning.json.corrupt-*"))) == 1
+    assert tuning.TuningDB(path).get("env", "op", "k")["backend"] == "triton"
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [{"backend": "triton", "timings_ms": None}, {"backend": "triton", "timings_ms": {"triton": "1"}},
+     {"backend": "triton", "detail": [1]}],
+)  # fmt: skip
+def test_entries_that_callers_cannot_read_make_the_file_malformed(tmp_path, entry):
+    path = tmp_path / "tuning.json"
+    data = {"format": "fly-lightning tuning db", "version": tuning.VERSION, "environments": {"e": {"op": {"k": entry}}}}
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="malformed"):
+        assert tuning.TuningDB(path).get("e", "op", "k") is None
+
+
+def test_a_path_that_cannot_be_looked_at_reads_as_empty(tmp_path):
+    (tmp_path / "file").write_text("")
+    db = tuning.TuningDB(tmp_path / "file" / "tuning.json")  # a regular file where a directory should be
+    with pytest.warns(UserWarning, match="cannot be read"):
+        assert db.get("e", "op", "k") is None
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / "tuning.json"
+    path.mkdir()  # a directory in the file's place: the final rename fails
+    with pytest.warns(UserWarning), pytest.raises(OSError):
+        tuning.TuningDB(path).put("e", "op", "k", "triton", {})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tuning.json", "tuning.json.lock"]
+
+
+@pytest.mark.parametrize("value", ["120s", "nan", "-5"])
+def test_a_bad_budget_is_named_and_the_default_used(monkeypatch, value):
+    monkeypatch.setenv("FLY_LIGHTNING_TUNING_BUDGET_S", value)
+    tuning._warn_budget.cache_clear()
+    with pytest.warns(UserWarning, match="FLY_LIGHTNING_TUNING_BUDGET_S"):
+        assert tuning.budget_s() == tuning.DEFAULT_BUDGET_S
+
+
 _WRITER = """
 import sys
 from fly_lightning.tuning import TuningDB
@@ -231,8 +280,8 @@ def test_agreement_points():
 
 
 def test_a_database_that_cannot_be_read_never_stops_a_run(tmp_path):
-    """A path that is a directory reads as empty (left where it is); malformed entries move the file aside; both
-    warn. ``read_only`` (the CLI's ``show``) raises instead and touches nothing."""
+    """A path that is a directory reads as empty (left where it is); malformed entries read as empty, and the next
+    write moves the file aside; all warn. ``read_only`` (the CLI's ``show``) raises instead and touches nothing."""
     with pytest.warns(UserWarning, match="cannot be read"):
         assert tuning.TuningDB(tmp_path).get("cpu", "rms_norm", "k") is None
     bad = tmp_path / "db.json"
@@ -242,4 +291,7 @@ def test_a_database_that_cannot_be_read_never_stops_a_run(tmp_path):
     assert bad.exists()
     with pytest.warns(UserWarning, match="malformed entries"):
         assert tuning.TuningDB(bad).get("cpu", "x", "k") is None
-    assert not bad.exists() and any(p.name.startswith("db.json.corrupt-") for p in tmp_path.iterdir())
+    assert bad.exists()
+    with pytest.warns(UserWarning, match="malformed entries.*moved to"):
+        tuning.TuningDB(bad).put("cpu", "x", "k", "aten", {})
+    assert any(p.name.startswith("db.json.corrupt-") for p in tmp_path.iterdir())

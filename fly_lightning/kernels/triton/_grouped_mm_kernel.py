@@ -538,6 +538,17 @@ def _mismatch(out: torch.Tensor, expected: torch.Tensor, rows: int = 4096) -> st
     return None
 
 
+def _stored_config(hit: dict | None) -> GroupedMMConfig | None:
+    """The configuration a tuning database entry (or the ranks' agreement) names, or None where there is none or it
+    does not build one (written by another version of this class): then it is measured again."""
+    if not hit or not isinstance(hit.get("detail"), dict):
+        return None
+    try:
+        return GroupedMMConfig(**hit["detail"])
+    except (TypeError, ValueError):
+        return None
+
+
 def tune(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -570,8 +581,8 @@ def tune(
     hit = tuning.agreed(DB_OP, db_key)  # the run's ranks agreed on it, else an earlier run in this environment
     if hit is None and db is not None:
         hit = db.get(env, DB_OP, db_key)
-    if candidates is None and hit and "detail" in hit:
-        best = GroupedMMConfig(**hit["detail"])
+    best = _stored_config(hit) if candidates is None else None
+    if best is not None:
         MEASURED[key] = best
         _journal(env, db_key, best, hit.get("timings_ms", {}))
         return best

@@ -1,6 +1,7 @@
 """The Triton grouped GEMM kernel directly: every launch variant on uneven groups, memory safety of invalid offsets,
 configuration choice and support reasons (interpreter: tiny shapes)."""
 
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -252,6 +253,23 @@ def test_tuned_configuration_persists_in_the_tuning_database(monkeypatch, clean_
     gc.MEASURED.clear()
     monkeypatch.setattr(gk, "_elapsed_ms", lambda *a: pytest.fail("timed again"))
     assert gk.tune(x, w, offs) == fast and gc.MEASURED[gc.measure_key(x, w, x.shape[0], False, False)] == fast
+
+
+def test_a_stored_configuration_this_version_cannot_build_is_measured_again(monkeypatch, clean_tuning):
+    """An entry written by another version of ``GroupedMMConfig`` (a field it no longer has) is not an error: the
+    shape is measured again and the entry replaced."""
+    from fly_lightning import tuning
+
+    x, w, offs = _problem([5, 0, 20, 9], k=24, n=40)
+    fast = replace(BASE, block_m=16, group_m=1)
+    key = gc.measure_key(x, w, x.shape[0], False, False)
+    env = tuning.environment_key(x.device)
+    tuning.active_db().put(env, gk.DB_OP, str(key), "old", {"old": 1.0}, detail={"block_m": 16, "old_field": 1})
+    speeds = iter([1.0, 0.5] * 3)
+    monkeypatch.setattr(gk, "_elapsed_ms", lambda run, reps, cuda: (run(), next(speeds))[1])
+    monkeypatch.setattr(gk, "tune_candidates", lambda m_class: [fast])
+    assert gk.tune(x, w, offs) == fast
+    assert tuning.active_db().get(env, gk.DB_OP, str(key))["detail"] == dataclasses.asdict(fast)
 
 
 def test_tune_mismatch_is_elementwise():

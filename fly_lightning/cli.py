@@ -101,6 +101,8 @@ def _tune(args: argparse.Namespace, extra: list[str]) -> int:
     db = _db(args.db)
     before = {(e, o, k) for e, o, k, _ in db.entries()}
     env = dict(os.environ, FLY_LIGHTNING_SELECT="measure", FLY_LIGHTNING_TUNING_DB=str(db.path))
+    # the default budget bounds what a training run spends measuring; a pre-tune run is there to measure everything
+    env.setdefault("FLY_LIGHTNING_TUNING_BUDGET_S", "inf")
     if args.hf_config:
         if args.batch_size is None or args.seq_len is None:
             raise SystemExit(f"{PROG} tune: --hf-config needs --batch-size and --seq-len (the training run's)")

@@ -93,6 +93,9 @@ class DispatchConfig:
         for name in ("backends", "disabled_ops", "inductor_ops"):  # tuple("triton") would be its letters
             if isinstance(getattr(self, name), str):
                 raise TypeError(f"{name} must be a collection of names, e.g. {name}=[{getattr(self, name)!r}]")
+        for op, names in dict(self.op_backends).items():
+            if isinstance(names, str):
+                raise TypeError(f"op_backends[{op!r}] must be a collection of names, e.g. [{names!r}]")
         object.__setattr__(self, "backends", _order(self.backends))
         object.__setattr__(self, "disabled_ops", frozenset(self.disabled_ops))
         object.__setattr__(self, "inductor_ops", frozenset(self.inductor_ops))
@@ -111,6 +114,12 @@ class DispatchConfig:
         )
         with _UIDS_LOCK:
             object.__setattr__(self, "uid", _UIDS.setdefault(key, len(_UIDS) + 1))
+
+    def __reduce__(self) -> tuple:
+        """Rebuilt through the constructor: the uid is this process's (a pickled one, from ``spawn`` or a checkpoint,
+        would name another policy here)."""
+        fields = (self.enabled, self.backends, self.disabled_ops, dict(self.op_backends), self.select)
+        return (DispatchConfig, (*fields, self.inductor_ops))
 
     def candidates(self, op: str) -> tuple[str, ...]:
         """Backends to try for ``op``, in order; always ends with ``aten``."""
@@ -158,9 +167,9 @@ def config_from_env(env: Mapping[str, str] = os.environ) -> DispatchConfig:
         kwargs["backends"] = tuple(backends)
     if disabled := _split(env.get("FLY_LIGHTNING_DISABLE")):
         kwargs["disabled_ops"] = frozenset(disabled)
-    if select := env.get("FLY_LIGHTNING_SELECT"):
-        kwargs["select"] = select.strip()
-    if (inductor := env.get("FLY_LIGHTNING_INDUCTOR")) is not None:
+    if select := env.get("FLY_LIGHTNING_SELECT", "").strip():
+        kwargs["select"] = select.lower()
+    if (inductor := env.get("FLY_LIGHTNING_INDUCTOR", "").strip()) != "":  # blank: unset, as the others
         kwargs["inductor_ops"] = frozenset() if inductor.strip().lower() == "none" else frozenset(_split(inductor))
     return DispatchConfig(**kwargs)
 

@@ -67,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     counts = tune_hf_model(a.config, a.batch_size, a.seq_len, a.steps, a.precision)
     print("decisions by backend: " + ", ".join(f"{b} {n}" for b, n in sorted(counts.items())))
+    from fly_lightning import DISPATCH_LOG
+
+    if unmeasured := [d for d in DISPATCH_LOG.decisions if "tuning budget" in d.reason]:
+        print(f"{len(unmeasured)} shape(s) not measured: the tuning budget (FLY_LIGHTNING_TUNING_BUDGET_S) ran out")
     return 0
 
 

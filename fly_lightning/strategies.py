@@ -6,7 +6,8 @@ its own classes, since the two packages' Trainers accept only their own Strategy
 - ``"flydsl"``: single device (the device comes from the Trainer's accelerator/devices).
 - ``"flydsl_ddp"``: DDP.
 - ``"flydsl_fsdp2"``: FSDP2 (``fully_shard``) on a 1-D data-parallel mesh; shards each block of the model's
-  ``nn.ModuleList``s and the root when the LightningModule does not define ``configure_model`` itself.
+  ``nn.ModuleList``s, the LightningModule's direct children and the root, unless a ``configure_model`` of the
+  LightningModule's shards the model itself.
 - ``"flydsl_model_parallel"``: Lightning's ModelParallelStrategy (FSDP2 + tensor parallel on a 2-D device mesh); the
   user parallelises in ``configure_model`` as usual.
 
@@ -107,7 +108,7 @@ class _FlyStrategyMixin:
         checkpoint written here resumes under Lightning's own strategies too."""
         state = super().optimizer_state(optimizer)
         if self.lightning_module is None or not _index_based(state):
-            return state  # FSDP2 / model parallel: keyed by parameter name, left as Lightning writes it
+            return state  # a distributed checkpoint's (FSDP2 / model parallel): keyed by name, left as it is
         return to_original_layout(self.lightning_module, getattr(optimizer, "_optimizer", optimizer), state)
 
     def load_optimizer_state_dict(self, checkpoint: dict) -> None:
@@ -173,6 +174,39 @@ class _FlyStrategyMixin:
         self._fly_quantization_left += sharded + experts
 
 
+def _load_full_checkpoint(strategy: Any, path: Any, weights_only: bool | None) -> dict[str, Any] | None:
+    """A full (single-file) checkpoint under FSDP2 / model parallel, for a model with restacked per-expert lists
+    (``ExpertList``), or None to leave it to Lightning. Lightning's loader matches the file's keys to parameters by
+    name through ``set_model_state_dict``, which sees the stacked parameters where the file (written in the original
+    layout, like every checkpoint here) has per-expert keys: the keys and the optimizer states are converted first,
+    then loaded as Lightning loads them."""
+    from pathlib import Path
+
+    from lightning.fabric.strategies.model_parallel import (
+        _is_full_checkpoint,
+        _load_raw_module_state,
+        _rekey_optimizer_state_if_needed,
+    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    from fly_lightning.modules.moe_layout import ExpertList, stack_expert_lists
+
+    module = strategy.lightning_module
+    path = Path(strategy.broadcast(path))
+    if not _is_full_checkpoint(path) or not any(isinstance(m, ExpertList) for m in strategy.model.modules()):
+        return None
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    state_dict = stack_expert_lists(strategy.model, checkpoint.pop("state_dict"))
+    _load_raw_module_state(state_dict, strategy.model, strict=module.strict_loading)
+    options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=module.strict_loading)
+    for opt, state in zip(strategy.optimizers, checkpoint.get("optimizer_states", []), strict=False):
+        if _index_based(state):
+            state = from_original_layout(module, opt, state)
+        state = _rekey_optimizer_state_if_needed(state, strategy.model)
+        set_optimizer_state_dict(strategy.model, opt, optim_state_dict=state, options=options)
+    return checkpoint
+
+
 def _index_based(state: Any) -> bool:
     """A ``torch.optim`` state_dict that lists parameters by position (not a distributed checkpoint's names)."""
     groups = state.get("param_groups") if isinstance(state, dict) else None
@@ -180,24 +214,41 @@ def _index_based(state: Any) -> bool:
 
 
 def _auto_fully_shard(strategy: Any, model: nn.Module) -> None:
-    """Default FSDP2 wrapping: each block of every ``nn.ModuleList`` (not per-expert lists), then the root.
+    """Default FSDP2 wrapping: each block of every ``nn.ModuleList`` (not per-expert lists; inner lists before the
+    blocks holding them), then each direct child of ``model`` that still has unsharded parameters, then the root.
 
-    Modules built in ``setup()`` are transformed first (sharded modules can no longer be swapped); already sharded
-    ones are skipped, so a second ``fit`` / ``validate`` on the same model works.
+    The children: a ``training_step`` that calls ``self.model(...)`` never runs the LightningModule's own forward,
+    whose hook would gather the root's parameters (embeddings, head). Modules built in ``setup()`` are transformed
+    first (sharded modules can no longer be swapped); already sharded ones are skipped, so a second ``fit`` /
+    ``validate`` on the same model works.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from fly_lightning.dtensor import is_dtensor
 
     if hasattr(strategy, "_fly_apply"):  # also used with Lightning's own strategy (the stock baseline in the tests)
         strategy._fly_apply(model)
     mesh = strategy.device_mesh["data_parallel"]
-    for name, module in list(model.named_modules()):
+    # pre-order reversed: every module comes after its descendants (a block is sharded after the lists inside it)
+    for name, module in reversed(list(model.named_modules())):
         # experts that get no tokens on one rank would skip their all-gather: per-expert lists stay in their block
         if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] != "experts":
             for block in module:
                 if not isinstance(block, FSDPModule):
                     fully_shard(block, mesh=mesh)
+    for child in model.children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict, FSDPModule)):  # lists have no forward of their own
+            continue
+        if any(not is_dtensor(p) for p in child.parameters()):
+            fully_shard(child, mesh=mesh)
     if not isinstance(model, FSDPModule):
         fully_shard(model, mesh=mesh)
+
+
+def _shards_anything(module: nn.Module) -> bool:
+    from fly_lightning.dtensor import is_dtensor
+
+    return any(is_dtensor(p) for p in module.parameters())
 
 
 def _build(pl: Any) -> dict[str, type]:
@@ -232,12 +283,17 @@ def _build(pl: Any) -> dict[str, type]:
     class FlyDDPStrategy(_FlyStrategyMixin, strategies.DDPStrategy):
         strategy_name = "flydsl_ddp"
 
-    class FlyModelParallelStrategy(_FlyStrategyMixin, strategies.ModelParallelStrategy):
+    class _FullCheckpoints:
+        def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+            loaded = _load_full_checkpoint(self, checkpoint_path, weights_only)
+            return loaded if loaded is not None else super().load_checkpoint(checkpoint_path, weights_only)
+
+    class FlyModelParallelStrategy(_FlyStrategyMixin, _FullCheckpoints, strategies.ModelParallelStrategy):
         strategy_name = "flydsl_model_parallel"
 
-    class FlyFSDP2Strategy(_FlyStrategyMixin, strategies.ModelParallelStrategy):
-        """FSDP2 on a 1-D mesh. Without a user ``configure_model``, blocks of ``nn.ModuleList``s and the root are
-        sharded with ``fully_shard``."""
+    class FlyFSDP2Strategy(_FlyStrategyMixin, _FullCheckpoints, strategies.ModelParallelStrategy):
+        """FSDP2 on a 1-D mesh. Unless a user ``configure_model`` shards the model, blocks of ``nn.ModuleList``s, the
+        root's direct children and the root are sharded with ``fully_shard``."""
 
         strategy_name = "flydsl_fsdp2"
 
@@ -252,15 +308,23 @@ def _build(pl: Any) -> dict[str, type]:
             module = self.lightning_module
             if module is None:
                 return
-            ours = getattr(module.__dict__.get("configure_model"), "_fly_auto", False)
-            if ours or not model_helpers.is_overridden("configure_model", module):
-                # an instance attribute counts as an override for Lightning, and runs at the usual hook point; a
-                # later Trainer replaces ours (it holds this strategy's mesh)
-                def auto_shard() -> None:
+            ours = module.__dict__.get("configure_model")
+            if getattr(ours, "_fly_auto", False):  # a later Trainer replaces ours (it holds this strategy's mesh)
+                user = ours._fly_user
+            else:
+                user = module.configure_model if model_helpers.is_overridden("configure_model", module) else None
+
+            # an instance attribute counts as an override for Lightning, and runs at the usual hook point. A user's
+            # configure_model runs first; one that shards nothing (it only builds layers) gets the default wrapping:
+            # unsharded, the ranks would train apart (nothing here averages their gradients)
+            def auto_shard() -> None:
+                if user is not None:
+                    user()
+                if user is None or not _shards_anything(module):
                     _auto_fully_shard(self, module)
 
-                auto_shard._fly_auto = True
-                module.configure_model = auto_shard
+            auto_shard._fly_auto, auto_shard._fly_user = True, user
+            module.configure_model = auto_shard
 
     classes = [FlySingleDeviceStrategy, FlyDDPStrategy, FlyFSDP2Strategy, FlyModelParallelStrategy]
     return {cls.strategy_name: cls for cls in classes}

@@ -161,6 +161,17 @@ def _list_load_hook(
     state_dict[prefix + "down_proj"] = torch.stack(downs)
 
 
+def stack_expert_lists(model: nn.Module, state_dict: dict) -> dict:
+    """``state_dict`` (``model``'s keys, or the original per-expert keys of its ``ExpertList`` blocks, as
+    ``model.state_dict()`` writes them) with every complete per-expert list stacked into the block's parameters, in
+    place: what ``load_state_dict``'s hook does, for loaders that match keys to parameters without it (a full FSDP2
+    checkpoint through ``torch.distributed.checkpoint``'s ``set_model_state_dict``)."""
+    for name, m in model.named_modules():
+        if isinstance(m, ExpertList):
+            _list_load_hook(m, state_dict, f"{name}." if name else "", {}, True, [], [], [])
+    return state_dict
+
+
 class SplitExperts(_Initialised):
     """torchtitan ``GroupedExperts``: ``w1`` (gate), ``w3`` (up), ``w2`` (down) as 3-D parameters.
 

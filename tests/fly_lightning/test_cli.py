@@ -59,9 +59,11 @@ def test_tune_runs_the_recipe_with_measured_selection(db, monkeypatch, capsys):
         return 0
 
     monkeypatch.setattr(subprocess, "call", fake_call)
+    monkeypatch.delenv("FLY_LIGHTNING_TUNING_BUDGET_S", raising=False)
     assert cli.main(["tune", "--steps", "1", "--db", str(db.path), "--model.hidden_size", "64"]) == 0
     ((cmd, env),) = calls
     assert env["FLY_LIGHTNING_SELECT"] == "measure" and cmd[-2:] == ["--model.hidden_size", "64"]
+    assert env["FLY_LIGHTNING_TUNING_BUDGET_S"] == "inf"  # a training run's budget would stop a pre-tune part-way
     assert "--trainer.max_steps=1" in cmd
     assert "1 shape(s) tuned" in capsys.readouterr().out
 

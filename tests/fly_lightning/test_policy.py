@@ -66,6 +66,23 @@ def test_a_string_for_a_collection_is_an_error():
         DispatchConfig(disabled_ops="rms_norm")
     with pytest.raises(TypeError, match=r"backends=\['triton'\]"):
         DispatchConfig(backends="triton")
+    with pytest.raises(TypeError, match=r"op_backends\['rms_norm'\] .* \['triton'\]"):
+        DispatchConfig(op_backends={"rms_norm": "triton"})
+
+
+def test_a_pickled_config_takes_this_process_uid():
+    """``spawn`` and checkpoints pickle configs: the uid is per process, so an unpickled config must get the one its
+    fields have here, never the number it had where it was made."""
+    import pickle
+
+    cfg = DispatchConfig(disabled_ops={"rms_norm"})
+    blob = pickle.dumps(cfg).replace(b"rms_norm", b"rms_nxrm")  # what another process's config may look like here
+    other = pickle.loads(blob)
+    assert other.disabled_ops == {"rms_nxrm"} and other.uid != cfg.uid
+    assert pickle.loads(pickle.dumps(cfg)).uid == cfg.uid
+    import copy
+
+    assert copy.deepcopy(cfg) == cfg and copy.deepcopy(cfg).uid == cfg.uid
 
 
 def test_env_vars():
@@ -84,6 +101,9 @@ def test_env_vars():
     assert cfg.select == "measure"
     assert config_from_env({"FLY_LIGHTNING": "0"}).enabled is False
     assert config_from_env({}) == DispatchConfig()
+    # blank is unset for every variable; select is not case-sensitive, as FLY_LIGHTNING is not
+    assert config_from_env({"FLY_LIGHTNING_INDUCTOR": " ", "FLY_LIGHTNING_SELECT": ""}) == DispatchConfig()
+    assert config_from_env({"FLY_LIGHTNING_SELECT": "Measure"}).select == "measure"
 
 
 def test_context_manager_restores_previous():

@@ -132,6 +132,41 @@ def test_moe_model_two_processes_gloo_matches_stock(flavour, tmp_path):
     torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
 
 
+def _fsdp2_case(case: str, tmp_path: Path) -> dict:
+    out = tmp_path / f"{case}.json"
+    script = SCRIPT.with_name("fsdp2_cases.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), case, str(out)], capture_output=True, text=True, timeout=600, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def test_fsdp2_auto_sharding_serves_a_step_that_calls_the_inner_model(tmp_path):
+    # training_step calls self.model(...): the LightningModule's own forward (the root's all-gather) never runs, so
+    # the inner model is sharded too; the blocks hold lists of their own (inner lists sharded before their blocks)
+    out = _fsdp2_case("inner_call", tmp_path)
+    assert out["sharded"] and len(out["losses"]) == 4
+    assert all(torch.isfinite(torch.tensor(out["losses"]))) and out["losses"][-1] < out["losses"][0]
+
+
+def test_fsdp2_shards_what_a_configure_model_only_builds(tmp_path):
+    # a configure_model that only builds layers: left unsharded, the ranks would train apart with nothing averaging
+    assert _fsdp2_case("builds_only", tmp_path)["sharded"]
+
+
+def test_fsdp2_full_checkpoint_of_restacked_experts_resumes(tmp_path):
+    # save_distributed_checkpoint=False writes one file in the original (per-expert) layout; resuming restacks the
+    # weights and the AdamW state: the resumed run starts from exactly what the first one ended with
+    out = _fsdp2_case("full_checkpoint", tmp_path)
+    assert out["sharded"] and len(out["losses"]) == 1 and "net.1.experts.gate_up_proj" in out["saved"]
+    assert out["loaded"].keys() == out["saved"].keys()
+    for name, (weight, exp_avg, exp_avg_sq, step) in out["saved"].items():
+        assert step == 2.0 and out["loaded"][name][3] == step
+        for got, want in zip(out["loaded"][name][:3], (weight, exp_avg, exp_avg_sq), strict=True):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=0, msg=name)
+
+
 def test_model_parallel_tensor_parallel_two_processes_gloo(tmp_path):
     # the transform runs before the user's configure_model; the sequence-parallel norms then see DTensor inputs
     # sharded on the sequence dim and run on their local shards (no fallback)

@@ -63,7 +63,7 @@ class FlyExperts(nn.Module):
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         x = hidden_states.reshape(-1, self.hidden_size)
         t, e = x.shape[0], self.num_experts
-        ids = top_k_index.reshape(t, -1)
+        ids = top_k_index.reshape(t, top_k_index.shape[-1])  # not -1: 0 tokens leave k undetermined
         k = ids.shape[1]
         if top_k_weights.shape[:1] != (t,) or top_k_weights.numel() != t * k:
             raise ValueError(

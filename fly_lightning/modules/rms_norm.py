@@ -46,10 +46,15 @@ class FlyRMSNorm(nn.Module):
     def from_module(cls, module: nn.Module, **options: object) -> FlyRMSNorm:
         """Wrap an existing module's weight (shared, not copied) with these options."""
         weight = getattr(module, "weight", None)
+        shape = (int(weight.shape[0]),) if weight is not None else tuple(getattr(module, "normalized_shape", ()))
+        if len(shape) != 1 or (weight is not None and weight.dim() != 1):
+            raise ValueError(f"FlyRMSNorm normalises the last dimension only; {type(module).__name__} has {shape}")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.normalized_shape = (int(weight.shape[0]),) if weight is not None else tuple(module.normalized_shape)
-        new.eps = options.pop("eps", getattr(module, "eps", None))
+        new.normalized_shape = shape
+        # transformers' norms name it variance_epsilon; None (torch's default, finfo(dtype).eps) only where neither is
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        new.eps = options.pop("eps", eps)
         new.elementwise_affine = weight is not None
         new.offset = float(options.pop("offset", 0.0))
         new.cast_before_scale = bool(options.pop("cast_before_scale", False))

@@ -129,11 +129,12 @@ def aten_reason(a: Tensor, b: Tensor, offs: Tensor, out_dtype: torch.dtype | Non
 
 
 def clamp_offsets(offs: Tensor, m: int) -> Tensor:
-    """Device offsets as the Triton kernel reads them: each clamped to ``[0, m]``, then made non-decreasing.
+    """Device offsets for the ATen paths: each clamped to ``[0, m]``, then made non-decreasing.
 
     ATen's grouped GEMM trusts its offsets, and device offsets cannot be checked without a sync: this keeps invalid
-    ones inside the tensors on the ATen paths too (valid offsets are unchanged). CPU offsets were checked on the host.
-    """
+    ones inside the tensors (valid offsets are unchanged). The Triton kernel clamps each offset to ``[0, m]`` on its
+    own, so for decreasing (invalid) offsets the backends' results differ; none reads or writes outside the tensors.
+    CPU offsets were checked on the host."""
     if offs.device.type == "cpu":
         return offs
     return torch.cummax(offs.clamp(0, m), 0).values
@@ -286,9 +287,10 @@ def grouped_mm(x_MK: Tensor, w: Tensor, offs_E: Tensor, *, out_dtype: torch.dtyp
         ``[M, N]``; rows at and past ``offs[-1]`` are unspecified, as in torch.
 
     Offset values are checked only on the CPU; on a GPU they are never read by the host (no sync): the Triton kernel
-    clamps them, and the ATen paths (fallback, backward) get them clamped the same way (``clamp_offsets``), so invalid
-    offsets cannot touch memory outside the tensors. Under autocast, fp32 operands are cast to the autocast dtype
-    first.
+    clamps each to ``[0, M]``, and the ATen paths (fallback, backward) get them clamped and made non-decreasing
+    (``clamp_offsets``), so invalid offsets cannot touch memory outside the tensors; what they compute is
+    unspecified (decreasing ones overlap groups in the kernel). Under autocast, fp32 operands are cast to the
+    autocast dtype first.
     """
     x_MK, w = autocast_operands(x_MK, w)
     if not (isinstance(x_MK, Tensor) and isinstance(w, Tensor) and isinstance(offs_E, Tensor)):

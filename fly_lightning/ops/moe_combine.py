@@ -143,6 +143,10 @@ def moe_combine_backward(
     t, k = weights.shape
     acc = _acc_dtype(rows, weights)
     d_rows = d_w = None
+    if k == 0:  # no slots (the forward's zeros): nothing flows back, and moe_dispatch takes k >= 1
+        return (rows.new_zeros(rows.shape) if need_rows else None), (
+            weights.new_zeros(weights.shape) if need_weights else None
+        )
     if need_rows:  # d row r = w[perm[r]] * grad[perm[r] // k]: moe_dispatch's forward, rounded once
         slots = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
         perm = slots if index is None else inverse_permutation(index)  # row r holds slot perm[r]
@@ -217,7 +221,8 @@ def _validate_dispatch(
 ) -> None:
     if not isinstance(x, Tensor) or x.dim() != 2 or x.dtype not in _FLOATS:
         raise ValueError(f"moe_dispatch: x must be a floating 2-D [T, H] tensor, got {getattr(x, 'shape', x)}")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+    # a SymInt under torch.compile(dynamic=True), where k comes from a tensor's shape
+    if isinstance(topk, bool) or not isinstance(topk, (int, torch.SymInt)) or topk < 1:
         raise ValueError(f"moe_dispatch: topk must be a positive int, got {topk!r}")
     s = x.shape[0] * topk
     if not isinstance(perm, Tensor) or perm.dtype != torch.int32 or perm.shape != (s,):
@@ -315,7 +320,8 @@ def moe_dispatch_backward(
         d_x = MOE_COMBINE(grad, w, inv, x.dtype)
     if need_w and weights is not None:
         g_slots = grad.index_select(0, inv.long()).view(t, topk, grad.shape[1])
-        d_w = _token_dots(g_slots, x.to(grad.dtype), _acc_dtype(grad, weights)).to(weights.dtype)
+        acc = torch.promote_types(_acc_dtype(grad, weights), x.dtype)
+        d_w = _token_dots(g_slots, x, acc).to(weights.dtype)  # x as it is (not rounded to grad's dtype): fp32 sums
     return d_x, d_w
 
 

@@ -56,7 +56,8 @@ def _validate_moe(
         raise ValueError("moe_grouped_mm: x must be a 2-D tensor")
     if perm.device != x.device:
         raise ValueError(f"moe_grouped_mm: perm on {perm.device}, x on {x.device}")
-    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 1:
+    # a SymInt under torch.compile(dynamic=True), where k comes from a tensor's shape
+    if isinstance(topk, bool) or not isinstance(topk, (int, torch.SymInt)) or topk < 1:
         raise ValueError(f"moe_grouped_mm: topk must be a positive int, got {topk!r}")
     m = perm.shape[0]
     if gather and x.shape[0] * topk != m:

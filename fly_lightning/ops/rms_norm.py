@@ -147,7 +147,12 @@ def rms_norm_backward(
     not bit-equal to stock. On the H200 the composite formula's dozen fp32 passes over ``[T, H]`` were the largest
     non-GEMM cost of a Qwen3-MoE step (``benchmarks/results/train_step.md``)."""
     acc = _acc_dtype(x)
-    w_eff = None if weight is None else (weight.to(acc) + offset if offset else weight)
+    if weight is None or not offset:
+        w_eff = weight
+    elif cast_before_scale:  # the forward's w + offset, rounded to the weight's dtype (the reference's)
+        w_eff = weight + offset
+    else:
+        w_eff = weight.to(acc) + offset
     # With an offset the effective weight is fp32 (Gemma): the fused kernel wants it in x's dtype, so the composite runs
     fused_ok = not cast_before_scale or weight is None or x.dtype == acc or weight.dtype == x.dtype
     if x.is_cuda and fused_ok and x.dtype == grad_y.dtype and (w_eff is None or w_eff.dtype == x.dtype):
@@ -185,7 +190,8 @@ def rms_norm(
         x: ``[..., H]`` float tensor (fp32/bf16/fp16; fp64 runs on ATen).
         weight: optional ``[H]`` scale.
         eps: added to the mean square; ``None`` means ``torch.finfo(x.dtype).eps`` as in torch.
-        offset: added to the weight in fp32 (``1.0`` for Gemma's ``1 + w``).
+        offset: added to the weight in fp32 (``1.0`` for Gemma's ``1 + w``); with ``cast_before_scale``, in the
+            weight's dtype (the weight then multiplies a value already in x's dtype).
         cast_before_scale: Llama-style: cast the normalised value to ``x.dtype`` before multiplying by the weight.
     """
     if eps is None:  # invalid x is reported by validation, inside the op

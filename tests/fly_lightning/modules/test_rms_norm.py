@@ -38,3 +38,13 @@ def test_gemma_offset_initialises_weight_to_zero():
     assert torch.equal(fly.weight, torch.zeros(8))
     x = torch.randn(2, 8)
     torch.testing.assert_close(fly(x), nn.RMSNorm(8)(x), rtol=1e-5, atol=1e-5)
+
+
+def test_from_module_reads_transformers_variance_epsilon_and_refuses_several_dims():
+    import pytest
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    stock = LlamaRMSNorm(64, eps=1e-6)
+    assert FlyRMSNorm.from_module(stock, cast_before_scale=True).eps == 1e-6  # not torch's finfo(dtype).eps
+    with pytest.raises(ValueError, match="last dimension only"):
+        FlyRMSNorm.from_module(nn.RMSNorm((8, 8), elementwise_affine=False))

@@ -200,3 +200,27 @@ def test_dispatch_invalid_arguments_raise_before_any_kernel(make, match):
     perm = torch.randperm(10).int()
     with pytest.raises(ValueError, match=match):
         fl.moe_dispatch(*make(x, perm, w))
+
+
+def test_dispatch_weight_gradient_sums_fp32_inputs_in_fp32():
+    # out_dtype narrower than x: d w = <x, grad> with x as it is, not rounded to grad's dtype first
+    from fly_lightning.ops.moe_combine import moe_dispatch, moe_dispatch_reference
+
+    torch.manual_seed(0)
+    t, k, h = 8, 2, 256
+    x, perm = torch.randn(t, h), torch.randperm(t * k).int()
+    w = torch.rand(t, k, requires_grad=True)
+    y = moe_dispatch(x, perm, k, w, out_dtype=torch.bfloat16)
+    g = torch.randn_like(y)
+    (dw,) = torch.autograd.grad(y, w, g)
+    (want,) = torch.autograd.grad(moe_dispatch_reference(x, perm, k, w, torch.bfloat16), w, g)
+    torch.testing.assert_close(dw, want, rtol=1e-5, atol=1e-5)
+
+
+def test_combine_with_no_slots_has_a_backward():
+    rows = torch.randn(0, 4, requires_grad=True)
+    w = torch.rand(3, 0, requires_grad=True)
+    out = fl.moe_combine(rows, w)
+    assert out.shape == (3, 4) and not out.any()
+    d_rows, d_w = torch.autograd.grad(out.sum(), (rows, w))
+    assert d_rows.shape == (0, 4) and d_w.shape == (3, 0)

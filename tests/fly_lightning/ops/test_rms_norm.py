@@ -246,3 +246,15 @@ def test_strided_weight_falls_back_with_reason():
     rec = _last()
     assert rec["backend"] == "aten" and "weight not contiguous" in rec["reason"]
     assert _rel_err(y, _ref64(x, w, 1e-6)) < 1e-5
+
+
+def test_llama_cast_with_an_offset_differentiates_the_forward_it_runs():
+    # the forward adds the offset in the weight's dtype (rounded); the backward must use that weight too
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, requires_grad=True)
+    w = torch.randn(64).bfloat16()
+    y = rms_norm(x, w, 1e-6, offset=1.0, cast_before_scale=True)
+    g = torch.randn_like(y)
+    (gx,) = torch.autograd.grad(y, x, g)
+    (want,) = torch.autograd.grad(rms_norm_reference(x, w, 1e-6, 1.0, True)[0], x, g)
+    torch.testing.assert_close(gx, want, rtol=1e-5, atol=1e-6)

@@ -26,8 +26,11 @@ SHAPES = [(1, 256, 512), (16, 4096, 4096), (50, 384, 1024), (200, 520, 768), (10
 
 
 def _operands(m, n, k, a_fmt, b_fmt, spread=8):
-    x = torch.randn(m, k, device="cuda") * torch.exp2(torch.randint(-spread, spread, (m, 1), device="cuda").float())
-    w = torch.randn(n, k, device="cuda") * torch.exp2(torch.randint(-spread, spread, (1, k), device="cuda").float())
+    """Operands with rows of ``x`` and columns of ``w`` scaled by powers of two in ``[2^-spread, 2^spread)``."""
+    x, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
+    if spread:
+        x = x * torch.exp2(torch.randint(-spread, spread, (m, 1), device="cuda").float())
+        w = w * torch.exp2(torch.randint(-spread, spread, (1, k), device="cuda").float())
     b, bs = formats.to_mx(w, b_fmt)
     if a_fmt is None:
         return x.bfloat16(), None, b, bs

@@ -22,7 +22,8 @@ one scale multiply per word) takes the swapped loop from 512 to 489 static instr
 unswapped (``mma.sync`` at 16 rows). Timed (``benchmarks/probe_mx_weight_only.py``, H200, graph replays, 09b9f13):
 unswapped with the tables 11.2 against 13.8 us at 16x4096x4096, 35.3 against 45.1 at 32x4096x14336, equal at
 16x28672x4096, slower at 64 rows (and swapped with the tables 1.3-1.9x slower everywhere): ``plan`` takes it for
-weight-only MXFP4 up to ``LUT_MAX_M`` rows. The decode is about a third of the swapped loop; the rest is the
+weight-only MXFP4 up to ``LUT_MAX_M`` rows (and the unswapped pair decode from there to 64 rows, see below). The
+decode is about a third of the swapped loop; the rest is the
 converted weights' trip through shared memory into the wgmma register operand (8 ``STS.128`` + 8 ``LDSM`` per K
 step), operand moves, and a wait after each of its 8 small wgmmas. Triton's own ``tl.dot_scaled`` compiles to the
 same shape of loop (548 instructions; 391 with ``fast_math``, which drops NaN-scale handling) and ran 1.3-2.4x slower
@@ -33,13 +34,15 @@ the row's natural elements ``[32 c, 32 c + 32)``: one 16-byte load of MXFP4 (32 
 place and renamed into the fragment; the bf16 activations are read in that order (4-byte runs, from L2). sm90 SASS
 (Triton 3.6, compiled on the CPU), per thread and K step, against the same swapped plan in natural order: 374 against
 393 instructions with the byte tables, 370 against 417 pairs, 312 against 389 MXFP8 (364 with 128 weight rows over
-two warpgroups, each its own chain of wgmmas), no ``LDSM`` and 2 barriers instead of 11. Not yet timed on a GPU, so
-no plan takes it; the mx_gemm suite's ``small_plans`` and ``probe_mx_weight_only`` time it. ptxas still waits after
-each of the 8 wgmmas (it gives every slice's operand the same registers).
+two warpgroups, each its own chain of wgmmas), no ``LDSM`` and 2 barriers instead of 11. ptxas still waits after
+each of the 8 wgmmas (it gives every slice's operand the same registers). Timed (probe, H200, cd386b1): never the
+fastest form; 0.98x-0.55x of the plan's on the five weight-only shapes, so no plan takes it.
 The loops index K by step (``_mx_dequant.load_operand``: offsets are step times a constant, no divisions), so the
 pipeliner prefetches the scale loads too. The instruction counts and timings quoted earlier in this docstring were
-taken before that change, which shortened every small-M loop (the swapped byte-table loop 489 -> 393); the mx_gemm
-suite has not timed the new loops yet.
+taken before that change, which shortened every small-M loop (the swapped byte-table loop 489 -> 393). Timed after
+it (probe, H200, cd386b1, device time against cuBLAS bf16): 10.7 / 9.9 us at 16x4096x4096, 45.6 / 57.1 at
+16x28672x4096, 30.9 / 34.6 at 32x4096x14336; at 64 rows unswapped now beats swapped (23.8 / 24.9 and 40.6 / 49.3 us
+at 6144x4096 and 8192x8192), which ``plan`` takes.
 
 Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
 (``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs
@@ -218,11 +221,14 @@ def _plan(
         # split K until the weights are streamed by about two waves of programs, each keeping >= 4 K steps
         while tiles * split * 2 <= 2 * sms and k % (K_ALIGN * split * 2) == 0 and k // (split * 2) >= 4 * K_ALIGN:
             split *= 2
-        # weight-only MXFP4 at <= 32 rows: tokens on the MMA's M side (mma.sync) and the byte-table decode, 1.0-1.28x
-        # faster by device time than the swapped plan (probe_mx_weight_only, H200, 09b9f13); swapped from 64 rows
-        lut = m <= LUT_MAX_M and a_fmt is None and b_fmt == "mxfp4_e2m1"
+        # weight-only MXFP4: tokens on the MMA's M side (mma.sync), not swapped: at <= 32 rows with the byte-table
+        # decode, 1.0-1.28x faster by device time than the swapped plan (probe_mx_weight_only, H200, 09b9f13); at 64
+        # rows with the pair decode, 1.05x / 1.21x on 6144x4096 / 8192x8192 (the same probe, H200, cd386b1: the
+        # byte tables there 1.0x / 1.16x)
+        w4 = a_fmt is None and b_fmt == "mxfp4_e2m1"
+        lut = w4 and m <= LUT_MAX_M
         return MXMMConfig(
-            bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=not lut, split_k=split, fp8_cvt=FP8_CVT, fp4_lut=lut
+            bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=not w4, split_k=split, fp8_cvt=FP8_CVT, fp4_lut=lut
         )
     if m >= PREPASS_MIN_M:
         return MXMMConfig(128, 256, K_ALIGN, num_warps=8, num_stages=3, fp8_cvt=FP8_CVT, prepass=True)
@@ -323,8 +329,8 @@ def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor
     constraints="sm90+ (CUDA; ROCm on ATen); "
     "MX x MX (e4m3, e5m2, e2m1; formats may differ), bf16 x MX (weight-only); "
     "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
-    "bf16 MMAs with fp32 accumulation; few rows: K split, operands swapped (weight-only MXFP4 up to 32 rows: not "
-    "swapped, fp4 decoded from 32-bit words where rows are 4-byte aligned); M >= 128: dequantised to bf16 "
+    "bf16 MMAs with fp32 accumulation; few rows: K split, operands swapped (weight-only MXFP4 up to 64 rows: not "
+    "swapped; up to 32, fp4 decoded from 32-bit words where rows are 4-byte aligned); M >= 128: dequantised to bf16 "
     "in a prepass (a bf16 copy of each operand during the call), then cuBLAS",
 )
 def mx_scaled_mm_triton(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:

@@ -124,9 +124,10 @@ def test_plans():
     assert plan(16, 4096, 4096, None, "mxfp4_e2m1", torch.device("cpu")).swap
     cuda = torch.device("cuda")
     small = plan(16, 4096, 4096, None, "mxfp4_e2m1", cuda, sms=132)
-    # weight-only MXFP4 up to 32 rows: unswapped, byte tables; otherwise (64 rows, fp8 weights) swapped
+    # weight-only MXFP4 up to 32 rows: unswapped, byte tables; at 64 rows unswapped, pairs; fp8 weights swapped
     assert not small.swap and small.fp4_lut and small.split_k == 4 and 4096 % (small.block_k * small.split_k) == 0
-    assert plan(64, 4096, 4096, None, "mxfp4_e2m1", cuda, sms=132).swap
+    at64 = plan(64, 4096, 4096, None, "mxfp4_e2m1", cuda, sms=132)
+    assert not (at64.swap or at64.fp4_lut)
     fp8 = plan(16, 4096, 4096, None, "mxfp8_e4m3", cuda, sms=132)
     assert fp8.swap and not fp8.fp4_lut and fp8.split_k == small.split_k
     big = plan(8192, 8192, 8192, "mxfp8_e4m3", "mxfp8_e4m3", cuda, sms=132)

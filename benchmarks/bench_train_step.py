@@ -88,6 +88,8 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "best_baseline": best_base,
             "best_with_fly": best_ours,
             "speedup": base[best_base] / ours[best_ours],
+            # a baseline that ran and failed: the speedup is then against a slower one, and says so
+            "failed_baselines": [v for v in BASELINES if v in row and v not in base],
         }
         for fly_v, alone in (("fly_compile", "compile"), ("liger_fly", "liger")):
             if fly_v in timed and alone in timed:
@@ -152,10 +154,14 @@ def main() -> None:
         for key in dict.fromkeys((r["model"], r["precision"]) for r in runs):
             record(res, *key, [r for r in runs if (r["model"], r["precision"]) == key])
         envs = [json.loads(open(path).read())["environment"] for path in args.env_from or []]
-        env = dict(envs[0], command=" ; ".join(e["command"] for e in envs)) if envs else None
+        env = None
+        if envs:  # every invocation's revision and date, not only the first's
+            env = dict(envs[0], command=" ; ".join(e["command"] for e in envs))
+            env["git_rev"] = ", ".join(dict.fromkeys(str(e.get("git_rev")) for e in envs))
+            env["date_utc"] = ", ".join(dict.fromkeys(str(e.get("date_utc")) for e in envs))
         res.notes.append(
-            f"summarised from the process records of {len(args.from_runs)} invocations; each model's variants and "
-            "its two stock runs come from one invocation (one machine, one process per variant)"
+            f"summarised from {len(args.from_runs)} process-record file(s) (each may hold several invocations; "
+            "runs are pooled by model and precision)"
         )
     else:
         variants = [v for v in args.variants.split(",") if v != "stock"]

@@ -76,7 +76,7 @@ def time_ms(
     if device.type == "cuda":
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         for i, (start, end) in enumerate(events):
-            args = inputs[i % len(inputs)]
+            args = inputs[(warmup + i) % len(inputs)]  # past the sets the warm-up touched
             start.record()
             fn(*args)
             end.record()
@@ -85,7 +85,7 @@ def time_ms(
     else:
         for i in range(reps):
             t0 = time.perf_counter()
-            fn(*inputs[i % len(inputs)])
+            fn(*inputs[(warmup + i) % len(inputs)])
             times.append((time.perf_counter() - t0) * 1e3)
     return _stats(times)
 
@@ -119,18 +119,20 @@ def interleaved_ms(
     """Side-by-side timing: each function's median of its round medians (``time_ms``), the functions taking turns
     within a round, so that a drift of the GPU's clocks during a case falls on all of them alike (timed one after
     another, the function timed first had an edge on the H200: README, grouped GEMM). ``reps``: calls per function in
-    all (per name, or one number for every function), at least 3 per round; each round starts further along
-    ``inputs``."""
+    all (per name, or one number for every function), at least 3 per round; each function's calls (warm-up
+    included) walk through ``inputs`` in order across rounds, so no timed call reuses a set touched just before."""
     names = list(fns)
     turns = _turns(names, rounds) if names else []
     total = reps if isinstance(reps, dict) else dict.fromkeys(names, reps)
     per_round = {n: max(3, total[n] // max(1, len(turns))) for n in names}
     samples: dict[str, list[float]] = {n: [] for n in names}
-    for r, order in enumerate(turns):
+    pos = dict.fromkeys(names, 0)  # each function's next input set: every call, warm-up included, takes the next one
+    for order in turns:
         for n in order:
-            shift = (r * per_round[n]) % len(inputs)
+            shift = pos[n] % len(inputs)
             rotated = list(inputs[shift:]) + list(inputs[:shift])
             samples[n].append(time_ms(fns[n], rotated, warmup=2, reps=per_round[n])["median_ms"])
+            pos[n] += 2 + per_round[n]
     return {n: statistics.median(v) for n, v in samples.items()}
 
 

@@ -38,6 +38,13 @@ def test_summary_compares_the_fastest_with_fly_against_the_fastest_baseline():
     assert abs(row["liger_fly"]["max_loss_diff"] - 0.05) < 1e-12
     assert row["mixtral_only"] == {"error": "no Liger-Kernel entry"}
     assert row["stock"]["runs_ms"] == [50.0, 51.0]
+    assert row["headline"]["failed_baselines"] == []
+
+
+def test_a_failed_baseline_is_named_in_the_headline():
+    runs = [_run("stock", 50.0), _run("stock", 50.0), dict(variant="compile", error="timed out"), _run("fly", 45.0)]
+    headline = summarise(runs)["headline"]
+    assert headline["best_baseline"] == "stock" and headline["failed_baselines"] == ["compile"]
 
 
 def test_rest_rows_carry_their_invocations_baseline_and_no_ratio():

@@ -36,6 +36,11 @@ def test_grouped_bounds_place_peer_ours_and_dense_against_the_roof():
     assert rows[0]["peer_over_roof"] == 2.0 and rows[0]["fly_of_roof"] == 0.8 and rows[0]["dense_of_roof"] == 1.0
     assert summary["ceiling_x_vs_peer"] == 2.0 and summary["goal_needs_of_roof"] == 0.6
     assert summary["cases_under_goal_even_at_roof"] == []
+    # memory-bound with 64 experts: dense (one expert's weight) is placed against a roof that reads one weight
+    many = dict(case="m", M=64, K=4096, N=4096, E=64)
+    (r,), _ = grouped_bounds([dict(many, peer_ms=1.0, fly_ms=1.0, dense_ms=roofline_ms(64, 4096, 4096, 1, 1e9, 1e3))],
+                             1e9, 1e3)  # fmt: skip
+    assert r["bound"] == "memory" and r["dense_of_roof"] == 1.0
     _, tight = grouped_bounds([dict(row, peer_ms=1.1 * roof, fly_ms=roof, dense_ms=roof)], 500.0, 1e9)
     assert tight["cases_under_goal_even_at_roof"] == ["c"] and tight["goal_needs_of_roof"] > 1
 

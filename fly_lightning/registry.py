@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 from torch import Tensor
 
@@ -51,16 +51,11 @@ def tensor_key(t: Tensor | None) -> tuple | None:
     return (t.shape, t.stride(), t.dtype, t.device)
 
 
-class ScalarKey(NamedTuple):
-    """An integer argument in a shape signature, with its type: ``2``, ``2.0`` and ``True`` hash and compare alike,
-    but validation takes only the first, and a cached decision skips validation."""
-
-    type: type
-    value: Any
-
-
-def scalar_key(v: Any) -> ScalarKey:
-    return ScalarKey(type(v), v)
+def scalar_key(v: Any) -> Any:
+    """An integer argument in a shape signature: ``2``, ``2.0`` and ``True`` hash and compare alike, but validation
+    takes only the first, and a cached decision skips validation. Ints (and None) stay as they are (this runs on every
+    call); anything else goes with its type, and is refused by validation before a decision is cached."""
+    return v if type(v) is int or v is None else (type(v), v)
 
 
 def always_supported(*args: Any, **kwargs: Any) -> bool:

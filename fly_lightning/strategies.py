@@ -6,7 +6,7 @@ its own classes, since the two packages' Trainers accept only their own Strategy
 - ``"flydsl"``: single device (the device comes from the Trainer's accelerator/devices).
 - ``"flydsl_ddp"``: DDP.
 - ``"flydsl_fsdp2"``: FSDP2 (``fully_shard``) on a 1-D data-parallel mesh; shards each block of the model's
-  ``nn.ModuleList``s, the LightningModule's direct children and the root, unless a ``configure_model`` of the
+  ``nn.ModuleList``s and the root (its step methods gathering like its forward), unless a ``configure_model`` of the
   LightningModule's shards the model itself.
 - ``"flydsl_model_parallel"``: Lightning's ModelParallelStrategy (FSDP2 + tensor parallel on a 2-D device mesh); the
   user parallelises in ``configure_model`` as usual.
@@ -196,7 +196,8 @@ def _load_full_checkpoint(strategy: Any, path: Any, weights_only: bool | None) -
     if not _is_full_checkpoint(path) or not any(isinstance(m, ExpertList) for m in strategy.model.modules()):
         return None
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-    state_dict = stack_expert_lists(strategy.model, checkpoint.pop("state_dict"))
+    # rank 0's values are broadcast (as Lightning loads): the other ranks never read the experts from the file
+    state_dict = stack_expert_lists(strategy.model, checkpoint.pop("state_dict"), read=strategy.global_rank == 0)
     _load_raw_module_state(state_dict, strategy.model, strict=module.strict_loading)
     options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=module.strict_loading)
     for opt, state in zip(strategy.optimizers, checkpoint.get("optimizer_states", []), strict=False):
@@ -215,16 +216,15 @@ def _index_based(state: Any) -> bool:
 
 def _auto_fully_shard(strategy: Any, model: nn.Module) -> None:
     """Default FSDP2 wrapping: each block of every ``nn.ModuleList`` (not per-expert lists; inner lists before the
-    blocks holding them), then each direct child of ``model`` that still has unsharded parameters, then the root.
+    blocks holding them), then the root, whose step methods count as forwards.
 
-    The children: a ``training_step`` that calls ``self.model(...)`` never runs the LightningModule's own forward,
-    whose hook would gather the root's parameters (embeddings, head). Modules built in ``setup()`` are transformed
-    first (sharded modules can no longer be swapped); already sharded ones are skipped, so a second ``fit`` /
-    ``validate`` on the same model works.
+    The step methods: a ``training_step`` that calls ``self.model(...)`` never runs the LightningModule's own
+    forward, whose hook gathers the root's parameters (embeddings, head); registered, they gather them around the
+    step (sharding the children instead would split tied weights and gather them again in backward). Modules built in
+    ``setup()`` are transformed first (sharded modules can no longer be swapped); already sharded ones are skipped, so
+    a second ``fit`` / ``validate`` on the same model works.
     """
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    from fly_lightning.dtensor import is_dtensor
+    from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 
     if hasattr(strategy, "_fly_apply"):  # also used with Lightning's own strategy (the stock baseline in the tests)
         strategy._fly_apply(model)
@@ -236,13 +236,11 @@ def _auto_fully_shard(strategy: Any, model: nn.Module) -> None:
             for block in module:
                 if not isinstance(block, FSDPModule):
                     fully_shard(block, mesh=mesh)
-    for child in model.children():
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict, FSDPModule)):  # lists have no forward of their own
-            continue
-        if any(not is_dtensor(p) for p in child.parameters()):
-            fully_shard(child, mesh=mesh)
     if not isinstance(model, FSDPModule):
         fully_shard(model, mesh=mesh)
+        for step in ("training_step", "validation_step", "test_step", "predict_step"):
+            if callable(getattr(model, step, None)):
+                register_fsdp_forward_method(model, step)
 
 
 def _shards_anything(module: nn.Module) -> bool:
@@ -292,8 +290,8 @@ def _build(pl: Any) -> dict[str, type]:
         strategy_name = "flydsl_model_parallel"
 
     class FlyFSDP2Strategy(_FlyStrategyMixin, _FullCheckpoints, strategies.ModelParallelStrategy):
-        """FSDP2 on a 1-D mesh. Unless a user ``configure_model`` shards the model, blocks of ``nn.ModuleList``s, the
-        root's direct children and the root are sharded with ``fully_shard``."""
+        """FSDP2 on a 1-D mesh. Unless a user ``configure_model`` shards the model, blocks of ``nn.ModuleList``s and
+        the root are sharded with ``fully_shard``."""
 
         strategy_name = "flydsl_fsdp2"
 

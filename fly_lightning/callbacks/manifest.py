@@ -36,7 +36,6 @@ import torch
 
 from fly_lightning.callbacks._common import write_text_atomic
 from fly_lightning.dispatch_log import NOT_SPECIALISED
-from fly_lightning.registry import ScalarKey
 
 if TYPE_CHECKING:
     from fly_lightning.dispatch_log import Decision
@@ -49,8 +48,6 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 def canonical_signature(sig: Hashable) -> str:
     """A stable, readable string for a shape signature (the same across runs and ranks)."""
-    if isinstance(sig, ScalarKey):  # the value as before the type was keyed: manifests stay comparable
-        return canonical_signature(sig.value)
     if isinstance(sig, torch.Size):
         return "x".join(map(str, sig)) or "scalar"
     if isinstance(sig, torch.dtype):

@@ -161,14 +161,26 @@ def _list_load_hook(
     state_dict[prefix + "down_proj"] = torch.stack(downs)
 
 
-def stack_expert_lists(model: nn.Module, state_dict: dict) -> dict:
+def stack_expert_lists(model: nn.Module, state_dict: dict, read: bool = True) -> dict:
     """``state_dict`` (``model``'s keys, or the original per-expert keys of its ``ExpertList`` blocks, as
     ``model.state_dict()`` writes them) with every complete per-expert list stacked into the block's parameters, in
     place: what ``load_state_dict``'s hook does, for loaders that match keys to parameters without it (a full FSDP2
-    checkpoint through ``torch.distributed.checkpoint``'s ``set_model_state_dict``)."""
+    checkpoint through ``torch.distributed.checkpoint``'s ``set_model_state_dict``). ``read=False``: the stacked
+    tensors are left uninitialised (no page of a memory-mapped file read), for ranks that receive rank 0's values."""
     for name, m in model.named_modules():
-        if isinstance(m, ExpertList):
-            _list_load_hook(m, state_dict, f"{name}." if name else "", {}, True, [], [], [])
+        if not isinstance(m, ExpertList):
+            continue
+        prefix = f"{name}." if name else ""
+        if read:
+            _list_load_hook(m, state_dict, prefix, {}, True, [], [], [])
+            continue
+        keys = [k for i in range(m.gate_up_proj.shape[0]) for k in _list_keys(m, prefix, i)]
+        if all(k in state_dict for k in keys):
+            dtype = state_dict[keys[0]].dtype
+            for k in keys:
+                del state_dict[k]
+            state_dict[prefix + "gate_up_proj"] = torch.empty(m.gate_up_proj.shape, dtype=dtype)
+            state_dict[prefix + "down_proj"] = torch.empty(m.down_proj.shape, dtype=dtype)
     return state_dict
 
 

@@ -144,7 +144,8 @@ def _fsdp2_case(case: str, tmp_path: Path) -> dict:
 
 def test_fsdp2_auto_sharding_serves_a_step_that_calls_the_inner_model(tmp_path):
     # training_step calls self.model(...): the LightningModule's own forward (the root's all-gather) never runs, so
-    # the inner model is sharded too; the blocks hold lists of their own (inner lists sharded before their blocks)
+    # the step methods are registered as forwards of the root; the head is tied to the embedding (one parameter, one
+    # FSDP group); the blocks hold lists of their own (inner lists sharded before their blocks)
     out = _fsdp2_case("inner_call", tmp_path)
     assert out["sharded"] and len(out["losses"]) == 4
     assert all(torch.isfinite(torch.tensor(out["losses"]))) and out["losses"][-1] < out["losses"][0]

@@ -6,9 +6,10 @@ and feeds a bf16 ``tl.dot`` with fp32 accumulation. The weight-only form loads b
 conversion runs on data the software pipeline (``num_stages``) already prefetched, and each weight tile is converted
 once per output tile; a large ``BLOCK_K`` (128, the support boundary) amortises the scale loads.
 
-Small M (decode, weight-only at M <= 64) swaps the operands, ``out^T = dequant(b) @ a^T``, so that the weight tile
-fills the MMA's M side and the few tokens its N side, and splits K across programs so that enough programs stream
-the weights (fp32 partials, summed in the kernel by each tile's last program to finish). Result: fp32 accumulation
+Small M (decode, weight-only at M <= 64; weight-only MXFP4 there runs unswapped, see below) swaps the operands,
+``out^T = dequant(b) @ a^T``, so that the weight tile fills the MMA's M side and the few tokens its N side, and
+splits K across programs so that enough programs stream the weights (fp32 partials, summed in the kernel by each
+tile's last program to finish). Result: fp32 accumulation
 of the exact dequantised values, so it matches ``mx_scaled_mm_reference`` up to summation order (and underflow
 below 2^-126, where bf16 keeps 7 bits).
 Its bound is the decode, not bandwidth: at 16x28672x4096 (MXFP4 weights, H200, mx_gemm suite at 8182f20) it streams

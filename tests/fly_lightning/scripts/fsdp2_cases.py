@@ -3,8 +3,9 @@
     python fsdp2_cases.py CASE OUT.json
 
 CASE:
-- ``inner_call``: ``training_step`` calls ``self.model(...)`` (never the LightningModule's forward), and the model
-  holds nested ``nn.ModuleList``s (a list inside each block, as T5's ``block[i].layer``);
+- ``inner_call``: ``training_step`` calls ``self.model(...)`` (never the LightningModule's forward), the model's
+  head is tied to its embedding, and it holds nested ``nn.ModuleList``s (a list inside each block, as T5's
+  ``block[i].layer``);
 - ``builds_only``: a ``configure_model`` that builds layers and shards nothing;
 - ``full_checkpoint``: restacked per-expert lists (``ListMoE``), a full single-file checkpoint
   (``save_distributed_checkpoint=False``) saved after 2 steps and resumed: the weights and the optimizer state the
@@ -55,6 +56,7 @@ class Inner(nn.Module):
         self.emb = nn.Embedding(64, 16)
         self.blocks = nn.ModuleList(Block() for _ in range(2))
         self.head = nn.Linear(16, 64)
+        self.head.weight = self.emb.weight  # tied, as many LMs: one parameter in two modules
 
     def forward(self, t):
         h = self.emb(t)

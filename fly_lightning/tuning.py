@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from fly_lightning._files import write_text_atomic
+
 FORMAT = "fly-lightning tuning db"
 VERSION = 1
 DEFAULT_BUDGET_S = 120.0
@@ -252,14 +254,7 @@ class TuningDB:
             try:
                 data = self._read(move_aside=True)
                 yield data
-                tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
-                try:
-                    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-                    os.replace(tmp, self.path)
-                except BaseException:  # a full disk, a directory in the file's place: no temporary file left behind
-                    with contextlib.suppress(OSError):
-                        tmp.unlink()
-                    raise
+                write_text_atomic(self.path, json.dumps(data, indent=1, sort_keys=True) + "\n")
                 self._data, self._stamp = None, None
             finally:
                 if fcntl is not None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -11,20 +9,6 @@ import torch
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """``text`` to ``path`` through a temporary file in its directory and one rename: a reader (or a crash, or a full
-    disk half-way) sees the old file or the new one, never a truncated one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def writes_outputs(trainer: pl.Trainer) -> bool:

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fly_lightning.callbacks._common import write_text_atomic
+from fly_lightning._files import write_text_atomic
 from fly_lightning.dispatch_log import NOT_SPECIALISED
 
 if TYPE_CHECKING:

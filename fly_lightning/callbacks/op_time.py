@@ -37,6 +37,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from fly_lightning import dispatch
+from fly_lightning._files import write_text_atomic
 from fly_lightning.callbacks import _common
 from fly_lightning.callbacks.breakdown import STEP_RANGE, UPDATE_MARK, StepBreakdown, analyse, mean
 
@@ -232,7 +233,7 @@ class OperatorTime(pl.Callback):
         if writes:
             try:  # the run is over: a file that cannot be written is reported, never a crash of a finished fit
                 text = json.dumps(record, indent=2, sort_keys=True) + "\n"
-                self.json_path = _common.write_text_atomic(directory / "op_time.json", text)
+                self.json_path = write_text_atomic(directory / "op_time.json", text)
             except OSError as exc:
                 writes = False
                 rank_zero_warn(f"OperatorTime: op_time.json not written ({type(exc).__name__}: {exc})")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fly_lightning
+from fly_lightning._files import write_text_atomic
 from fly_lightning.callbacks import DispatchCoverage, _common, diff_manifests, load_manifest, validate_manifest
 from fly_lightning.callbacks.manifest import canonical_signature, merge_sections
 from fly_lightning.callbacks.manifest_diff import main as diff_main
@@ -263,7 +264,7 @@ def test_a_manifest_write_that_fails_keeps_the_previous_file(tmp_path, monkeypat
     """Written through a temporary file and a rename: the previous run's manifest (what ``diff`` compares against)
     survives a write that fails half-way."""
     path = tmp_path / "m.txt"
-    _common.write_text_atomic(path, "previous")
+    write_text_atomic(path, "previous")
     real = type(path).write_text
 
     def half(self, text):
@@ -272,6 +273,6 @@ def test_a_manifest_write_that_fails_keeps_the_previous_file(tmp_path, monkeypat
 
     monkeypatch.setattr(type(path), "write_text", half)
     with pytest.raises(OSError):
-        _common.write_text_atomic(path, "the new contents")
+        write_text_atomic(path, "the new contents")
     monkeypatch.undo()
     assert path.read_text() == "previous" and [p.name for p in tmp_path.iterdir()] == ["m.txt"]

@@ -21,7 +21,7 @@ ROOT = Path(fly_lightning.__file__).resolve().parents[1]
 PACKAGES = {"fly_lightning": "fly_lightning"}
 
 # The dispatch core, bottom first: each module may import only those before it.
-CORE = ["backends", "registry", "policy", "tuning", "dispatch_log", "dispatch", "dtensor"]
+CORE = ["_files", "backends", "registry", "policy", "tuning", "dispatch_log", "dispatch", "dtensor"]
 # Above the core, in order; a layer may import its own modules and every layer below, never one above.
 LAYERS = [
     [f"fly_lightning.{m}" for m in CORE],

@@ -7,7 +7,7 @@ Goal (issue 27): at least 75% of the measured copy bandwidth for tensors of 64 M
 times from CUDA-graph replays, side by side in rotated rounds (``harness.interleaved_graph_ms``; a call's host cost,
 tens of microseconds through any dispatcher, is larger than the kernel below about 200 MB), inputs rotated through
 more than 3x the L2; ``ours_eager_ms`` is our call timed with events, host launch included. ``details.plans`` (JSON):
-other launch plans of the kernel on the cases of 64 MB or more, for tuning ``mx_cast.PLAN``.
+other launch plans of the kernel on the cases of 64 MB or more, for tuning ``mx_cast.PLAN`` and ``COLS_PLAN``.
 
     python -m benchmarks.bench_mx_cast          # writes mx_cast.json/.md
 """
@@ -51,6 +51,9 @@ CASES = [  # (rows, cols, dtype, format, mode, axis): activations and weights of
     (4096, 16384, torch.bfloat16, "mxfp4_e2m1", "floor", 0),
 ]
 PLANS = [(16, 8, 4), (32, 8, 4), (32, 8, 8), (64, 8, 8), (8, 16, 4), (16, 16, 8), (32, 16, 8), (64, 4, 8)]
+# column-wise (columns, 32-row blocks, warps): one warp keeps a block's amax within the warp (no barriers)
+COLS_PLANS = [(64, 2, 4), (128, 1, 4), (256, 1, 4), (64, 1, 1), (128, 1, 1), (32, 2, 1), (32, 4, 1), (64, 2, 1),
+              (128, 1, 2), (256, 1, 2), (64, 2, 2), (128, 2, 4)]  # fmt: skip
 CALLS_PER_GRAPH = 10
 
 
@@ -59,20 +62,27 @@ def _bytes(rows: int, k: int, dtype: torch.dtype, fmt: str) -> int:
     return rows * k * torch.finfo(dtype).bits // 8 + rows * k // f.per_byte + rows * k // formats.BLOCK
 
 
-def _plans(x, fmt, inputs, nbytes, copy_gbps, want_data, want_scale) -> dict:
-    """Copy-bandwidth share of each launch plan in ``PLANS`` (rows, blocks, warps), checked against torchao first."""
+def _plans(x, fmt, mode, axis, inputs, nbytes, copy_gbps, want_data, want_scale) -> dict:
+    """Copy-bandwidth share of each launch plan (``PLANS`` row-wise, ``COLS_PLANS`` column-wise), each checked
+    against torchao first."""
     out = {}
-    for plan in PLANS:
+    if axis == 0:
+        plans, launch = COLS_PLANS, lambda t, p: kernel.launch_cols(t, fmt, mode, p)
+    else:
+        plans, launch = PLANS, lambda t, p: kernel.launch(t, fmt, p, mode)
+    for plan in plans:
         label = "x".join(map(str, plan))
         try:
-            data, scale = kernel.launch(x, fmt, plan)
+            data, scale = launch(x, plan)
+            if axis == 0:  # compared in torchao's layout: the transpose's rows
+                data, scale = data.t(), scale.t()
             if not (
                 torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
                 and torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
             ):
                 out[label] = "not bit-exact"
                 continue
-            t = time_graph_ms(lambda t, p=plan: kernel.launch(t, fmt, p), inputs, calls_per_graph=CALLS_PER_GRAPH)
+            t = time_graph_ms(lambda t, p=plan: launch(t, p), inputs, calls_per_graph=CALLS_PER_GRAPH)
             out[label] = round(nbytes / t["median_ms"] / 1e6 / copy_gbps, 3)
         except Exception as exc:  # noqa: BLE001 (a plan that does not compile or fit is recorded, not fatal)
             out[label] = f"{type(exc).__name__}: {str(exc)[:100]}"
@@ -126,8 +136,8 @@ def main() -> None:
         row.update({f"{n}_ms": round(t, 4) for n, t in ms.items()})
         row.update(speedup=base / ms["ours"], copy_share=share, meets_goal=share >= GOAL_SHARE or nbytes < 64 * 2**20)
         res.add(**row)
-        if nbytes >= 64 * 2**20 and mode == "floor" and axis == -1:
-            plans = _plans(x, fmt, inputs, nbytes, copy_gbps, want_data, want_scale)
+        if nbytes >= 64 * 2**20 and (mode == "floor" or axis == 0):
+            plans = _plans(x, fmt, mode, axis, inputs, nbytes, copy_gbps, want_data, want_scale)
             res.details.setdefault("plans", {})[row["case"]] = plans
         del inputs
     big = [r for r in res.rows if r.get("bit_exact") and r["mbytes"] >= 64]

@@ -114,7 +114,10 @@ def main() -> None:
         a.view(torch.uint8), a_s.view(torch.uint8), da, M, a.stride(0), a_s.stride(0), da.stride(0),
         b.view(torch.uint8), b_s.view(torch.uint8), db, N, b.stride(0), b_s.stride(0), db.stride(0), c,
     )  # fmt: skip
-    consts = dict(A_FMT=1, B_FMT=1, BR=_mx_dequant.DEQUANT_ROWS, BC=_mx_dequant.DEQUANT_COLS, FP32=False, HW_CVT=True)
+    hw = _mx_dequant.hw_cvt(a)  # the constants dequantize passes on this device
+    consts = dict(
+        A_FMT=1, B_FMT=1, BR=rows, BC=cols, FP32=False, HW_CVT=hw, PTX=hw or _mx_dequant.ptx_pairs(a)
+    )  # fmt: skip
     compiled = _mx_dequant._dequant_kernel[grid](*kargs, **consts, num_warps=4)
     direct = compiled[(*grid, 1, 1)]
     all_args = (*kargs, *consts.values())

@@ -116,9 +116,15 @@ def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype):
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import to_mx
 
-    x = _blocks(dtype).t().contiguous()  # [640, 300]: the special blocks run down the columns
-    data, scale = kernel.launch_cols(x, fmt, mode)
-    want_scale, want_data = to_mx(x.t().contiguous(), formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode(mode))
-    _assert_same(x.t(), data.t(), scale.t(), want_data, want_scale, mode)
-    ref_data, ref_scale = mx_cast_reference(x, fmt, mode, 0)
-    _assert_same(x.t(), data.t(), scale.t(), ref_data.t(), ref_scale.t(), mode)
+    xs = [_blocks(dtype).t().contiguous()]  # [640, 300]: the special blocks run down the columns
+    if dtype == torch.bfloat16:  # every bf16 value, a block per column (bf16 -> fp4 pairs rows of a column)
+        every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+        xs.append(every.reshape(-1, 32).t().contiguous().cuda())
+    for x in xs:
+        data, scale = kernel.launch_cols(x, fmt, mode)
+        want_scale, want_data = to_mx(
+            x.t().contiguous(), formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode(mode)
+        )
+        _assert_same(x.t(), data.t(), scale.t(), want_data, want_scale, mode)
+        ref_data, ref_scale = mx_cast_reference(x, fmt, mode, 0)
+        _assert_same(x.t(), data.t(), scale.t(), ref_data.t(), ref_scale.t(), mode)

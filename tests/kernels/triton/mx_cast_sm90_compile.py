@@ -6,7 +6,14 @@ import torch
 from _sm90 import compile_sm90, report
 
 from fly_lightning.kernels.triton._mx_elements import cast_constants
-from fly_lightning.kernels.triton.mx_cast import COLS_PLAN, PLAN, _mx_cast_cols, _mx_cast_fp4_pairs, _mx_cast_rows
+from fly_lightning.kernels.triton.mx_cast import (
+    COLS_PLAN,
+    PLAN,
+    _mx_cast_cols,
+    _mx_cast_cols_fp4_pairs,
+    _mx_cast_fp4_pairs,
+    _mx_cast_rows,
+)
 from fly_lightning.quant import formats
 
 
@@ -26,14 +33,17 @@ def variant(fmt: str, dtype: str, rceil: bool = False, cols: bool = False) -> di
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
 
 
-def fp4_pairs(rceil: bool = False) -> dict:
-    """The bf16 -> MXFP4 kernel the launcher picks (``_mx_cast_fp4_pairs``) in its PTX form."""
-    br, g, warps = PLAN
-    sig = {a: "i32" for a in _mx_cast_fp4_pairs.arg_names}
-    sig.update(X="*i32", DATA="*u8", SCALE="*u8")
-    aligned = ("X", "DATA", "SCALE", "K", "stride_x")
+def fp4_pairs(rceil: bool = False, cols: bool = False) -> dict:
+    """The bf16 -> MXFP4 kernels the launchers pick (``_mx_cast_fp4_pairs``, column-wise
+    ``_mx_cast_cols_fp4_pairs``) in their PTX form."""
+    fn = _mx_cast_cols_fp4_pairs if cols else _mx_cast_fp4_pairs
+    tile, g, warps = COLS_PLAN if cols else PLAN
+    sig = {a: "i32" for a in fn.arg_names}
+    sig.update(X="*i16" if cols else "*i32", DATA="*u8", SCALE="*u8")
+    aligned = ("X", "DATA", "SCALE", "N" if cols else "K", "stride_x")
+    const = dict(BN=tile) if cols else dict(BR=tile)
     kernel, spill, regs = compile_sm90(
-        _mx_cast_fp4_pairs, sig, dict(BR=br, G=g, PTX=True, RCEIL=rceil), aligned, num_warps=warps, num_stages=1
+        fn, sig, dict(const, G=g, PTX=True, RCEIL=rceil), aligned, num_warps=warps, num_stages=1
     )
     ptx = kernel.asm["ptx"]
     fp8_cvt = ptx.count("cvt.rn.satfinite.e4m3x2.f32") + ptx.count("cvt.rn.satfinite.e5m2x2.f32")
@@ -48,6 +58,8 @@ VARIANTS["mxfp4_e2m1-bf16-pairs"] = fp4_pairs
 # rceil scales: from bf16 only (fp32 input takes ATen)
 VARIANTS.update({f"{fmt}-bf16-rceil": (lambda f=fmt: variant(f, "bf16", rceil=True)) for fmt in formats.FORMATS})
 VARIANTS["mxfp4_e2m1-bf16-pairs-rceil"] = lambda: fp4_pairs(rceil=True)
+VARIANTS["mxfp4_e2m1-bf16-cols-pairs"] = lambda: fp4_pairs(cols=True)
+VARIANTS["mxfp4_e2m1-bf16-cols-pairs-rceil"] = lambda: fp4_pairs(rceil=True, cols=True)
 # column-wise: floor from bf16 and fp32, rceil from bf16
 for _fmt in formats.FORMATS:
     VARIANTS[f"{_fmt}-bf16-cols"] = lambda f=_fmt: variant(f, "bf16", cols=True)

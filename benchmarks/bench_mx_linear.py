@@ -13,7 +13,8 @@ from this suite's results; see ``fly_lightning.ops.mx_scaled_mm.emulated_form``)
 Every case first compares the two forms' outputs (``forms_equal``, ``forms_max_diff``): bit for bit from 128 rows,
 where both end in the same bf16 values and the same cuBLAS GEMM; below, the MX GEMM's in-loop kernel sums in its own
 order. Event-timed eager calls (host included, as a training step runs them), the variants taking turns in
-rotated rounds; inputs rotated through more than the L2. ``x_emulated`` = mx_gemm time / emulated time.
+rotated rounds; inputs and layers (their weights) rotated through more than the L2. ``x_emulated`` = mx_gemm time /
+emulated time.
 
     python -m benchmarks.bench_mx_linear      # writes mx_linear.json/.md
 """
@@ -59,11 +60,14 @@ def main() -> None:
         (FORMATS[0], c, torch.float32) for c in FP32_CASES
     ]
     for fmt, (m, k, n), dtype in runs:
-        layers = _layers(k, n, fmt, dtype)
-        sets = rotation_count(2 * m * (k + n), max_sets=8)
-        xs = [(torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True),) for _ in range(sets)]
+        size = torch.finfo(dtype).bits // 8
+        # weights rotate with the activations: at few rows they are most of the bytes, and one layer reused by every
+        # call would be read from the L2
+        sets = rotation_count(size * (m * (k + n) + k * n), max_sets=8)
+        layer_sets = [_layers(k, n, fmt, dtype) for _ in range(sets)]
+        xs = [(torch.randn(m, k, device="cuda", dtype=dtype, requires_grad=True), i) for i in range(sets)]
         gy = torch.randn(m, n, device="cuda", dtype=dtype)
-        x0 = xs[0][0]
+        x0, layers = xs[0][0], layer_sets[0]
         with torch.no_grad():
             y_mx, y_em = layers["mx_gemm"](x0), layers["emulated"](x0)
         row = dict(case=f"{fmt} {m}x{k}x{n} {str(dtype)[6:]}", fmt=fmt, m=m, k=k, n=n, dtype=str(dtype)[6:])
@@ -77,13 +81,13 @@ def main() -> None:
             torch.autograd.grad(layer(x), (x, layer.weight), gy)  # no accumulation into .grad
 
         for kind, fn in (("fwd", fwd), ("step", step)):
-            fns = {name: (lambda x, f=fn, layer=layer: f(x, layer)) for name, layer in layers.items()}
+            fns = {name: (lambda x, i, f=fn, name=name, ls=layer_sets: f(x, ls[i][name])) for name in layers}
             ms = interleaved_ms(fns, xs, reps=30)
             row.update({f"{kind}_{name}_ms": round(t, 4) for name, t in ms.items()})
             row[f"{kind}_x_emulated"] = ms["mx_gemm"] / ms["emulated"]
             row[f"{kind}_emulated_of_bf16"] = ms["bf16"] / ms["emulated"]
         res.add(**row)
-        del xs, layers
+        del xs, layers, layer_sets
     for kind in ("fwd", "step"):
         for fmt in FORMATS:
             for part, keep in (("m128", lambda m: m >= 128), ("small_m", lambda m: m < 128)):

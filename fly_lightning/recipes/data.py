@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from fly_lightning.recipes import text
+from fly_lightning.recipes.errors import RecipeError
 
 
 def markov_corpus(n_seqs: int, seq_len: int, vocab: int, seed: int = 0, branching: int = 4) -> torch.Tensor:
@@ -102,7 +103,7 @@ class LMData(L.LightningDataModule):
             return
         self.tokenizer = text.load_tokenizer(h.tokenizer)
         if self.tokenizer.vocab_size > h.vocab_size:
-            raise ValueError(
+            raise RecipeError(
                 f"data.tokenizer {h.tokenizer} has {self.tokenizer.vocab_size} tokens but data.vocab_size is "
                 f"{h.vocab_size}: pass --data.vocab_size (and a model of that vocabulary)"
             )

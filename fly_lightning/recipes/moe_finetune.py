@@ -35,6 +35,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from fly_lightning.callbacks import DispatchCoverage, OperatorTime
 from fly_lightning.recipes.data import LMData
+from fly_lightning.recipes.errors import RecipeError
 from fly_lightning.recipes.text import has_tokenizer
 
 PROG = "fly-finetune"
@@ -96,7 +97,7 @@ def build_hf_model(
             intermediate_size=expert_intermediate_size,
         )
         return tf.OlmoeForCausalLM(cfg)
-    raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    raise RecipeError(f"arch must be one of {ARCHS}, got {arch!r}")
 
 
 class MoECausalLM(L.LightningModule):
@@ -170,7 +171,7 @@ class MoECausalLM(L.LightningModule):
         data_vocab = getattr(getattr(datamodule, "hparams", None), "vocab_size", None)
         model_vocab = self.model.config.vocab_size
         if data_vocab is not None and data_vocab != model_vocab:
-            raise ValueError(
+            raise RecipeError(
                 f"data.vocab_size={data_vocab} does not match the model's vocabulary ({model_vocab}): "
                 f"pass --data.vocab_size {model_vocab}"
             )
@@ -404,16 +405,23 @@ def main(args: list[str] | None = None) -> None:
     quiet_libraries()
 
     cli_args = args or ["fit"]
-    FinetuneCLI(
-        MoECausalLM,
-        LMData,
-        trainer_defaults=trainer_defaults(),
-        seed_everything_default=0,
-        # None: LightningCLI reads sys.argv itself (given both, it warns on every command-line run)
-        args=None if cli_args == sys.argv[1:] else cli_args,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": PROG},
-    )
+    try:
+        FinetuneCLI(
+            MoECausalLM,
+            LMData,
+            trainer_defaults=trainer_defaults(),
+            seed_everything_default=0,
+            # None: LightningCLI reads sys.argv itself (given both, it warns on every command-line run)
+            args=None if cli_args == sys.argv[1:] else cli_args,
+            save_config_kwargs={"overwrite": True},
+            parser_kwargs={"prog": PROG},
+        )
+    except RecipeError as exc:  # the user's to fix: one line, as the parser reports a bad option
+        from rich.console import Console
+
+        # soft wrap: the terminal folds the line, paths in it stay whole for copying
+        Console(stderr=True).print(f"{PROG}: error: {exc}", markup=False, highlight=False, soft_wrap=True)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

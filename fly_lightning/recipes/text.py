@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from fly_lightning.recipes.errors import RecipeError, RecipePathError
+
 Document = str | list[dict[str, Any]]  # plain text, or chat messages
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -27,7 +29,7 @@ def _text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:  # in a folder of files, which one
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+        raise RecipeError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
 
 
 def _jsonl(path: Path) -> Iterator[Document]:
@@ -37,20 +39,20 @@ def _jsonl(path: Path) -> Iterator[Document]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{n}: not JSON ({exc.msg})") from None
+            raise RecipeError(f"{path}:{n}: not JSON ({exc.msg})") from None
         if isinstance(row, dict) and isinstance(row.get("text"), str):
             yield row["text"]
         elif isinstance(row, dict) and isinstance(row.get("messages"), list):
             yield row["messages"]
         else:
-            raise ValueError(f"{path}:{n}: expected an object with a 'text' string or a 'messages' list")
+            raise RecipeError(f"{path}:{n}: expected an object with a 'text' string or a 'messages' list")
 
 
 def read_documents(path: str | Path) -> list[Document]:
     """The documents under ``path`` (see the module docstring), in a fixed order."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise FileNotFoundError(f"data.path: {path} does not exist")
+        raise RecipePathError(f"data.path: {path} does not exist")
     files = (
         sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (*TEXT_SUFFIXES, ".jsonl")) if p.is_dir() else [p]
     )
@@ -58,7 +60,7 @@ def read_documents(path: str | Path) -> list[Document]:
     for f in files:
         docs.extend(_jsonl(f) if f.suffix == ".jsonl" else [_text(f)])
     if not docs:
-        raise ValueError(f"data.path: no documents in {path} (text files: {', '.join(TEXT_SUFFIXES)}, or .jsonl)")
+        raise RecipeError(f"data.path: no documents in {path} (text files: {', '.join(TEXT_SUFFIXES)}, or .jsonl)")
     return docs
 
 
@@ -71,7 +73,7 @@ class Tokenizer:
 
 def _bytes_encode(doc: Document) -> list[int]:
     if not isinstance(doc, str):
-        raise ValueError("data.tokenizer=bytes has no chat template: chat 'messages' need a Hugging Face tokenizer")
+        raise RecipeError("data.tokenizer=bytes has no chat template: chat 'messages' need a Hugging Face tokenizer")
     return list(doc.encode("utf-8"))
 
 
@@ -92,21 +94,21 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
     path = Path(spec).expanduser()
     hub_id = not path.exists() and not path.is_absolute() and not spec.startswith((".", "~")) and spec.count("/") <= 1
     if not path.is_dir() and not hub_id:
-        raise FileNotFoundError(f"data.tokenizer: {spec} is not a directory ('bytes', a tokenizer directory, hub id)")
+        raise RecipePathError(f"data.tokenizer: {spec} is not a directory ('bytes', a tokenizer directory, hub id)")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(spec if hub_id else str(path), local_files_only=not hub_id)
     if not tok("hello world", add_special_tokens=False)["input_ids"]:
-        raise ValueError(f"data.tokenizer: {spec} encodes text to no tokens (a directory without tokenizer files?)")
+        raise RecipeError(f"data.tokenizer: {spec} encodes text to no tokens (a directory without tokenizer files?)")
     eos = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id
     if eos is None:
-        raise ValueError(f"data.tokenizer: {spec} has no end-of-sequence (or padding) token to separate documents")
+        raise RecipeError(f"data.tokenizer: {spec} has no end-of-sequence (or padding) token to separate documents")
 
     def encode(doc: Document) -> list[int]:
         if isinstance(doc, str):
             return tok(doc, add_special_tokens=False)["input_ids"]
         if not tok.chat_template:
-            raise ValueError(f"data.tokenizer: {spec} has no chat template for 'messages' documents")
+            raise RecipeError(f"data.tokenizer: {spec} has no chat template for 'messages' documents")
         return tok.apply_chat_template(doc, tokenize=True, return_dict=False)
 
     return Tokenizer(encode, int(eos), len(tok), hf=tok)
@@ -120,16 +122,16 @@ def pack(docs: list[Document], tokenizer: Tokenizer, seq_len: int) -> torch.Tens
         ids.append(tokenizer.eos_id)
     n = len(ids) // seq_len
     if n == 0:
-        raise ValueError(f"data: {len(ids)} tokens make no sequence of seq_len={seq_len}")
+        raise RecipeError(f"data: {len(ids)} tokens make no sequence of seq_len={seq_len}")
     return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
 
 
 def split(seqs: torch.Tensor, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded shuffle of the sequences, then ``val_fraction`` of them (at least one) held out for validation."""
     if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+        raise RecipeError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     if seqs.shape[0] < 2:
-        raise ValueError(f"data: {seqs.shape[0]} sequence(s): too few for a training and a validation split")
+        raise RecipeError(f"data: {seqs.shape[0]} sequence(s): too few for a training and a validation split")
     order = torch.randperm(seqs.shape[0], generator=torch.Generator().manual_seed(seed))
     n_val = min(seqs.shape[0] - 1, max(1, round(val_fraction * seqs.shape[0])))
     return seqs[order[n_val:]], seqs[order[:n_val]]

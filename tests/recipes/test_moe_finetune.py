@@ -13,6 +13,7 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -329,8 +330,16 @@ def test_cli_fine_tunes_a_pretrained_checkpoint(tmp_path, no_reexec, record_cli)
 # --- invalid configurations ----------------------------------------------------------------------------------------
 
 
+def _one_line_error(capsys, exc: pytest.ExceptionInfo, message: str) -> None:
+    """``main()`` stopped on a configuration or data error: status 2, one line naming it, no traceback."""
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(rf"fly-finetune: error: .*{message}", err), err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize("source", ["config", "pretrained"])
-def test_cli_vocab_mismatch_is_a_clear_error(source, tmp_path, no_reexec, record_cli):
+def test_cli_vocab_mismatch_is_a_clear_error(source, tmp_path, no_reexec, record_cli, capsys):
     # data and model vocabularies differ: named as such, before any step (not an index or hparams-merge error)
     model_args = ["--model.arch=mixtral"]
     if source == "pretrained":
@@ -339,8 +348,28 @@ def test_cli_vocab_mismatch_is_a_clear_error(source, tmp_path, no_reexec, record
     args = _fit_args(tmp_path, *model_args)
     args[args.index(f"--data.vocab_size={VOCAB}")] = f"--data.vocab_size={2 * VOCAB}"
     message = rf"data.vocab_size={2 * VOCAB} does not match the model's vocabulary \({VOCAB}\)"
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(SystemExit) as exc:
         main(args)
+    _one_line_error(capsys, exc, message)
+    assert record_cli[0].trainer.global_step == 0
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "bad_jsonl"])
+def test_cli_bad_data_is_a_one_line_error(case, tmp_path, no_reexec, record_cli, capsys):
+    # found when the data is read (setup), before any step: the message names the option and the file
+    path = {"missing": tmp_path / "nothing.txt", "empty": tmp_path / "empty", "bad_jsonl": tmp_path / "d.jsonl"}[case]
+    if case == "empty":
+        path.mkdir()
+    if case == "bad_jsonl":
+        path.write_text('{"text": "fine"}\nnot json\n')
+    with pytest.raises(SystemExit) as exc:
+        main(_fit_args(tmp_path, f"--data.path={path}", "--data.vocab_size=256", "--model.vocab_size=256"))
+    message = {
+        "missing": "data.path: .* does not exist",
+        "empty": "data.path: no documents",
+        "bad_jsonl": ":2: not JSON",
+    }
+    _one_line_error(capsys, exc, message[case])
     assert record_cli[0].trainer.global_step == 0
 
 

@@ -66,12 +66,14 @@ def _plans(x, fmt, mode, axis, inputs, nbytes, copy_gbps, want_data, want_scale)
     """Copy-bandwidth share of each launch plan (``PLANS`` row-wise, ``COLS_PLANS`` column-wise), each checked
     against torchao first."""
     out = {}
-    if axis == 0:
-        plans, launch = COLS_PLANS, lambda t, p: kernel.launch_cols(t, fmt, mode, p)
+    if axis == 0:  # bf16 -> MXFP4 also by the two-column word kernel (" words"), off by default until timed
+        words = fmt == "mxfp4_e2m1" and x.dtype == torch.bfloat16
+        plans = [(p, False) for p in COLS_PLANS] + ([(p, True) for p in COLS_PLANS] if words else [])
+        launch = lambda t, p: kernel.launch_cols(t, fmt, mode, p[0], fp4_words=p[1])  # noqa: E731
     else:
-        plans, launch = PLANS, lambda t, p: kernel.launch(t, fmt, p, mode)
+        plans, launch = [(p, None) for p in PLANS], lambda t, p: kernel.launch(t, fmt, p[0], mode)  # noqa: E731
     for plan in plans:
-        label = "x".join(map(str, plan))
+        label = "x".join(map(str, plan[0])) + (" words" if plan[1] else "")
         try:
             data, scale = launch(x, plan)
             if axis == 0:  # compared in torchao's layout: the transpose's rows

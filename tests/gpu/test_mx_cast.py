@@ -109,10 +109,15 @@ def test_rceil_from_bf16_bit_exact_with_torchao(fmt, portable, monkeypatch):
 MODES = [("floor", torch.bfloat16), ("floor", torch.float32), ("rceil", torch.bfloat16)]
 
 
-@pytest.mark.parametrize("mode, dtype", MODES)
-@pytest.mark.parametrize("fmt", sorted(formats.FORMATS))
-def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype):
-    """Blocks down the columns of ``[K, N]``: torchao's ``to_mx`` of the transpose, transposed back."""
+COLS_VARIANTS = [(f, m, d, False) for f in sorted(formats.FORMATS) for m, d in MODES] + [
+    ("mxfp4_e2m1", m, torch.bfloat16, True) for m in ("floor", "rceil")
+]
+
+
+@pytest.mark.parametrize("fmt, mode, dtype, fp4_words", COLS_VARIANTS)
+def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype, fp4_words):
+    """Blocks down the columns of ``[K, N]``: torchao's ``to_mx`` of the transpose, transposed back; bf16 -> MXFP4
+    also by the two-column word kernel (``fp4_words``, off by default until timed)."""
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import to_mx
 
@@ -121,7 +126,7 @@ def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype):
         every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
         xs.append(every.reshape(-1, 32).t().contiguous().cuda())
     for x in xs:
-        data, scale = kernel.launch_cols(x, fmt, mode)
+        data, scale = kernel.launch_cols(x, fmt, mode, fp4_words=fp4_words)
         want_scale, want_data = to_mx(
             x.t().contiguous(), formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode(mode)
         )

@@ -125,11 +125,19 @@ def _fp4_scales(amax, RCEIL: tl.constexpr):
 
 
 @triton.jit
-def _fp4_pair_bytes(w, lo_scaled, hi_scaled, PTX: tl.constexpr):
-    """Each pair word ``w`` (for its signs) and its scaled magnitudes to the byte packing both codes."""
+def _fp4_code_bits(w, lo_scaled, hi_scaled, PTX: tl.constexpr):
+    """Each pair word ``w`` (for its signs) and its scaled magnitudes to a word holding both e2m1 codes, sign
+    included: the low element's at bits 9-12, the high one's at bits 25-28 (nothing else set at or above bit 13 of
+    either half)."""
     h = _f16x2_clamped(lo_scaled, hi_scaled, PTX)
     r = h + 0x00FF00FF + ((h >> 9) & 0x00010001)  # codes at bits 9-11 and 25-27, round to nearest even
-    v = r | ((w >> 3) & 0x10001000)  # the bf16 signs (bits 15, 31) beside them, at bits 12 and 28
+    return r | ((w >> 3) & 0x10001000)  # the bf16 signs (bits 15, 31) beside them, at bits 12 and 28
+
+
+@triton.jit
+def _fp4_pair_bytes(w, lo_scaled, hi_scaled, PTX: tl.constexpr):
+    """Each pair word ``w`` (for its signs) and its scaled magnitudes to the byte packing both codes."""
+    v = _fp4_code_bits(w, lo_scaled, hi_scaled, PTX)
     return (((v >> 9) & 0x0F) | ((v >> 21) & 0xF0)).to(tl.uint8)
 
 
@@ -211,7 +219,6 @@ def _mx_cast_cols(
         tl.store(DATA + ks.to(tl.int64)[:, None] * N + cols[None, :], codes.to(tl.uint8), mask=mask)
 
 
-
 @triton.jit
 def _mx_cast_cols_fp4_pairs(
     X, stride_x, DATA, SCALE, K, N, BN: tl.constexpr, G: tl.constexpr, PTX: tl.constexpr, RCEIL: tl.constexpr = False
@@ -232,6 +239,38 @@ def _mx_cast_cols_fp4_pairs(
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = (g[:, None] < K // 32) & (cols[None, :] < N)
     tl.store(SCALE + g.to(tl.int64)[:, None] * N + cols[None, :], biased.to(tl.uint8), mask=smask)
+
+
+@triton.jit
+def _mx_cast_cols_fp4_words(
+    X, stride_w, DATA, SCALE, K, NW, BN: tl.constexpr, G: tl.constexpr, PTX: tl.constexpr, RCEIL: tl.constexpr = False
+):  # fmt: skip
+    """Column-wise bf16 -> MXFP4 on int32 words of two neighbouring columns (``X``: ``[K, N / 2]`` words,
+    ``stride_w`` in words), each column with its own block scale: the pair arithmetic of ``_mx_cast_fp4_pairs``
+    with both halves of a word in one f16x2 conversion, then byte ``j`` of each column from its rows ``2j`` (low
+    nibble) and ``2j + 1``. ``DATA`` and ``SCALE`` are int16 views: both columns' bytes in one store."""
+    BW: tl.constexpr = BN // 2
+    half = tl.program_id(1) * (G * 16) + tl.arange(0, G * 16)  # rows of data: pairs of rows of x
+    words = tl.program_id(0) * BW + tl.arange(0, BW)
+    mask = (half[:, None] < K // 2) & (words[None, :] < NW)  # K % 32 == 0: a block is wholly in or out
+    p = X + (2 * half).to(tl.int64)[:, None] * stride_w + words[None, :]
+    we = tl.reshape(tl.load(p, mask=mask, other=0).to(tl.uint32, bitcast=True), (G, 16, BW))
+    wo = tl.reshape(tl.load(p + stride_w, mask=mask, other=0).to(tl.uint32, bitcast=True), (G, 16, BW))
+    lo_e, hi_e = _halves(we)
+    lo_o, hi_o = _halves(wo)
+    b_lo, inv_lo = _fp4_scales(tl.reduce(_max_nan(lo_e, lo_o), 1, _max_nan), RCEIL)  # columns 2c
+    b_hi, inv_hi = _fp4_scales(tl.reduce(_max_nan(hi_e, hi_o), 1, _max_nan), RCEIL)  # columns 2c + 1
+    ve = _fp4_code_bits(we, lo_e * inv_lo[:, None, :], hi_e * inv_hi[:, None, :], PTX)
+    vo = _fp4_code_bits(wo, lo_o * inv_lo[:, None, :], hi_o * inv_hi[:, None, :], PTX)
+    # column 2c's byte in bits 0-7 (even row's code low), column 2c + 1's in bits 8-15
+    packed = ((ve >> 9) & 0x000F) | ((vo >> 5) & 0x00F0) | ((ve >> 17) & 0x0F00) | ((vo >> 13) & 0xF000)
+    packed = tl.reshape(packed, (G * 16, BW)).to(tl.int16)
+    tl.store(DATA + half.to(tl.int64)[:, None] * NW + words[None, :], packed, mask=mask)
+    g = tl.program_id(1) * G + tl.arange(0, G)
+    smask = (g[:, None] < K // 32) & (words[None, :] < NW)
+    scales = (b_lo | (b_hi << 8)).to(tl.int16)
+    tl.store(SCALE + g.to(tl.int64)[:, None] * NW + words[None, :], scales, mask=smask)
+
 
 def cast_support(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
     """What the Triton casts take (``mx_cast``'s and ``mx_fake_quantize``'s kernels share the layouts and modes)."""
@@ -287,6 +326,12 @@ _CAST_FP4_PAIRS = FastLaunch(_mx_cast_fp4_pairs)
 
 _CAST_COLS = FastLaunch(_mx_cast_cols)
 _CAST_COLS_FP4_PAIRS = FastLaunch(_mx_cast_cols_fp4_pairs)
+_CAST_COLS_FP4_WORDS = FastLaunch(_mx_cast_cols_fp4_words)
+COLS_FP4_WORDS = False
+"""Column-wise bf16 -> MXFP4 through ``_mx_cast_cols_fp4_words`` (two columns per int32 word) where x reads as
+words; otherwise ``_mx_cast_cols_fp4_pairs``. Off until timed on a GPU (the mx_cast suite's plan scan times both):
+sm90 SASS per element 13.1 in (128, 1, 1), against 14.75 for the pairs kernel there and 17.75 in ``COLS_PLAN``, whose
+61% of copy bandwidth on the H200 misses the cast's 75% goal (b71629c)."""
 COLS_PLAN = (64, 1, 1)
 """Column-wise: (columns, 32-row blocks, warps) per program. One warp reduces a block's 32 rows without a barrier:
 copy bandwidth 82-84% for 4096x16384 bf16 -> MXFP8 on the H200, against 20-22% in four warps (64, 2, 4), whose
@@ -294,10 +339,15 @@ amax went through shared memory (mx_cast suite's plan scan)."""
 
 
 def launch_cols(
-    x: torch.Tensor, fmt: str, mode: str = "floor", plan: tuple[int, int, int] = COLS_PLAN
+    x: torch.Tensor,
+    fmt: str,
+    mode: str = "floor",
+    plan: tuple[int, int, int] = COLS_PLAN,
+    fp4_words: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Column-wise cast of a supported 2-D ``x`` ``[K, N]``: ``data`` ``[K / per_byte, N]``, ``scale``
-    ``[K / 32, N]``."""
+    ``[K / 32, N]``. ``fp4_words``: bf16 -> MXFP4 by ``_mx_cast_cols_fp4_words`` where x reads as int32 words (None:
+    ``COLS_FP4_WORDS``)."""
     f = formats.as_format(fmt)
     consts = cast_constants("mx_cast", fmt, mode, x.dtype, _hw_cvt(x))
     k, n = x.shape
@@ -306,6 +356,15 @@ def launch_cols(
     if x.numel():
         bn, g, warps = plan
         g = min(g, next_pow2(k // formats.BLOCK))
+        words = COLS_FP4_WORDS if fp4_words is None else fp4_words
+        if words and f.bits == 4 and x.dtype == torch.bfloat16 and (w := _as_pairs(x)) is not None:
+            with on_device(x):
+                _CAST_COLS_FP4_WORDS(
+                    (cdiv(n, bn), cdiv(k, g * formats.BLOCK)),
+                    (w, w.stride(0), data.view(torch.int16), scale.view(torch.int16), k, n // 2),
+                    BN=bn, G=g, PTX=HW_CVT and ptx_pairs(x), RCEIL=consts["RCEIL"], num_warps=warps,
+                )  # fmt: skip
+            return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
         if f.bits == 4 and x.dtype == torch.bfloat16:
             with on_device(x):
                 _CAST_COLS_FP4_PAIRS(

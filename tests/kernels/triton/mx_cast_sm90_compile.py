@@ -11,6 +11,7 @@ from fly_lightning.kernels.triton.mx_cast import (
     PLAN,
     _mx_cast_cols,
     _mx_cast_cols_fp4_pairs,
+    _mx_cast_cols_fp4_words,
     _mx_cast_fp4_pairs,
     _mx_cast_rows,
 )
@@ -33,14 +34,18 @@ def variant(fmt: str, dtype: str, rceil: bool = False, cols: bool = False) -> di
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
 
 
-def fp4_pairs(rceil: bool = False, cols: bool = False) -> dict:
+def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False) -> dict:
     """The bf16 -> MXFP4 kernels the launchers pick (``_mx_cast_fp4_pairs``, column-wise
-    ``_mx_cast_cols_fp4_pairs``) in their PTX form."""
-    fn = _mx_cast_cols_fp4_pairs if cols else _mx_cast_fp4_pairs
+    ``_mx_cast_cols_fp4_pairs`` or, with ``words``, ``_mx_cast_cols_fp4_words``) in their PTX form."""
+    fn = _mx_cast_cols_fp4_words if words else _mx_cast_cols_fp4_pairs if cols else _mx_cast_fp4_pairs
     tile, g, warps = COLS_PLAN if cols else PLAN
     sig = {a: "i32" for a in fn.arg_names}
-    sig.update(X="*i16" if cols else "*i32", DATA="*u8", SCALE="*u8")
-    aligned = ("X", "DATA", "SCALE", "N" if cols else "K", "stride_x")
+    if words:
+        sig.update(X="*i32", DATA="*i16", SCALE="*i16")
+        aligned = ("X", "DATA", "SCALE", "NW", "stride_w")
+    else:
+        sig.update(X="*i16" if cols else "*i32", DATA="*u8", SCALE="*u8")
+        aligned = ("X", "DATA", "SCALE", "N" if cols else "K", "stride_x")
     const = dict(BN=tile) if cols else dict(BR=tile)
     kernel, spill, regs = compile_sm90(
         fn, sig, dict(const, G=g, PTX=True, RCEIL=rceil), aligned, num_warps=warps, num_stages=1
@@ -60,6 +65,8 @@ VARIANTS.update({f"{fmt}-bf16-rceil": (lambda f=fmt: variant(f, "bf16", rceil=Tr
 VARIANTS["mxfp4_e2m1-bf16-pairs-rceil"] = lambda: fp4_pairs(rceil=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-pairs"] = lambda: fp4_pairs(cols=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-pairs-rceil"] = lambda: fp4_pairs(rceil=True, cols=True)
+VARIANTS["mxfp4_e2m1-bf16-cols-words"] = lambda: fp4_pairs(cols=True, words=True)
+VARIANTS["mxfp4_e2m1-bf16-cols-words-rceil"] = lambda: fp4_pairs(rceil=True, cols=True, words=True)
 # column-wise: floor from bf16 and fp32, rceil from bf16
 for _fmt in formats.FORMATS:
     VARIANTS[f"{_fmt}-bf16-cols"] = lambda f=_fmt: variant(f, "bf16", cols=True)

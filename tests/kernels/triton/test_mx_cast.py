@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 import fly_lightning
+from fly_lightning.kernels.triton import mx_cast as kernel
 from fly_lightning.kernels.triton._mx_elements import block_scales, mantissa_bits, rceil_biased
 from fly_lightning.kernels.triton.mx_cast import cast_support, launch, launch_cols, mx_cast_triton
 from fly_lightning.ops.mx_cast import mx_cast_reference
@@ -59,8 +60,6 @@ def test_other_launch_plans(plan, mode):
 def test_fp4_pairs_bit_exact_on_every_bf16_value(monkeypatch, mode):
     """bf16 to MXFP4 reads pairs (``_mx_cast_fp4_pairs``, its rounding on f16 bits): every bf16 value, alone in its
     block and under larger ones, gives the reference's code and scale."""
-    from fly_lightning.kernels.triton import mx_cast as kernel
-
     calls = []
     monkeypatch.setattr(kernel, "_CAST", lambda *a, **k: calls.append(a))  # the element kernel must not run
     _check(_every_bf16(), "mxfp4_e2m1", mode=mode)
@@ -133,8 +132,6 @@ def test_multiplier_from_bits_on_every_scale(mode):
 
 def test_fp4_rows_not_readable_as_pairs_take_the_element_kernel(monkeypatch):
     """An odd storage offset cannot be read as int32 pairs: ``_mx_cast_rows`` casts it, with the same bits."""
-    from fly_lightning.kernels.triton import mx_cast as kernel
-
     x = _cases(torch.bfloat16).reshape(-1)[1 : 1 + 16 * 64].reshape(16, 64)
     assert kernel._as_pairs(x) is None
     calls = []
@@ -143,9 +140,14 @@ def test_fp4_rows_not_readable_as_pairs_take_the_element_kernel(monkeypatch):
     assert calls == []
 
 
-def _check_cols(x: torch.Tensor, fmt: str, mode: str, plan: tuple[int, int, int] | None = None) -> None:
+def _check_cols(
+    x: torch.Tensor, fmt: str, mode: str, plan: tuple[int, int, int] | None = None, fp4_words: bool | None = None
+) -> None:
     """Column-wise: against the reference along axis 0, bytes compared as for the row-wise cast of ``x.t()``."""
-    data, scale = mx_cast_triton(x, fmt, mode, 0) if plan is None else launch_cols(x, fmt, mode, plan)
+    if plan is None and fp4_words is None:
+        data, scale = mx_cast_triton(x, fmt, mode, 0)
+    else:
+        data, scale = launch_cols(x, fmt, mode, plan or kernel.COLS_PLAN, fp4_words)
     want_data, want_scale = mx_cast_reference(x, fmt, mode, 0)
     assert data.shape == want_data.shape and scale.shape == want_scale.shape and data.is_contiguous()
     assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
@@ -173,6 +175,25 @@ def test_column_wise_on_every_bf16_value_in_other_plans(fmt, mode):
     wide = torch.zeros(64, 300, dtype=torch.bfloat16)
     wide[:, 10:270] = x[:64, :260]
     _check_cols(wide[:, 10:270], fmt, mode)
+
+
+@pytest.mark.parametrize("mode", ["floor", "rceil"])
+def test_column_wise_fp4_words_bit_exact_with_the_reference(mode, monkeypatch):
+    """bf16 -> MXFP4 down columns, two columns per int32 word (off by default until timed on a GPU): every bf16
+    value and the special blocks, in three plans; it ran, not the pairs kernel, wherever x reads as words."""
+    pairs = []
+    real = kernel._CAST_COLS_FP4_PAIRS
+    monkeypatch.setattr(kernel, "_CAST_COLS_FP4_PAIRS", lambda *a, **k: pairs.append(1) or real(*a, **k))
+    every = _every_bf16().t().contiguous()  # [256, rows]: each column a row of the row-wise test
+    special = _cases(torch.bfloat16).t().reshape(-1).repeat(3)[: 96 * 36].reshape(36, 96).t().contiguous()
+    for x in (every, special):
+        for plan in ((128, 1, 1), (64, 2, 4), (32, 4, 1)):
+            _check_cols(x, "mxfp4_e2m1", mode, plan, fp4_words=True)
+    assert pairs == []
+    # odd width or an odd offset: not readable as words, the pairs kernel takes them
+    _check_cols(special[:, :35], "mxfp4_e2m1", mode, fp4_words=True)
+    _check_cols(special[:, 1:35], "mxfp4_e2m1", mode, fp4_words=True)
+    assert len(pairs) == 2
 
 
 def test_leading_dims_and_strided_rows():
@@ -207,7 +228,6 @@ def test_unsupported_inputs_run_on_aten_with_the_reason(args, reason):
 def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
     """fp8 rounding by instructions needs Triton's fp8 types (sm89+) and a single rounding (not ROCm's fp16 detour)."""
     from fly_lightning.kernels.triton import _mx_dequant
-    from fly_lightning.kernels.triton import mx_cast as kernel
 
     class OnCuda:
         is_cuda, device = True, torch.device("cuda", 0)

@@ -92,8 +92,10 @@ def mx_grouped_mm_reference(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtyp
 
 def _mx_grouped_mm_aten(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> Tensor:
     """torchao's emulated path: dequantise to bf16, ``torch._grouped_mm`` (device offsets clamped, never read on the
-    host). On CPU, or where ATen refuses the layout, the per-group reference GEMM."""
-    dtype = torch.bfloat16 if x.is_cuda else torch.float32
+    host); for an fp32 or fp16 output in fp32 (the values are the same: ``_grouped_mm`` gives its input dtype, and
+    its fp32 sums are then rounded once, not through bf16). On CPU, or where ATen refuses the layout, the per-group
+    reference GEMM."""
+    dtype = torch.bfloat16 if x.is_cuda and out_dtype == torch.bfloat16 else torch.float32
     dx, dw = dequantised(x, x_scale, x_fmt, w, w_scale, w_fmt, dtype)
     if x.is_cuda and hasattr(torch, "_grouped_mm") and aten_reason(dx, dw, offs) is None:
         return torch._grouped_mm(dx, dw, offs=clamp_offsets(offs, x.shape[0])).to(out_dtype)

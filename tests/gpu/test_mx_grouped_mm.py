@@ -44,6 +44,19 @@ def test_dispatched_call_runs_triton_and_matches_the_dequantised_product(x_fmt, 
     assert y.dtype == torch.bfloat16 and _err(y, args) < 1e-2  # bf16 output rounding only
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_aten_path_rounds_other_outputs_once(out_dtype):
+    # fp32 / fp16 out on ATen: fp32 sums rounded once to out_dtype (not through bf16), as the Triton kernel's
+    args = _problem(COUNTS, 512, 384, "mxfp8_e4m3", "mxfp8_e4m3", tail=9)
+    y = fly_lightning.get_op("mx_grouped_mm").impls["aten"].fn(*args, out_dtype)
+    end = int(args[-1][-1])
+    ref = mx_grouped_mm_reference(*args, torch.float64)[:end]
+    assert y.dtype == out_dtype
+    # fp32: within fp32 summation error; fp16: one fp16 rounding (2^-11 relative) of those sums
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(y[:end].double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
 CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.MX_MX, mk.MXFP4_MXFP4, mk.WEIGHT_ONLY, mk.PREPASS,
                                    mk.MXGroupedMMConfig(64, 64, 128, 4, 2, 4, programs_per_sm=0),
                                    mk.MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True))}  # fmt: skip

@@ -93,8 +93,9 @@ def mx_grouped_mm_reference(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtyp
 def _mx_grouped_mm_aten(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> Tensor:
     """torchao's emulated path: dequantise to bf16, ``torch._grouped_mm`` (device offsets clamped, never read on the
     host); for an fp32 or fp16 output in fp32 (the values are the same: ``_grouped_mm`` gives its input dtype, and
-    its fp32 sums are then rounded once, not through bf16). On CPU, or where ATen refuses the layout, the per-group
-    reference GEMM."""
+    its fp32 sums are then rounded once, not through bf16). ATen's fp32 grouped GEMM reads the offsets on the host
+    (a sync, no CUDA-graph capture), as for stock fp32 experts. On CPU, or where ATen refuses the layout, the
+    per-group reference GEMM."""
     dtype = torch.bfloat16 if x.is_cuda and out_dtype == torch.bfloat16 else torch.float32
     dx, dw = dequantised(x, x_scale, x_fmt, w, w_scale, w_fmt, dtype)
     if x.is_cuda and hasattr(torch, "_grouped_mm") and aten_reason(dx, dw, offs) is None:

@@ -50,11 +50,11 @@ def test_aten_path_rounds_other_outputs_once(out_dtype):
     args = _problem(COUNTS, 512, 384, "mxfp8_e4m3", "mxfp8_e4m3", tail=9)
     y = fly_lightning.get_op("mx_grouped_mm").impls["aten"].fn(*args, out_dtype)
     end = int(args[-1][-1])
-    ref = mx_grouped_mm_reference(*args, torch.float64)[:end]
+    ref = mx_grouped_mm_reference(*args, torch.float32)[:end].double()  # the reference's fp32 sums
     assert y.dtype == out_dtype
-    # fp32: within fp32 summation error; fp16: one fp16 rounding (2^-11 relative) of those sums
-    tol = 1e-5 if out_dtype == torch.float32 else 1e-3
-    torch.testing.assert_close(y[:end].double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    # fp32: summation order only; fp16: one rounding (2^-11 relative) of those sums; through bf16 sums (2^-9) fails
+    rtol = 1e-5 if out_dtype == torch.float32 else 6e-4
+    torch.testing.assert_close(y[:end].double(), ref, rtol=rtol, atol=1e-5 * ref.abs().max().item())
 
 
 CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.MX_MX, mk.MXFP4_MXFP4, mk.WEIGHT_ONLY, mk.PREPASS,

@@ -356,6 +356,8 @@ def launch_cols(
     if x.numel():
         bn, g, warps = plan
         g = min(g, next_pow2(k // formats.BLOCK))
+        while cdiv(k, g * formats.BLOCK) > 65535:  # grid axis 1 holds at most 65535 programs: more blocks each
+            g *= 2
         words = COLS_FP4_WORDS if fp4_words is None else fp4_words
         if words and f.bits == 4 and x.dtype == torch.bfloat16 and (w := _as_pairs(x)) is not None:
             with on_device(x):

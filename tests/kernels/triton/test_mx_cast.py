@@ -175,6 +175,8 @@ def test_column_wise_on_every_bf16_value_in_other_plans(fmt, mode):
     wide = torch.zeros(64, 300, dtype=torch.bfloat16)
     wide[:, 10:270] = x[:64, :260]
     _check_cols(wide[:, 10:270], fmt, mode)
+    if fmt == "mxfp4_e2m1":  # the two-column word kernel: a row stride past the width, in words
+        _check_cols(wide[:, 10:270], fmt, mode, fp4_words=True)
 
 
 @pytest.mark.parametrize("mode", ["floor", "rceil"])

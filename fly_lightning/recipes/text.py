@@ -95,9 +95,15 @@ def load_tokenizer(spec: str | None) -> Tokenizer:
     hub_id = not path.exists() and not path.is_absolute() and not spec.startswith((".", "~")) and spec.count("/") <= 1
     if not path.is_dir() and not hub_id:
         raise RecipePathError(f"data.tokenizer: {spec} is not a directory ('bytes', a tokenizer directory, hub id)")
+    if path.is_dir() and not has_tokenizer(path):
+        raise RecipePathError(f"data.tokenizer: {spec} holds no tokenizer files ({', '.join(TOKENIZER_FILES)})")
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(spec if hub_id else str(path), local_files_only=not hub_id)
+    try:
+        tok = AutoTokenizer.from_pretrained(spec if hub_id else str(path), local_files_only=not hub_id)
+    except OSError as exc:  # a hub id neither cached nor reachable, or no such repository
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipePathError(f"data.tokenizer: cannot load {spec}: {first}") from None
     if not tok("hello world", add_special_tokens=False)["input_ids"]:
         raise RecipeError(f"data.tokenizer: {spec} encodes text to no tokens (a directory without tokenizer files?)")
     eos = tok.eos_token_id if tok.eos_token_id is not None else tok.pad_token_id

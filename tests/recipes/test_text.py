@@ -8,6 +8,7 @@ import torch
 
 from fly_lightning.recipes import text
 from fly_lightning.recipes.data import LMData
+from fly_lightning.recipes.errors import RecipeError
 
 TINY_WORDS = ["the", "cat", "sat", "on", "a", "mat", "dog", "ran", "user", "assistant", ":", "hello", "hi"]
 
@@ -105,7 +106,7 @@ def test_a_model_directory_without_tokenizer_files_is_not_a_tokenizer(tmp_path, 
     encodes every text to nothing (a corpus of end-of-sequence ids)."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
     assert not text.has_tokenizer(tmp_path)
-    with pytest.raises((ValueError, OSError)):
+    with pytest.raises(RecipeError, match="holds no tokenizer files"):
         text.load_tokenizer(str(tmp_path))
     tiny_tokenizer(tmp_path / "tok")
     assert text.has_tokenizer(tmp_path / "tok") and text.load_tokenizer(str(tmp_path / "tok")).encode("hello")

@@ -147,10 +147,13 @@ class _FlyStrategyMixin:
         # ours: Linears and MoE experts, head and routers kept; another config: torchao's own default filter
         ours = isinstance(self.fly_quantization, FlyMXConfig)
         default = mx_filter if ours else lambda m, fqn: isinstance(m, nn.Linear)  # noqa: E731
+        heads = _output_heads(model) if ours and user_filter is None else set()  # kept whatever their names
         sharded: list[tuple[str, str, str]] = []
 
         def wanted(module: nn.Module, fqn: str) -> bool:
             if getattr(module, "_fly_quantize_seen", False) or not (user_filter or default)(module, fqn):
+                return False
+            if id(module) in heads:
                 return False
             if any(is_dtensor(p) for p in module.parameters(recurse=False)):
                 why = "quantization: parameters already sharded (quantize before fully_shard / parallelize_module)"
@@ -243,6 +246,21 @@ def _auto_fully_shard(strategy: Any, model: nn.Module) -> None:
                 register_fsdp_forward_method(model, step)
 
 
+def _output_heads(model: nn.Module) -> set[int]:
+    """The ids of the output heads the model's modules name (transformers' ``get_output_embeddings()``)."""
+    heads = set()
+    for m in model.modules():
+        get = getattr(m, "get_output_embeddings", None)
+        if callable(get):
+            try:
+                head = get()
+            except (NotImplementedError, AttributeError):  # a base class without a head
+                continue
+            if isinstance(head, nn.Module):
+                heads.add(id(head))
+    return heads
+
+
 def _shards_anything(module: nn.Module) -> bool:
     from fly_lightning.dtensor import is_dtensor
 
@@ -280,6 +298,21 @@ def _build(pl: Any) -> dict[str, type]:
 
     class FlyDDPStrategy(_FlyStrategyMixin, strategies.DDPStrategy):
         strategy_name = "flydsl_ddp"
+
+        def _setup_model(self, model: nn.Module) -> Any:
+            # frozen MX weights are buffers, which DDP would send from rank 0 before every forward (the whole frozen
+            # model, each step): they are constants, sent once here instead
+            from fly_lightning.quant.frozen import frozen_buffer_names
+
+            names = frozen_buffer_names(model)
+            if not names:
+                return super()._setup_model(model)
+            ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+            model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names))
+            wrapped = super()._setup_model(model)
+            for name in names:
+                torch.distributed.broadcast(model.get_buffer(name), src=0)
+            return wrapped
 
     class _FullCheckpoints:
         def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -85,16 +85,23 @@ def torchao_quantized(module: nn.Module) -> str | None:
     return None
 
 
+_HEADS = ("lm_head", "output", "embed_out", "score")
+"""Output heads by name: transformers' ``lm_head``, torchtitan's ``output``, GPT-NeoX's ``embed_out``, sequence
+classification's ``score``."""
+_ROUTERS = ("gate", "router", "shared_expert_gate")
+"""Routers by name, the Linear itself or a module holding it (DBRX / Granite-MoE ``router.layer``, Switch
+``router.classifier``)."""
+
+
 def mx_filter(module: nn.Module, fqn: str) -> bool:
-    """``quantize_``'s ``filter_fn`` for ``FlyMXConfig``: every ``nn.Linear`` and swapped MoE block, except the output
-    head (``lm_head``), routers (``gate``/``router``, a shared expert's ``shared_expert_gate``), which published MX
-    recipes keep in high precision, and ``nn.MultiheadAttention``'s ``out_proj`` (never called: see the module
-    docstring)."""
+    """``quantize_``'s ``filter_fn`` for ``FlyMXConfig``: every ``nn.Linear`` and swapped MoE block, except output
+    heads (``_HEADS``) and routers (``_ROUTERS``, or any Linear under one), which published MX recipes keep in high
+    precision, and ``nn.MultiheadAttention``'s ``out_proj`` (never called: see the module docstring). The strategies
+    also keep a model's ``get_output_embeddings()`` whatever its name."""
     if not isinstance(module, (nn.Linear, FlyMoE, FlyMXFrozenLinear)) or isinstance(module, _NEVER_CALLED):
         return False  # frozen MX Linears: selected so that a new config's different format is reported
-    last = fqn.rsplit(".", 1)[-1]
-    gates = ("lm_head", "output", "gate", "router", "shared_expert_gate")
-    return last not in gates and not fqn.endswith(".router.gate")
+    parts = fqn.split(".")
+    return parts[-1] not in _HEADS and not any(p in _ROUTERS for p in parts)
 
 
 _NEVER_CALLED = (nn.modules.linear.NonDynamicallyQuantizableLinear,)

@@ -281,6 +281,16 @@ class FlyMXFrozenExperts(nn.Module):
         return f"{shapes}, weight={self.spec.weight} (frozen), mode={self.spec.mode}"
 
 
+def frozen_buffer_names(model: nn.Module) -> list[str]:
+    """The qualified names of the frozen layers' MX buffers in ``model`` (constants: no per-step synchronisation)."""
+    return [
+        f"{prefix}.{name}" if prefix else name
+        for prefix, m in model.named_modules()
+        if isinstance(m, (FlyMXFrozenLinear, FlyMXFrozenExperts))
+        for name, _ in m.named_buffers(recurse=False)
+    ]
+
+
 def _key(t: Tensor) -> tuple:
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 

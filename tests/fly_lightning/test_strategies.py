@@ -115,6 +115,17 @@ def test_mx_training_converted_before_fsdp2_sharding_matches_ddp(tmp_path):
     torch.testing.assert_close(fsdp2["losses"], ddp["losses"], rtol=1e-4, atol=1e-5)
 
 
+def test_ddp_sends_frozen_mx_weights_once(tmp_path):
+    # frozen MX weights are buffers: DDP would send them from rank 0 before every forward. The strategy sends them
+    # once at setup (the ranks start from different weights here, so that shows) and leaves them out of the per-step
+    # sync
+    out = _run("flydsl_ddp", 2, tmp_path, "frozen")
+    assert "FlyMXFrozenLinear" in out["modules"]
+    ranks = [json.loads((tmp_path / f"flydsl_ddp-frozen.json.rank{r}").read_text()) for r in (0, 1)]
+    assert ranks[0]["names"] and ranks[0] == ranks[1]
+    assert out["ddp_buffer_bytes"] == 0
+
+
 @pytest.mark.parametrize("flavour", ["ddp", "fsdp2"])
 def test_moe_model_two_processes_gloo_matches_stock(flavour, tmp_path):
     # a transformers Qwen3-MoE: 4 norms and a MoE block per layer plus the final norm swapped, then wrapped (DDP) or

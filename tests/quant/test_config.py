@@ -194,6 +194,52 @@ def test_layers_a_swap_would_break_are_left_with_a_warning():
     assert not fly_lightning.mx_filter(mha.out_proj, "mha.out_proj")
 
 
+@pytest.mark.parametrize(
+    "fqn, selected",
+    [
+        ("model.layers.0.mlp.gate_proj", True),
+        ("model.layers.0.self_attn.o_proj", True),
+        ("lm_head", False),
+        ("gpt_neox.embed_out", False),  # GPT-NeoX / Pythia's head
+        ("score", False),  # sequence classification
+        ("model.layers.0.block_sparse_moe.gate", False),
+        ("transformer.blocks.0.ffn.router.layer", False),  # DBRX, Granite-MoE: a Linear under the router
+        ("encoder.block.1.layer.1.mlp.router.classifier", False),  # Switch
+        ("model.layers.0.mlp.shared_expert_gate", False),
+    ],
+)
+def test_mx_filter_keeps_heads_and_routers(fqn, selected):
+    assert fly_lightning.mx_filter(nn.Linear(32, 32), fqn) is selected
+
+
+def test_strategy_keeps_the_output_embeddings_whatever_their_name():
+    import lightning.pytorch as L
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body, self.proj_out = nn.Linear(32, 32), nn.Linear(32, 64)
+
+        def get_output_embeddings(self):
+            return self.proj_out
+
+        def training_step(self, batch, _):
+            return self.proj_out(self.body(batch[0])).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    net = Net()
+    trainer = L.Trainer(
+        strategy=fly_lightning.FlySingleDeviceStrategy(quantization=FlyMXConfig(), report=False),
+        accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    data = torch.utils.data.TensorDataset(torch.randn(4, 32))
+    trainer.fit(net, torch.utils.data.DataLoader(data, batch_size=4))
+    assert isinstance(net.body, FlyMXLinear) and type(net.proj_out) is nn.Linear
+
+
 @pytest.mark.parametrize("frozen", [False, True])
 def test_swapped_layers_keep_mode_hooks_and_check_their_input_width(frozen):
     from fly_lightning.quant import FlyMXFrozenLinear

@@ -1,11 +1,13 @@
 """A short Lightning fit used by the strategy tests, run as a subprocess (multi-process Lightning re-executes argv).
 
-    python fit.py STRATEGY DEVICES OUT.json [moe] [mx]
+    python fit.py STRATEGY DEVICES OUT.json [moe] [mx] [frozen]
 
 STRATEGY is a registered name, ``stock_fsdp2``, or ``flydsl_tp`` / ``stock_tp`` (tensor parallel over all devices,
 sequence-parallel norms as in torchtitan, the plan applied by the user in ``configure_model``).
 
 ``mx``: a ``flydsl*`` strategy gets ``quantization=FlyMXConfig()`` (converted before DDP wraps or FSDP2 shards).
+``frozen``: ``FlyMXConfig(frozen=True)`` instead, each rank initialising its model from another seed; every rank
+writes a checksum of its frozen MX buffers to OUT.json.rank<N>, and rank 0 the bytes of buffers DDP syncs per step.
 
 Writes the per-step losses, the strategy class, the dispatch summary and the transform summary of rank 0 to OUT.json.
 """
@@ -107,10 +109,22 @@ class TinyMoELM(TinyLM):
         return self.model(tokens).logits
 
 
+class SyncedBuffers(L.Callback):
+    """The bytes of buffers DDP sends from rank 0 before every forward (``broadcast_buffers``), read in training
+    (teardown unwraps the model)."""
+
+    bytes = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        buffers = getattr(trainer.strategy.model, "modules_buffers", [])
+        self.bytes = sum(b.numel() * b.element_size() for b in buffers)
+
+
 def main() -> None:
     strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     name, extras = strategy, sys.argv[4:]
-    torch.manual_seed(0)
+    rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.manual_seed(rank if "frozen" in extras else 0)  # frozen: the strategy must make the ranks' buffers equal
     model = TinyMoELM() if "moe" in extras else TinyLM()
     data = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8, shuffle=False)
@@ -121,15 +135,16 @@ def main() -> None:
         from fly_lightning.strategies import _auto_fully_shard
 
         model.configure_model = lambda: _auto_fully_shard(trainer.strategy, model)
-    elif "mx" in extras and strategy.startswith("flydsl"):
+    elif ("mx" in extras or "frozen" in extras) and strategy.startswith("flydsl"):
         cls = L.strategies.StrategyRegistry[strategy]["strategy"]
-        strategy = cls(quantization=fly_lightning.FlyMXConfig(), report=False)
+        strategy = cls(quantization=fly_lightning.FlyMXConfig(frozen="frozen" in extras), report=False)
     elif strategy in ("flydsl_tp", "stock_tp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         cls = fly_lightning.FlyModelParallelStrategy if strategy == "flydsl_tp" else ModelParallelStrategy
         strategy = cls(data_parallel_size=1, tensor_parallel_size=devices)
         model.configure_model = lambda: _tensor_parallel(model, trainer.strategy.device_mesh["tensor_parallel"])
+    synced = SyncedBuffers()
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -140,11 +155,18 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=True,
+        callbacks=[synced],
     )
     trainer.fit(model, loader)
     if name in ("flydsl_fsdp2", "stock_fsdp2"):
         # the same Trainer again: the automatic sharding runs a second time on the already sharded model
         trainer.validate(model, loader, verbose=False)
+    if "frozen" in extras:
+        from fly_lightning.quant.frozen import frozen_buffer_names
+
+        names = frozen_buffer_names(model)
+        checksum = sum(int(model.get_buffer(n).to(torch.int64).sum()) * (i + 1) for i, n in enumerate(names))
+        json.dump({"names": names, "checksum": checksum}, open(f"{out}.rank{trainer.global_rank}", "w"))
     if trainer.global_rank == 0:
         s = getattr(trainer.strategy, "transform_summary", None)
         json.dump(
@@ -156,6 +178,7 @@ def main() -> None:
                 "swapped": [] if s is None else s.swapped,
                 "left": [] if s is None else s.left,
                 "modules": sorted({type(m).__name__ for m in model.modules()}),
+                "ddp_buffer_bytes": synced.bytes,
             },
             open(out, "w"),
         )

@@ -38,6 +38,9 @@ from fly_lightning.quant.linear import FlyMXLinear, MXSpec
 class FlyMXConfig(AOBaseConfig):
     """MX forward GEMMs for ``nn.Linear``.
 
+    The handler replaces modules (a Linear becomes a ``FlyMXLinear``): ``quantize_`` a model holding the Linears,
+    not a bare Linear, whose replacement torchao cannot hand back.
+
     Args:
         weight: the weights' MX format: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4_e2m1"``.
         activation: the activations' format, or None for weight-only (bf16/fp32 activations times MX weights).
@@ -176,6 +179,13 @@ def _mx_experts(moe: FlyMoE, config: FlyMXConfig) -> FlyMoE:
         )
         return moe
     spec = config.spec
+    owners = {type(p).__name__ for p in moe.experts.parameters() if type(p).__module__.startswith("torchao.")}
+    if owners:  # torchao's MoE training config wraps the expert weights: their GEMMs are quantized already
+        warnings.warn(
+            f"FlyMXConfig: MoE experts left as they are: already quantized by torchao ({', '.join(sorted(owners))})",
+            stacklevel=2,
+        )
+        return moe
     if isinstance(moe.experts, FlyMXFrozenExperts):
         if not config.frozen or _stored(moe.experts.spec) != _stored(spec):
             warnings.warn(

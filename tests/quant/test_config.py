@@ -131,6 +131,23 @@ def test_default_scale_mode_is_rceil_for_mxfp8_and_floor_with_mxfp4():
     assert dataclasses.replace(FlyMXConfig(mode="rceil"), weight="mxfp4_e2m1").spec.mode == "rceil"  # as asked
 
 
+def test_moe_experts_torchao_already_wrapped_are_left():
+    # torchao's MoE training config wraps the expert weights in its tensor subclass; casting them again would
+    # quantize twice. A stand-in subclass under ``torchao.`` (its moe_training module needs a newer torch here)
+    from fly_lightning import FlyMoE
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    Wrapped.__module__ = "torchao.prototype.moe_training.tensor"
+    moe = FlyMoE(64, 32, 4, 2)
+    for name in ("gate_up_proj", "down_proj"):
+        setattr(moe.experts, name, nn.Parameter(getattr(moe.experts, name).data.as_subclass(Wrapped)))
+    with pytest.warns(UserWarning, match=r"MoE experts left as they are: already quantized by torchao \(Wrapped\)"):
+        quantize_(moe, FlyMXConfig(), filter_fn=fly_lightning.mx_filter)
+    assert moe.mx is None
+
+
 def test_invalid_config_is_named():
     with pytest.raises(ValueError, match="unknown MX format"):
         FlyMXConfig(weight="mxfp6")

@@ -1,14 +1,15 @@
 """MX checkpoints: a converted model's MX weights and scales in one safetensors file, with metadata.
 
 ``save_mx_checkpoint(model, path)`` writes every weight that ``FlyMXConfig`` converted: in training mode
-(``FlyMXLinear``, ``FlyMoE`` with ``mx``) the cast of the current high-precision master, exactly what the next forward
-multiplies by; in frozen mode (``FlyMXFrozenLinear``, ``FlyMXFrozenExperts``) the stored buffers. The write is atomic:
-a temporary file in the same directory, flushed to disk, then ``os.replace``, so a crash leaves the old file or the
-new one, never half of one. ``load_mx_checkpoint(model, path)`` reads one into a model converted the same way, in
-either mode, after checking everything it can before writing anything: frozen buffers are copied bit for bit;
-training masters are set to values whose cast gives back the file's bytes (``master_values``), so saving again
-writes the same tensors. (Bit-exact with fp32 masters; with bf16 ones, but for values under bf16's smallest
-subnormal. NaN blocks come back as NaN blocks, their element bytes unspecified, as the cast leaves them.)
+(``FlyMXLinear``, ``FlyMoE`` with ``mx``) the cast of the current high-precision master, what the next forward
+multiplies by outside autocast (under bf16 autocast the forward casts the master rounded to bf16 first, so some bytes
+differ from the file's); in frozen mode (``FlyMXFrozenLinear``, ``FlyMXFrozenExperts``) the stored buffers. The write
+is atomic: a temporary file in the same directory, flushed to disk, then ``os.replace``, so a crash leaves the old
+file or the new one, never half of one. ``load_mx_checkpoint(model, path)`` reads one into a model converted the same
+way, in either mode, after checking everything it can before writing anything: frozen buffers are copied bit for bit;
+training masters are set to values whose cast gives back the file's bytes (``master_values``), so saving again writes
+the same tensors. (Bit-exact with fp32 masters; with bf16 ones, but for values under bf16's smallest subnormal. NaN
+blocks come back as NaN blocks, their element bytes unspecified, as the cast leaves them.)
 
 File layout. Per weight, under its key (``{module}.weight`` for a Linear, ``{block}.experts.{gate_up | gate | up |
 down}`` for MoE experts, each projection as its ``[E, N, K]`` transpose), two ``uint8`` tensors with blocks of 32

@@ -217,10 +217,13 @@ def _crc(t: Tensor) -> int:
 def save_mx_checkpoint(model: nn.Module, path: str | os.PathLike) -> list[str]:
     """Write ``model``'s MX weights and scales to ``path`` (safetensors, atomically); returns the keys written.
 
-    Raises ``MXCheckpointError`` when the model holds no converted weight or a sharded one.
+    Raises ``MXCheckpointError`` when the model holds no converted weight or a sharded one, or ``path`` is a
+    directory.
     """
     from safetensors.torch import save_file
 
+    if Path(path).is_dir():
+        raise MXCheckpointError(f"MX checkpoint {path}: a directory; give a file path (model.safetensors, say)")
     targets = mx_targets(model)
     if not targets:
         raise MXCheckpointError(f"MX checkpoint {path}: the model has no weight converted by FlyMXConfig")

@@ -252,6 +252,12 @@ def test_atomic_write_keeps_the_old_file_on_failure_and_leaves_no_temporary(tmp_
     load_mx_checkpoint(net, path)
 
 
+def test_a_directory_path_is_refused(tmp_path):
+    with pytest.raises(MXCheckpointError, match="a directory; give a file path"):
+        save_mx_checkpoint(_net(1, FlyMXConfig(frozen=True)), tmp_path)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_model_without_mx_weights_is_refused():
     with pytest.raises(MXCheckpointError, match="no weight converted by FlyMXConfig"):
         save_mx_checkpoint(nn.Sequential(nn.Linear(64, 64)), "unused.safetensors")

@@ -330,12 +330,12 @@ _CAST_COLS_FP4_WORDS = FastLaunch(_mx_cast_cols_fp4_words)
 COLS_FP4_WORDS = False
 """Column-wise bf16 -> MXFP4 through ``_mx_cast_cols_fp4_words`` (two columns per int32 word) where x reads as
 words; otherwise ``_mx_cast_cols_fp4_pairs``. Off until timed on a GPU (the mx_cast suite's plan scan times both):
-sm90 SASS per element 13.1 in (128, 1, 1), against 14.75 for the pairs kernel there and 17.75 in ``COLS_PLAN``, whose
-61% of copy bandwidth on the H200 misses the cast's 75% goal (b71629c)."""
+sm90 SASS per element (Triton 3.9, compiled on the CPU) 13.1 in (128, 1, 1), against 14.75 for the pairs kernel
+there and 17.75 in ``COLS_PLAN``, whose 61% of copy bandwidth on the H200 misses the cast's 75% goal (b71629c)."""
 COLS_PLAN = (64, 1, 1)
 """Column-wise: (columns, 32-row blocks, warps) per program. One warp reduces a block's 32 rows without a barrier:
-copy bandwidth 82-84% for 4096x16384 bf16 -> MXFP8 on the H200, against 20-22% in four warps (64, 2, 4), whose
-amax went through shared memory (mx_cast suite's plan scan)."""
+copy bandwidth 83-85% for 4096x16384 bf16 -> MXFP8 on the H200, against 20-22% in four warps (64, 2, 4), whose
+amax went through shared memory (mx_cast suite's plan scan, b71629c)."""
 
 
 def launch_cols(
@@ -358,20 +358,16 @@ def launch_cols(
         g = min(g, next_pow2(k // formats.BLOCK))
         while cdiv(k, g * formats.BLOCK) > 65535:  # grid axis 1 holds at most 65535 programs: more blocks each
             g *= 2
-        words = COLS_FP4_WORDS if fp4_words is None else fp4_words
-        if words and f.bits == 4 and x.dtype == torch.bfloat16 and (w := _as_pairs(x)) is not None:
-            with on_device(x):
-                _CAST_COLS_FP4_WORDS(
-                    (cdiv(n, bn), cdiv(k, g * formats.BLOCK)),
-                    (w, w.stride(0), data.view(torch.int16), scale.view(torch.int16), k, n // 2),
-                    BN=bn, G=g, PTX=HW_CVT and ptx_pairs(x), RCEIL=consts["RCEIL"], num_warps=warps,
-                )  # fmt: skip
-            return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)
         if f.bits == 4 and x.dtype == torch.bfloat16:
+            words = _as_pairs(x) if (COLS_FP4_WORDS if fp4_words is None else fp4_words) else None
+            if words is not None:
+                cast, args = _CAST_COLS_FP4_WORDS, (words, words.stride(0), data.view(torch.int16),
+                                                    scale.view(torch.int16), k, n // 2)  # fmt: skip
+            else:
+                cast, args = _CAST_COLS_FP4_PAIRS, (x.view(torch.int16), x.stride(0), data, scale, k, n)
             with on_device(x):
-                _CAST_COLS_FP4_PAIRS(
-                    (cdiv(n, bn), cdiv(k, g * formats.BLOCK)),
-                    (x.view(torch.int16), x.stride(0), data, scale, k, n),
+                cast(
+                    (cdiv(n, bn), cdiv(k, g * formats.BLOCK)), args,
                     BN=bn, G=g, PTX=HW_CVT and ptx_pairs(x), RCEIL=consts["RCEIL"], num_warps=warps,
                 )  # fmt: skip
             return data.view(formats.data_dtype(fmt)), scale.view(torch.float8_e8m0fnu)

@@ -48,6 +48,8 @@ class _FlyStrategyMixin:
         report: print the transform summary and the dispatch table at the end (rank 0).
     """
 
+    _fly_shards_parameters = False  # FSDP2 strategies: frozen MX weights become parameters, which it shards
+
     def __init__(
         self,
         *args: Any,
@@ -175,6 +177,10 @@ class _FlyStrategyMixin:
         for m in model.modules():
             m._fly_quantize_seen = True
         self._fly_quantization_left += sharded + experts
+        if self._fly_shards_parameters:  # FSDP2 shards parameters only: frozen MX weights must be some
+            from fly_lightning.quant.frozen import frozen_as_parameters
+
+            frozen_as_parameters(model)
 
 
 def _load_full_checkpoint(strategy: Any, path: Any, weights_only: bool | None) -> dict[str, Any] | None:
@@ -321,12 +327,14 @@ def _build(pl: Any) -> dict[str, type]:
 
     class FlyModelParallelStrategy(_FlyStrategyMixin, _FullCheckpoints, strategies.ModelParallelStrategy):
         strategy_name = "flydsl_model_parallel"
+        _fly_shards_parameters = True
 
     class FlyFSDP2Strategy(_FlyStrategyMixin, _FullCheckpoints, strategies.ModelParallelStrategy):
         """FSDP2 on a 1-D mesh. Unless a user ``configure_model`` shards the model, blocks of ``nn.ModuleList``s and
         the root are sharded with ``fully_shard``."""
 
         strategy_name = "flydsl_fsdp2"
+        _fly_shards_parameters = True
 
         def __init__(self, **kwargs: Any) -> None:
             kwargs.setdefault("tensor_parallel_size", 1)

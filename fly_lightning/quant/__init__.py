@@ -19,6 +19,7 @@ _PUBLIC = {
     "MXSpec": "linear",
     "FlyMXFrozenLinear": "frozen",
     "FlyMXFrozenExperts": "frozen",
+    "frozen_as_parameters": "frozen",
     "save_mx_checkpoint": "checkpoint",
     "load_mx_checkpoint": "checkpoint",
     "MXCheckpointError": "checkpoint",

@@ -47,8 +47,9 @@ class FlyMXConfig(AOBaseConfig):
         mode: scale mode, ``"floor"`` or ``"rceil"`` (torchao's ``ScaleCalculationMode`` values). None (default):
             ``formats.default_mode`` of the formats (``"rceil"`` when every format is MXFP8, else ``"floor"``),
             resolved in ``spec``, so that ``dataclasses.replace`` with other formats takes their default.
-        frozen: store the weights in MX (data and scales as buffers), drop the high-precision weights, no weight
-            gradient (``fly_lightning.quant.frozen``); False: training, cast from the master every forward.
+        frozen: store the weights in MX (data and scales as buffers; parameters without gradients under the FSDP2
+            strategies, which shard them), drop the high-precision weights, no weight gradient
+            (``fly_lightning.quant.frozen``); False: training, cast from the master every forward.
         kernel_preference: how training layers multiply (``formats.KERNEL_PREFERENCES``): ``"auto"`` (default;
             the MX GEMM ops where a kernel multiplies the MX bytes themselves, else ``"emulated"``), ``"emulated"``
             (fake-quantised operands and the plain GEMM: the same products) or ``"mx_gemm"``; torchao's

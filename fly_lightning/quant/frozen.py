@@ -2,7 +2,8 @@
 
 For fine-tuning around weights that stay fixed (a large MoE model's experts, say): each weight becomes MX data and
 E8M0 scales held as buffers (nothing for an optimizer, no ``requires_grad``) and the high-precision weight is
-dropped, so it costs 1 + 1/32 bytes per parameter in MXFP8 and 1/2 + 1/32 in MXFP4 instead of 2 (bf16).
+dropped, so it costs 1 + 1/32 bytes per parameter in MXFP8 and 1/2 + 1/32 in MXFP4 instead of 2 (bf16). For FSDP2,
+which shards parameters only, ``frozen_as_parameters`` makes them parameters that need no gradient.
 
 - ``FlyMXFrozenLinear`` replaces an ``nn.Linear``: forward through ``mx_scaled_mm`` (weight-only, or with activations
   cast by ``mx_cast``), the activation gradient through the dequantised weight (``grad_x = grad_y @ dequant(W)``,
@@ -281,14 +282,38 @@ class FlyMXFrozenExperts(nn.Module):
         return f"{shapes}, weight={self.spec.weight} (frozen), mode={self.spec.mode}"
 
 
+def _mx_names(m: nn.Module) -> tuple[str, ...]:
+    """A frozen layer's MX tensors (data and scales), by attribute name; () for any other module."""
+    if isinstance(m, FlyMXFrozenLinear):
+        return ("weight_data", "weight_scale")
+    if isinstance(m, FlyMXFrozenExperts):
+        return tuple(f"{n}_{part}" for n in m.names for part in ("data", "scale"))
+    return ()
+
+
 def frozen_buffer_names(model: nn.Module) -> list[str]:
     """The qualified names of the frozen layers' MX buffers in ``model`` (constants: no per-step synchronisation)."""
     return [
         f"{prefix}.{name}" if prefix else name
         for prefix, m in model.named_modules()
-        if isinstance(m, (FlyMXFrozenLinear, FlyMXFrozenExperts))
-        for name, _ in m.named_buffers(recurse=False)
+        for name in _mx_names(m)
+        if name in m._buffers
     ]
+
+
+def frozen_as_parameters(model: nn.Module) -> list[str]:
+    """Turn the frozen MX weights of ``model`` from buffers into parameters that need no gradient, in place, and
+    return their qualified names: FSDP2's ``fully_shard`` shards parameters and leaves buffers whole on every rank.
+    ``flydsl_fsdp2`` and ``flydsl_model_parallel`` do this to the modules they quantize; call it before your own
+    ``fully_shard``. The tensors stay ``uint8``, so setting ``requires_grad`` on them raises (as
+    ``LightningModule.unfreeze`` or ``BaseFinetuning`` would): PyTorch gives gradients to floating dtypes only."""
+    names = []
+    for prefix, m in model.named_modules():
+        for name in _mx_names(m):
+            if name in m._buffers:
+                m.register_parameter(name, nn.Parameter(m._buffers.pop(name), requires_grad=False))
+            names.append(f"{prefix}.{name}" if prefix else name)
+    return names
 
 
 def _key(t: Tensor) -> tuple:

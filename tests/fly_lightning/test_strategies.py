@@ -123,7 +123,23 @@ def test_ddp_sends_frozen_mx_weights_once(tmp_path):
     assert "FlyMXFrozenLinear" in out["modules"]
     ranks = [json.loads((tmp_path / f"flydsl_ddp-frozen.json.rank{r}").read_text()) for r in (0, 1)]
     assert ranks[0]["names"] and ranks[0] == ranks[1]
+    assert ranks[0]["local_bytes"] == ranks[0]["full_bytes"] and ranks[0]["parameters"] == 0  # buffers, replicated
     assert out["ddp_buffer_bytes"] == 0
+
+
+def test_fsdp2_shards_frozen_mx_weights(tmp_path):
+    # FSDP2 shards parameters, never buffers: the strategy makes the frozen MX weights parameters without gradients,
+    # so each of the two ranks holds half of their bytes; training through them matches DDP, which holds them whole
+    fsdp2, ddp = _run("flydsl_fsdp2", 2, tmp_path, "frozen"), _run("flydsl_ddp", 2, tmp_path, "frozen")
+    assert "FlyMXFrozenLinear" in fsdp2["modules"]
+    ranks = [json.loads((tmp_path / f"flydsl_fsdp2-frozen.json.rank{r}").read_text()) for r in (0, 1)]
+    ddp0 = json.loads((tmp_path / "flydsl_ddp-frozen.json.rank0").read_text())
+    assert ranks[0]["parameters"] == len(ranks[0]["names"]) > 0
+    for r in ranks:
+        assert (r["names"], r["checksum"], r["full_bytes"]) == (ddp0["names"], ddp0["checksum"], ddp0["full_bytes"])
+    assert ranks[0]["local_bytes"] + ranks[1]["local_bytes"] == ddp0["full_bytes"]
+    assert 0.4 * ddp0["full_bytes"] < ranks[0]["local_bytes"] < 0.6 * ddp0["full_bytes"]
+    torch.testing.assert_close(fsdp2["losses"], ddp["losses"], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("flavour", ["ddp", "fsdp2"])

@@ -243,6 +243,43 @@ def test_quantize_a_tiny_model_with_a_moe_block_frozen():
     assert state["moe.experts._extra_state"]["shape"] == {"gate_up": [4, 64, 64], "down": [4, 64, 32]}
 
 
+def test_frozen_as_parameters_keeps_values_state_and_dtype():
+    # for FSDP2, which shards parameters only: the same tensors as parameters without gradients, once
+    from fly_lightning.quant import frozen_as_parameters
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.moe = nn.Linear(64, 64), _moe()
+
+        def forward(self, x):
+            return self.moe(self.proj(x))
+
+    net = Net()
+    quantize_(net, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    x = torch.randn(2, 12, 64, requires_grad=True)
+    y = net(x)
+    (gx,) = torch.autograd.grad(y.square().sum(), x)
+    keys = list(net.state_dict())
+    state = {k: v.clone() for k, v in net.state_dict().items() if isinstance(v, torch.Tensor)}
+    mx = ["proj.weight_data", "proj.weight_scale"] + [f"moe.experts.{p}_{s}" for p in ("gate_up", "down")
+                                                     for s in ("data", "scale")]  # fmt: skip
+    assert frozen_as_parameters(net) == mx and frozen_as_parameters(net) == mx
+    params = dict(net.named_parameters())
+    assert all(params[n].dtype == torch.uint8 and not params[n].requires_grad for n in mx)
+    assert not any(n in dict(net.named_buffers()) for n in mx)
+    assert sorted(keys) == sorted(net.state_dict())
+    assert all(torch.equal(state[k], v) for k, v in net.state_dict().items() if isinstance(v, torch.Tensor))
+    net.to(torch.float64)  # floating tensors only: the MX bytes stay
+    assert all(params[n].dtype == torch.uint8 for n in mx)
+    net.to(torch.float32)
+    y2 = net(x)
+    (gx2,) = torch.autograd.grad(y2.square().sum(), x)
+    assert torch.equal(y2, y) and torch.equal(gx2, gx)
+    with pytest.raises(RuntimeError, match="floating point"):
+        net.requires_grad_(True)
+
+
 def test_frozen_modules_under_torch_compile():
     model = _dense()
     quantize_(model, FlyMXConfig("mxfp4_e2m1", frozen=True))

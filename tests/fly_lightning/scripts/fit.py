@@ -6,8 +6,9 @@ STRATEGY is a registered name, ``stock_fsdp2``, or ``flydsl_tp`` / ``stock_tp`` 
 sequence-parallel norms as in torchtitan, the plan applied by the user in ``configure_model``).
 
 ``mx``: a ``flydsl*`` strategy gets ``quantization=FlyMXConfig()`` (converted before DDP wraps or FSDP2 shards).
-``frozen``: ``FlyMXConfig(frozen=True)`` instead, each rank initialising its model from another seed; every rank
-writes a checksum of its frozen MX buffers to OUT.json.rank<N>, and rank 0 the bytes of buffers DDP syncs per step.
+``frozen``: ``FlyMXConfig(frozen=True)`` instead (under DDP each rank initialising its model from another seed); every
+rank writes, for its frozen MX tensors, a checksum and the bytes it holds to OUT.json.rank<N>, and rank 0 the bytes of
+buffers DDP syncs per step.
 
 Writes the per-step losses, the strategy class, the dispatch summary and the transform summary of rank 0 to OUT.json.
 """
@@ -124,7 +125,9 @@ def main() -> None:
     strategy, devices, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     name, extras = strategy, sys.argv[4:]
     rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.manual_seed(rank if "frozen" in extras else 0)  # frozen: the strategy must make the ranks' buffers equal
+    # frozen under DDP: the ranks start apart, the strategy must make their buffers equal (FSDP2 shards what each rank
+    # holds, broadcasting nothing: there, as for any FSDP2 model, the ranks start alike)
+    torch.manual_seed(rank if "frozen" in extras and "ddp" in strategy else 0)
     model = TinyMoELM() if "moe" in extras else TinyLM()
     data = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8, shuffle=False)
@@ -162,11 +165,20 @@ def main() -> None:
         # the same Trainer again: the automatic sharding runs a second time on the already sharded model
         trainer.validate(model, loader, verbose=False)
     if "frozen" in extras:
-        from fly_lightning.quant.frozen import frozen_buffer_names
+        from fly_lightning.quant.frozen import _mx_names
 
-        names = frozen_buffer_names(model)
-        checksum = sum(int(model.get_buffer(n).to(torch.int64).sum()) * (i + 1) for i, n in enumerate(names))
-        json.dump({"names": names, "checksum": checksum}, open(f"{out}.rank{trainer.global_rank}", "w"))
+        record = {"names": [], "checksum": 0, "local_bytes": 0, "full_bytes": 0, "parameters": 0}
+        for prefix, m in model.named_modules():
+            for name in _mx_names(m):
+                t = getattr(m, name)
+                local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+                full = t.full_tensor() if hasattr(t, "full_tensor") else t
+                record["names"].append(f"{prefix}.{name}")
+                record["checksum"] += int(full.to(torch.int64).sum()) * len(record["names"])
+                record["local_bytes"] += local.numel() * local.element_size()
+                record["full_bytes"] += full.numel() * full.element_size()
+                record["parameters"] += isinstance(t, nn.Parameter)
+        json.dump(record, open(f"{out}.rank{trainer.global_rank}", "w"))
     if trainer.global_rank == 0:
         s = getattr(trainer.strategy, "transform_summary", None)
         json.dump(

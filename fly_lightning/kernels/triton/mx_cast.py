@@ -327,39 +327,43 @@ _CAST_FP4_PAIRS = FastLaunch(_mx_cast_fp4_pairs)
 _CAST_COLS = FastLaunch(_mx_cast_cols)
 _CAST_COLS_FP4_PAIRS = FastLaunch(_mx_cast_cols_fp4_pairs)
 _CAST_COLS_FP4_WORDS = FastLaunch(_mx_cast_cols_fp4_words)
-COLS_FP4_WORDS = False
-"""Column-wise bf16 -> MXFP4 through ``_mx_cast_cols_fp4_words`` (two columns per int32 word) where x reads as
-words; otherwise ``_mx_cast_cols_fp4_pairs``. Off until timed on a GPU (the mx_cast suite's plan scan times both):
-sm90 SASS per element (Triton 3.9, compiled on the CPU) 13.1 in (128, 1, 1), against 14.75 for the pairs kernel
-there and 17.75 in ``COLS_PLAN``, whose 61% of copy bandwidth on the H200 misses the cast's 75% goal (b71629c)."""
 COLS_PLAN = (64, 1, 1)
 """Column-wise: (columns, 32-row blocks, warps) per program. One warp reduces a block's 32 rows without a barrier:
 copy bandwidth 83-85% for 4096x16384 bf16 -> MXFP8 on the H200, against 20-22% in four warps (64, 2, 4), whose
 amax went through shared memory (mx_cast suite's plan scan, b71629c)."""
+COLS_FP4_WORDS = True
+"""Column-wise bf16 -> MXFP4 through ``_mx_cast_cols_fp4_words`` (two columns per int32 word) where x reads as
+words, in ``COLS_FP4_PLAN``; otherwise ``_mx_cast_cols_fp4_pairs`` in ``COLS_PLAN``. sm90 SASS per element (Triton
+3.9, compiled on the CPU): 13.1 for the words kernel in (128, 1, 1), 14.75 for the pairs kernel there, 17.75 in
+``COLS_PLAN``. The suite's plan scan for 4096x16384 (H100, 4914d71): words (128, 1, 2) 89% of copy bandwidth, the
+best pairs plan 86% (64, 2, 1), the pairs kernel in ``COLS_PLAN`` 85%."""
+COLS_FP4_PLAN = (128, 1, 2)
+"""The words kernel's plan (``COLS_FP4_WORDS``); see there."""
 
 
 def launch_cols(
     x: torch.Tensor,
     fmt: str,
     mode: str = "floor",
-    plan: tuple[int, int, int] = COLS_PLAN,
+    plan: tuple[int, int, int] | None = None,
     fp4_words: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Column-wise cast of a supported 2-D ``x`` ``[K, N]``: ``data`` ``[K / per_byte, N]``, ``scale``
     ``[K / 32, N]``. ``fp4_words``: bf16 -> MXFP4 by ``_mx_cast_cols_fp4_words`` where x reads as int32 words (None:
-    ``COLS_FP4_WORDS``)."""
+    ``COLS_FP4_WORDS``). ``plan`` None: ``COLS_FP4_PLAN`` for that kernel, else ``COLS_PLAN``."""
     f = formats.as_format(fmt)
     consts = cast_constants("mx_cast", fmt, mode, x.dtype, _hw_cvt(x))
     k, n = x.shape
     data = outputs.empty(k // f.per_byte, n, dtype=torch.uint8, device=x.device)
     scale = outputs.empty(k // formats.BLOCK, n, dtype=torch.uint8, device=x.device)
     if x.numel():
-        bn, g, warps = plan
+        fp4 = f.bits == 4 and x.dtype == torch.bfloat16
+        words = _as_pairs(x) if fp4 and (COLS_FP4_WORDS if fp4_words is None else fp4_words) else None
+        bn, g, warps = plan or (COLS_FP4_PLAN if words is not None else COLS_PLAN)
         g = min(g, next_pow2(k // formats.BLOCK))
         while cdiv(k, g * formats.BLOCK) > 65535:  # grid axis 1 holds at most 65535 programs: more blocks each
             g *= 2
-        if f.bits == 4 and x.dtype == torch.bfloat16:
-            words = _as_pairs(x) if (COLS_FP4_WORDS if fp4_words is None else fp4_words) else None
+        if fp4:
             if words is not None:
                 cast, args = _CAST_COLS_FP4_WORDS, (words, words.stride(0), data.view(torch.int16),
                                                     scale.view(torch.int16), k, n // 2)  # fmt: skip

@@ -7,6 +7,7 @@ from _sm90 import compile_sm90, report
 
 from fly_lightning.kernels.triton._mx_elements import cast_constants
 from fly_lightning.kernels.triton.mx_cast import (
+    COLS_FP4_PLAN,
     COLS_PLAN,
     PLAN,
     _mx_cast_cols,
@@ -36,9 +37,9 @@ def variant(fmt: str, dtype: str, rceil: bool = False, cols: bool = False) -> di
 
 def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False) -> dict:
     """The bf16 -> MXFP4 kernels the launchers pick (``_mx_cast_fp4_pairs``, column-wise
-    ``_mx_cast_cols_fp4_pairs`` or, with ``words``, ``_mx_cast_cols_fp4_words``) in their PTX form."""
+    ``_mx_cast_cols_fp4_pairs`` or, with ``words``, ``_mx_cast_cols_fp4_words``) in their PTX form and plans."""
     fn = _mx_cast_cols_fp4_words if words else _mx_cast_cols_fp4_pairs if cols else _mx_cast_fp4_pairs
-    tile, g, warps = COLS_PLAN if cols else PLAN
+    tile, g, warps = COLS_FP4_PLAN if words else COLS_PLAN if cols else PLAN
     sig = {a: "i32" for a in fn.arg_names}
     if words:
         sig.update(X="*i32", DATA="*i16", SCALE="*i16")

@@ -147,7 +147,7 @@ def _check_cols(
     if plan is None and fp4_words is None:
         data, scale = mx_cast_triton(x, fmt, mode, 0)
     else:
-        data, scale = launch_cols(x, fmt, mode, plan or kernel.COLS_PLAN, fp4_words)
+        data, scale = launch_cols(x, fmt, mode, plan, fp4_words)
     want_data, want_scale = mx_cast_reference(x, fmt, mode, 0)
     assert data.shape == want_data.shape and scale.shape == want_scale.shape and data.is_contiguous()
     assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
@@ -181,15 +181,16 @@ def test_column_wise_on_every_bf16_value_in_other_plans(fmt, mode):
 
 @pytest.mark.parametrize("mode", ["floor", "rceil"])
 def test_column_wise_fp4_words_bit_exact_with_the_reference(mode, monkeypatch):
-    """bf16 -> MXFP4 down columns, two columns per int32 word (off by default until timed on a GPU): every bf16
-    value and the special blocks, in three plans; it ran, not the pairs kernel, wherever x reads as words."""
+    """bf16 -> MXFP4 down columns, two columns per int32 word (the default where x reads as words): every bf16
+    value and the special blocks, in its plan and three others; it ran, not the pairs kernel, wherever x reads as
+    words."""
     pairs = []
     real = kernel._CAST_COLS_FP4_PAIRS
     monkeypatch.setattr(kernel, "_CAST_COLS_FP4_PAIRS", lambda *a, **k: pairs.append(1) or real(*a, **k))
     every = _every_bf16().t().contiguous()  # [256, rows]: each column a row of the row-wise test
     special = _cases(torch.bfloat16).t().reshape(-1).repeat(3)[: 96 * 36].reshape(36, 96).t().contiguous()
     for x in (every, special):
-        for plan in ((128, 1, 1), (64, 2, 4), (32, 4, 1)):
+        for plan in (None, (128, 1, 1), (64, 2, 4), (32, 4, 1)):
             _check_cols(x, "mxfp4_e2m1", mode, plan, fp4_words=True)
     assert pairs == []
     # odd width or an odd offset: not readable as words, the pairs kernel takes them

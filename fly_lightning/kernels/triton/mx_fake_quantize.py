@@ -105,6 +105,8 @@ def launch(x: torch.Tensor, fmt: str, mode: str = "floor", axis: int = -1) -> to
             k, n = x.shape
             bn, g, warps = COLS_PLAN
             g = min(g, next_pow2(k // formats.BLOCK))
+            while cdiv(k, g * formats.BLOCK) > 65535:  # grid axis 1 holds at most 65535 programs: more blocks each
+                g *= 2
             _FAKE_QUANT_COLS(
                 (cdiv(n, bn), cdiv(k, g * formats.BLOCK)), (src, x.stride(0), dst, k, n),
                 BN=bn, G=g, **consts, num_warps=warps,

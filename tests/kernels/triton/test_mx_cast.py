@@ -248,3 +248,15 @@ def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
         assert kernel._hw_cvt(OnCuda()) is False and kernel._hw_cvt(torch.zeros(1)) is False
     finally:
         _mx_dequant._capability.cache_clear()  # no faked capability left for later tests
+
+
+@pytest.mark.parametrize("fmt, words", [("mxfp8_e4m3", None), ("mxfp4_e2m1", True), ("mxfp4_e2m1", False)])
+def test_column_launch_stays_within_the_grid_limit(fmt, words, monkeypatch):
+    # a column past 65535 row blocks of the plan: each program takes more blocks (grid axis 1 holds 65535 at most)
+    grids = []
+    for name in ("_CAST_COLS", "_CAST_COLS_FP4_PAIRS", "_CAST_COLS_FP4_WORDS"):
+        monkeypatch.setattr(kernel, name, lambda grid, args, **kw: grids.append((grid, kw["G"])))
+    k = 32 * (65535 * 2 + 3)
+    launch_cols(torch.zeros(k, 2, dtype=torch.bfloat16), fmt, "floor", (64, 2, 1), words)
+    ((grid, g),) = grids
+    assert grid[1] <= 65535 and grid[1] * g * 32 >= k and g == 4

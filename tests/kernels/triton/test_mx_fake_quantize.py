@@ -71,3 +71,16 @@ def test_dispatch_serves_it():
     y = fly_lightning.mx_fake_quantize(x, "mxfp4_e2m1", "rceil")
     assert fly_lightning.DISPATCH_LOG.records("mx_fake_quantize")[-1]["backend"] == "triton"
     assert torch.equal(y, mx_fake_quantize_reference(x, "mxfp4_e2m1", "rceil", -1))
+
+
+def test_column_launch_stays_within_the_grid_limit(monkeypatch):
+    # a column past 65535 row blocks of the plan: each program takes more blocks (grid axis 1 holds 65535 at most)
+    from fly_lightning.kernels.triton import mx_fake_quantize as kernel
+
+    grids = []
+    monkeypatch.setattr(kernel, "_FAKE_QUANT_COLS", lambda grid, args, **kw: grids.append((grid, kw["G"])))
+    monkeypatch.setattr(kernel, "COLS_PLAN", (64, 2, 1))
+    k = 32 * (65535 * 2 + 3)
+    launch(torch.zeros(k, 2, dtype=torch.bfloat16), "mxfp8_e4m3", "floor", axis=0)
+    ((grid, g),) = grids
+    assert grid[1] <= 65535 and grid[1] * g * 32 >= k and g == 4

@@ -1,10 +1,11 @@
 """Probe (GPU): launch plans of the column-wise Triton ``mx_fake_quantize`` (MoE experts stored K-major, fake-quantised
-every training step under ``FlyMXConfig``'s emulated form). Its ``COLS_PLAN`` (64, 2, 4) is the four-warp tile that
-ran the column-wise ``mx_cast`` at 20-22% of copy bandwidth on the H200, where one warp per program gave 83-85%.
+every training step under ``FlyMXConfig``'s emulated form). Its ``COLS_PLAN`` was (64, 2, 4) until 0fbac22, the
+four-warp tile that ran the column-wise ``mx_cast`` at 20-22% of copy bandwidth on the H200, where one warp per
+program gave 83-85%; this probe measured the same for it (``COLS_PLAN``'s docstring) and it now takes one warp.
 
-Per format, 4096x16384 bf16 (the mx_cast suite's column case) rotated through more than 3x the L2: each plan's output
-equal to the current plan's first, then event-timed; share = 4 bytes moved per element / time / copy bandwidth.
-Prints; not a suite.
+Per format, 4096x16384 bf16 (the mx_cast suite's column case) rotated through more than 3x the L2: each plan's
+output compared with ``COLS_PLAN``'s first ("!" marks a difference), then event-timed; share = 4 bytes moved per
+element / time / copy bandwidth. Prints; not a suite.
 
     python -m benchmarks.probe_mx_fake_quant_cols
 """

@@ -305,14 +305,20 @@ def frozen_as_parameters(model: nn.Module) -> list[str]:
     """Turn the frozen MX weights of ``model`` from buffers into parameters that need no gradient, in place, and
     return their qualified names: FSDP2's ``fully_shard`` shards parameters and leaves buffers whole on every rank.
     ``flydsl_fsdp2`` and ``flydsl_model_parallel`` do this to the modules they quantize; call it before your own
-    ``fully_shard``. The tensors stay ``uint8``, so setting ``requires_grad`` on them raises (as
-    ``LightningModule.unfreeze`` or ``BaseFinetuning`` would): PyTorch gives gradients to floating dtypes only."""
-    names = []
+    ``fully_shard`` (modules already sharded keep their buffers, and are not named). The tensors stay ``uint8``, so
+    setting ``requires_grad`` on them raises (as ``LightningModule.unfreeze`` or ``BaseFinetuning`` would): PyTorch
+    gives gradients to floating dtypes only."""
+    from torch.distributed.fsdp import FSDPModule
+
+    names, sharded = [], []  # modules fully_shard already holds: their parameter set is fixed, buffers stay
     for prefix, m in model.named_modules():
+        if isinstance(m, FSDPModule):
+            sharded.append(prefix)
         for name in _mx_names(m):
-            if name in m._buffers:
+            if name in m._buffers and not any(prefix == s or prefix.startswith(f"{s}.") or not s for s in sharded):
                 m.register_parameter(name, nn.Parameter(m._buffers.pop(name), requires_grad=False))
-            names.append(f"{prefix}.{name}" if prefix else name)
+            if name in m._parameters:
+                names.append(f"{prefix}.{name}" if prefix else name)
     return names
 
 

@@ -345,3 +345,33 @@ def test_input_gradient_under_torch_func_grad(frozen):
     xl = x.clone().requires_grad_()
     model(xl).square().sum().backward()
     torch.testing.assert_close(g, xl.grad)
+
+
+def test_frozen_as_parameters_leaves_modules_fully_shard_already_holds():
+    # fully_shard fixed their parameter set: they keep buffers (a one-process gloo group, in a subprocess)
+    import subprocess
+    import sys
+
+    code = """
+import os, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torchao.quantization import quantize_
+from fly_lightning import FlyMXConfig
+from fly_lightning.quant import frozen_as_parameters
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+m = nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 64)))
+quantize_(m, FlyMXConfig(frozen=True))
+mesh = init_device_mesh("cpu", (1,))
+fully_shard(m[1], mesh=mesh)
+print(frozen_as_parameters(m), sorted(n for n, _ in m.named_buffers() if "weight" in n))
+fully_shard(m, mesh=mesh)
+print(tuple(m(torch.randn(3, 64)).shape))
+dist.destroy_process_group()
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2] == "['0.weight_data', '0.weight_scale'] ['1.0.weight_data', '1.0.weight_scale']"
+    assert lines[-1] == "(3, 64)"

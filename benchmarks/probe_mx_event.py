@@ -9,9 +9,11 @@ with the suite's operands (rotated sets) and its per-round pattern (two warm-up 
 - ``single_set``: the same with one operand set (no rotation);
 - ``interleaved``: ``harness.interleaved_ms`` of ours beside bf16, as the suite times them;
 - ``trace``: one profiled round: the CUDA runtime calls the host made (counted by name) and each GPU kernel's start
-  relative to the round's first kernel, with its duration and the idle gap before it;
-- ``after_suite``: the suite's own ``run_case`` on the case (all five columns, the compiled baseline included), its
-  ``ours_ms`` and ``ours_graph_ms``, then the rounds above again: whether the suite's company changes our calls.
+  relative to the round's first kernel, with its duration and the idle gap before it.
+
+At 0fbac22 (H100) it also ran the suite's own ``run_case`` on each case first: suite event times equal to device time
+where the device is the bottleneck (MXFP8 2048x6144x4096: 0.162 ms, 0.173 in graph replays), host-bound at
+1024x4096x4096 (0.122 ms, 110-120 us of host time per call); the b71629c H200 excess was not reproduced.
 
     python -m benchmarks.probe_mx_event            # prints; writes probe_mx_event.json under FLY_RESULTS_DIR
 """
@@ -29,9 +31,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fly_lightning
-from benchmarks.bench_mx_gemm import FORMATS, _compiled_emulated, _emulated_dequant, run_case
-from benchmarks.harness import Results, environment, interleaved_ms, rotation_count
+from benchmarks.harness import environment, interleaved_ms, rotation_count
 
+FORMATS = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1"}  # the mx_gemm suite's
 CASES = [("mxfp8", 2048, 6144, 4096), ("mxfp4", 2048, 6144, 4096), ("mxfp8", 1024, 4096, 4096)]
 ROUNDS, REPS = 5, 8
 
@@ -126,28 +128,6 @@ def main() -> None:
         print("  runtime", row["trace"]["runtime_calls"], flush=True)
         for kr in row["trace"]["kernels"][:12]:
             print("  ", kr, flush=True)
-    _, dequant = _emulated_dequant()
-    compiled = _compiled_emulated()
-    for kind, m, n, k in CASES:
-        fmt, case = FORMATS[kind], f"{kind} {m}x{n}x{k}"
-        res = Results("probe")
-        run_case(res, m, n, k, kind, "cuda", 40, dequant, 4, compiled)
-        suite_row = res.rows[-1]
-        inputs = _inputs(kind, m, n, k)
-
-        def ours(x, w, a, a_s, b, bs, fmt=fmt):
-            return fly_lightning.mx_scaled_mm(a, b, bs, fmt, a_scale=a_s, a_fmt=fmt)
-
-        rot = [_round(ours, inputs, r * (REPS + 2)) for r in range(ROUNDS)]
-        after = {
-            "suite_ours_ms": suite_row["ours_ms"],
-            "suite_ours_graph_ms": suite_row.get("ours_graph_ms"),
-            "suite_bf16_ms": suite_row["bf16_ms"],
-            "event_median_ms": statistics.median(t for r in rot for t in r[0]),
-            "host_median_us": statistics.median(t for r in rot for t in r[1]),
-        }
-        report["cases"][case]["after_suite"] = after
-        print(f"== {case} after the suite's run_case: {after}", flush=True)
     out = Path(os.environ.get("FLY_RESULTS_DIR", ".")) / "probe_mx_event.json"
     out.write_text(json.dumps(report, indent=1))
     print("wrote", out)

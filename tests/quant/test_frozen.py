@@ -375,3 +375,65 @@ dist.destroy_process_group()
     lines = proc.stdout.strip().splitlines()
     assert lines[-2] == "['0.weight_data', '0.weight_scale'] ['1.0.weight_data', '1.0.weight_scale']"
     assert lines[-1] == "(3, 64)"
+
+
+def test_frozen_experts_sharded_by_fsdp2_match_the_unsharded_block(tmp_path):
+    # two gloo processes: the block's MX experts as parameters, sharded (half the bytes per rank) and resharded after
+    # forward, so backward gathers them again; output and input gradient equal the unsharded block's
+    import subprocess
+    import sys
+
+    code = """
+import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
+from torch import nn
+
+def build():
+    from torchao.quantization import quantize_
+    from fly_lightning import FlyMXConfig, mx_filter
+    from fly_lightning.modules.moe import FlyMoE
+    torch.manual_seed(0)
+    moe = FlyMoE(64, 32, 4, 2, layout="hf")
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    quantize_(moe, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    return moe
+
+def run(rank, port):
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from fly_lightning.quant import FlyMXFrozenExperts, frozen_as_parameters
+    ref, moe = build(), build()
+    assert isinstance(moe.experts, FlyMXFrozenExperts)
+    names = frozen_as_parameters(moe)
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(moe, mesh=mesh)
+    root = fully_shard(nn.Sequential(moe), mesh=mesh)
+    local = sum(p.to_local().numel() for n, p in moe.named_parameters() if n in names)
+    full = sum(b.numel() for n, b in ref.named_buffers() if n in names)
+    torch.manual_seed(1 + rank)
+    x = torch.randn(16, 64)
+    outs = []
+    for m in (ref, root):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        outs.append((y.detach(), torch.autograd.grad(y.square().sum(), xi)[0]))
+    same = all(torch.equal(a, b) for a, b in zip(*outs))
+    print(f"rank {rank}: {len(names)} {2 * local == full} {same}", flush=True)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(run, args=(int(sys.argv[1]),), nprocs=2)
+"""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "fsdp2_frozen_experts.py"  # a file: spawned processes import their target from it
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0: 4 True True", "rank 1: 4 True True"], proc.stdout[-2000:]

@@ -377,21 +377,15 @@ dist.destroy_process_group()
     assert lines[-1] == "(3, 64)"
 
 
-def test_frozen_experts_sharded_by_fsdp2_match_the_unsharded_block(tmp_path):
-    # two gloo processes: the block's MX experts as parameters, sharded (half the bytes per rank) and resharded after
-    # forward, so backward gathers them again; output and input gradient equal the unsharded block's
-    import subprocess
-    import sys
-
-    code = """
+_TWO_RANKS = """
 import os, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
 from torch import nn
 
-def build():
+def build(seed=0):
     from torchao.quantization import quantize_
     from fly_lightning import FlyMXConfig, mx_filter
     from fly_lightning.modules.moe import FlyMoE
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     moe = FlyMoE(64, 32, 4, 2, layout="hf")
     with torch.no_grad():
         for p in moe.parameters():
@@ -399,17 +393,54 @@ def build():
     quantize_(moe, FlyMXConfig(frozen=True), filter_fn=mx_filter)
     return moe
 
-def run(rank, port):
+def shard(moe, mesh):
+    from torch.distributed.fsdp import fully_shard
+    from fly_lightning.quant import frozen_as_parameters
+    names = frozen_as_parameters(moe)
+    fully_shard(moe, mesh=mesh)
+    return fully_shard(nn.Sequential(moe), mesh=mesh), names
+
+def say(rank, *values):  # one write per line: two processes share the pipe, print's writes can interleave
+    os.write(1, (f"rank {rank}: " + " ".join(map(str, values)) + "\\n").encode())
+
+def main(rank, port, arg):
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from fly_lightning.quant import FlyMXFrozenExperts, frozen_as_parameters
-    ref, moe = build(), build()
+    run(rank, init_device_mesh("cpu", (2,)), arg)
+    dist.destroy_process_group()
+
+if __name__ == "__main__":
+    mp.spawn(main, args=(int(sys.argv[1]), sys.argv[2]), nprocs=2)
+"""
+
+
+def _two_ranks(tmp_path, body: str, arg: str = "") -> list[str]:
+    """Runs ``run(rank, mesh, arg)`` (``body``, with ``build`` / ``shard`` / ``say`` of ``_TWO_RANKS`` in scope) in
+    two gloo processes; the lines they ``say``, sorted."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "two_ranks.py"  # a file: spawned processes import their target from it
+    script.write_text(body + _TWO_RANKS)
+    proc = subprocess.run([sys.executable, str(script), str(port), arg], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
+
+
+def test_frozen_experts_sharded_by_fsdp2_match_the_unsharded_block(tmp_path):
+    # the block's MX experts as parameters, sharded (half the bytes per rank) and resharded after forward, so
+    # backward gathers them again; output and input gradient equal the unsharded block's
+    body = """
+def run(rank, mesh, arg):
+    from fly_lightning.quant import FlyMXFrozenExperts
+    ref = build()
+    root, names = shard(build(), mesh)
+    moe = root[0]
     assert isinstance(moe.experts, FlyMXFrozenExperts)
-    names = frozen_as_parameters(moe)
-    mesh = init_device_mesh("cpu", (2,))
-    fully_shard(moe, mesh=mesh)
-    root = fully_shard(nn.Sequential(moe), mesh=mesh)
     local = sum(p.to_local().numel() for n, p in moe.named_parameters() if n in names)
     full = sum(b.numel() for n, b in ref.named_buffers() if n in names)
     torch.manual_seed(1 + rank)
@@ -420,20 +451,40 @@ def run(rank, port):
         y = m(xi)
         outs.append((y.detach(), torch.autograd.grad(y.square().sum(), xi)[0]))
     same = all(torch.equal(a, b) for a, b in zip(*outs))
-    print(f"rank {rank}: {len(names)} {2 * local == full} {same}", flush=True)
-    dist.destroy_process_group()
-
-if __name__ == "__main__":
-    mp.spawn(run, args=(int(sys.argv[1]),), nprocs=2)
+    say(rank, len(names), 2 * local == full, same)
 """
-    import socket
+    assert _two_ranks(tmp_path, body) == ["rank 0: 4 True True", "rank 1: 4 True True"]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    script = tmp_path / "fsdp2_frozen_experts.py"  # a file: spawned processes import their target from it
-    script.write_text(code)
-    proc = subprocess.run([sys.executable, str(script), str(port)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
-    assert lines == ["rank 0: 4 True True", "rank 1: 4 True True"], proc.stdout[-2000:]
+
+def test_fsdp2_checkpoints_of_frozen_mx_experts_round_trip(tmp_path):
+    # the ways a sharded model is saved and restored (Lightning's ModelParallelStrategy uses them): the full state
+    # dict gathered (the uint8 bytes and the format's extra state equal the unsharded block's), loaded into a
+    # differently seeded sharded model from rank 0 only, and a sharded torch.distributed.checkpoint save / load;
+    # each restored model's forward equals the unsharded block's
+    body = """
+def run(rank, mesh, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+    ref = build()
+    root, names = shard(build(), mesh)
+    full = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    want = {"0." + k: v for k, v in ref.state_dict().items()}
+    same_sd = full.keys() == want.keys() and all(
+        torch.equal(v, want[k]) if isinstance(v, torch.Tensor) else v == want[k] for k, v in full.items()
+    ) and all(full[f"0.{n}"].dtype == torch.uint8 for n in names)
+    same_sd = same_sd if rank == 0 else full == {}  # cpu_offload: the full dict on rank 0 only
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    y = ref(x)
+    other, _ = shard(build(5), mesh)
+    before = torch.equal(other(x), y)
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(other, full if rank == 0 else {}, options=opts)
+    dcp.save(get_model_state_dict(root), checkpoint_id=path)
+    third, _ = shard(build(7), mesh)
+    sd = get_model_state_dict(third)
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(third, sd)
+    say(rank, same_sd, before, torch.equal(other(x), y), torch.equal(third(x), y))
+"""
+    lines = _two_ranks(tmp_path, body, str(tmp_path / "dcp"))
+    assert lines == ["rank 0: True False True True", "rank 1: True False True True"]

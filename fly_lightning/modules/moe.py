@@ -135,6 +135,15 @@ def experts_forward(
     return moe_combine(rows, weights_Tk, inv, out_dtype=out_dtype)
 
 
+def expert_projections(moe: FlyMoE, x: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+    """``moe.experts.projections()``; a container without floating weights of its own (frozen MX experts, which set
+    ``follows_activations``) gives them in the activations' dtype ``x.dtype``, the dtype FSDP2's
+    ``MixedPrecisionPolicy`` casts the block's inputs and other weights to."""
+    if getattr(moe.experts, "follows_activations", False) and x.is_floating_point():
+        return moe.experts.projections(x.dtype)
+    return moe.experts.projections()
+
+
 def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
     """What ``moe`` computes, in plain torch with a loop over the experts hit (no dispatch, nothing logged, no state
     updated): the oracle that the transform's probe compares a wrapped block with. Expert rows run in the weights'
@@ -147,7 +156,7 @@ def moe_reference(moe: FlyMoE, hidden_states: Tensor) -> Tensor:
         1.0 if own_renorm else moe.route_scale, moe.n_groups, moe.topk_groups,
     )  # fmt: skip
     weights = _renormalize(moe, weights) if own_renorm else weights
-    gate_up, up, down = moe.experts.projections()
+    gate_up, up, down = expert_projections(moe, x)
     acc = torch.promote_types(x.dtype, torch.float32)
     y = torch.zeros(x.shape, dtype=acc, device=x.device)
     for e in ids.unique().tolist():
@@ -349,7 +358,7 @@ class FlyMoE(nn.Module):
         if hasattr(self, "tokens_per_expert"):
             with torch.no_grad():
                 self.tokens_per_expert.add_(counts)
-        gate_up, up, down = self.experts.projections()
+        gate_up, up, down = expert_projections(self, x)
         y = experts_forward(
             x,
             weights,

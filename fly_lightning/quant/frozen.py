@@ -10,7 +10,7 @@ which shards parameters only, ``frozen_as_parameters`` makes them parameters tha
   dequantised again in backward: nothing of weight size is saved for it); no weight gradient. The bias stays the
   Linear's own parameter (trainable if it was).
 - ``FlyMXFrozenExperts`` replaces a ``FlyMoE`` block's expert container: ``projections()`` gives the grouped GEMMs'
-  ``[E, K, N]`` operands dequantised (in the autocast dtype under autocast, else the original weights' dtype), so
+  ``[E, K, N]`` operands dequantised (in the autocast dtype under autocast, else the block's activations' dtype), so
   the block's forward, its reference and its probes are unchanged. While the block runs, saved-tensor hooks store
   those operands as a reference to the MX buffers and dequantise them again in backward, so the block does not keep
   a dequantised copy of its experts alive between forward and backward (off under ``torch.compile`` and when outer
@@ -21,9 +21,16 @@ the biased E8M0 exponent, 127 = 2^0), not ``float8_*`` dtypes, because ``Module.
 buffers (fp8 included) to the new dtype. A weight ``[N, K]`` (a projection ``[E, K, N]`` as ``[E, N, K]``) is stored
 row-wise with blocks of 32 along K: data ``[..., N, K / per_byte]``, scales ``[..., N, K / 32]``. The state dict
 holds those buffers and ``_extra_state`` metadata (format, scale mode, block size, version, shape), checked on load.
+
+Dtypes: MX weights have no floating dtype of their own, so both layers compute in the autocast dtype under autocast,
+else in their activations' dtype (as bitsandbytes' 4-bit layers do). That is what FSDP2's ``MixedPrecisionPolicy``
+needs: it casts inputs and floating weights to ``param_dtype``, never these bytes (torch 2.11 does cast them, see
+``_as_bytes``).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor, nn
@@ -65,10 +72,33 @@ def dequantize_rows(data: Tensor, scale: Tensor, fmt: str, dtype: torch.dtype) -
     return mx_dequantize(data, scale, fmt, dtype)
 
 
-def _operand_dtype(device: torch.device, stored: torch.dtype) -> torch.dtype:
-    """The dtype of dequantised expert weights: the autocast dtype under autocast (as ``F.linear``), else the original
-    weights' dtype, the block's compute dtype (fp16 too: its grouped GEMMs take one dtype for rows and weights)."""
-    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else stored
+def _operand_dtype(device: torch.device, want: torch.dtype) -> torch.dtype:
+    """The dtype of dequantised expert weights: the autocast dtype under autocast (as ``F.linear``), else ``want``
+    (the block's activations' dtype, fp16 too: its grouped GEMMs take one dtype for rows and weights)."""
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else want
+
+
+_HOLDS_BYTES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _as_bytes(t: Tensor) -> Tensor:
+    """A stored MX tensor as its ``uint8`` bytes. FSDP2 in torch 2.11 casts every parameter it gathers to
+    ``MixedPrecisionPolicy(param_dtype=...)``, integer ones included (later versions leave those alone): bytes 0-255
+    are exact in any float dtype with 8 significant bits (bf16, fp16, fp32), so they convert back exactly, at the
+    cost of that pass and of gathering 2 bytes per byte. A dtype that rounds them is refused."""
+    if t.dtype == torch.uint8:
+        return t
+    if t.dtype not in _HOLDS_BYTES:
+        raise TypeError(
+            f"frozen MX weights reached the forward as {t.dtype}, which cannot hold their bytes exactly (a "
+            "mixed-precision policy cast them?); keep them uint8: shard them with no param_dtype, or torch >= 2.13"
+        )
+    warnings.warn(
+        f"frozen MX weights reached the forward as {t.dtype} (FSDP2's MixedPrecisionPolicy casts integer parameters "
+        "in this torch); converted back to their bytes exactly, at the cost of one pass and twice the gathered bytes",
+        stacklevel=3,
+    )
+    return t.to(torch.uint8)
 
 
 def _metadata(fmt: str, mode: str, shape: list[int], **extra: object) -> dict:
@@ -116,7 +146,8 @@ class FlyMXFrozenLinear(nn.Module):
     """A frozen ``nn.Linear`` stored in MX (see the module docstring); ``in_features % 32 == 0``.
 
     Buffers ``weight_data`` / ``weight_scale`` (``uint8``), the ``bias`` parameter (or None); ``dtype`` is the
-    original weight's (the compute dtype outside autocast; ``module.to(dtype)`` changes it).
+    original weight's (``dequantized_weight``'s default; ``module.to(dtype)`` changes it). It computes in its
+    input's dtype (the autocast dtype under autocast).
     """
 
     def __init__(
@@ -164,14 +195,17 @@ class FlyMXFrozenLinear(nn.Module):
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> Tensor:
         """The weight the module multiplies by, ``[out, in]`` (a new tensor)."""
-        return dequantize_rows(self.weight_data, self.weight_scale, self.spec.weight, dtype or self.dtype)
+        data, scale = _as_bytes(self.weight_data), _as_bytes(self.weight_scale)
+        return dequantize_rows(data, scale, self.spec.weight, dtype or self.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         check_features(self, x)
-        dtype, out = linear_dtypes(x, self.dtype)
+        # the input's dtype outside autocast (MX weights have none of their own; FSDP2's MixedPrecisionPolicy casts
+        # inputs and floating weights, never these bytes)
+        dtype, out = linear_dtypes(x, x.dtype if x.is_floating_point() else self.dtype)
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, self.in_features).to(dtype)
-            y = _FrozenMXFunction.apply(x2, self.weight_data, self.weight_scale, self.spec)
+            y = _FrozenMXFunction.apply(x2, _as_bytes(self.weight_data), _as_bytes(self.weight_scale), self.spec)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.to(out).reshape(*x.shape[:-1], self.out_features)
@@ -228,14 +262,18 @@ class FlyMXFrozenExperts(nn.Module):
 
     def operand(self, name: str, dtype: torch.dtype) -> Tensor:
         """Projection ``name`` dequantised: ``[E, K, N]`` in ``dtype`` (the transpose of a contiguous ``[E, N, K]``)."""
-        data, scale = getattr(self, f"{name}_data"), getattr(self, f"{name}_scale")
+        data, scale = _as_bytes(getattr(self, f"{name}_data")), _as_bytes(getattr(self, f"{name}_scale"))
         return dequantize_rows(data, scale, self.spec.weight, dtype).transpose(1, 2)
 
-    def projections(self) -> tuple[Tensor, Tensor | None, Tensor]:
+    follows_activations = True  # no floating weights: the block asks for its operands in its activations' dtype
+
+    def projections(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
         """The grouped GEMMs' operands, as every expert container gives them: ``(gate_up or gate, up or None,
-        down)``, dequantised (no gradient)."""
+        down)``, dequantised (no gradient), in the autocast dtype under autocast, else ``dtype`` (``FlyMoE`` passes
+        its activations'), else the original weights'."""
         device = getattr(self, f"{self.names[0]}_data").device  # a saved buffer: _dtype stays put on a meta load
-        ws = {name: self.operand(name, _operand_dtype(device, self.dtype)) for name in self.names}
+        want = _operand_dtype(device, dtype or self.dtype)
+        ws = {name: self.operand(name, want) for name in self.names}
         if self._hooks and torch.is_grad_enabled():
             for name, w in ws.items():  # the pack hook recognises them by storage, shape and strides
                 self._live[_key(w)] = (name, w)

@@ -488,3 +488,89 @@ def run(rank, mesh, path):
 """
     lines = _two_ranks(tmp_path, body, str(tmp_path / "dcp"))
     assert lines == ["rank 0: True False True True", "rank 1: True False True True"]
+
+
+def test_frozen_mx_under_fsdp2_mixed_precision_compute_in_param_dtype(tmp_path):
+    # MixedPrecisionPolicy(param_dtype=bf16) casts the inputs and floating weights, never the MX bytes: frozen layers
+    # follow their activations' dtype, so the sharded model equals the unsharded one moved to bf16. torch 2.11 also
+    # casts the uint8 parameters in its all-gather (emulated here by its init_dtype_attrs): the bytes come back
+    # exactly, with a warning
+    body = """
+def run(rank, mesh, arg):
+    import warnings
+    from torchao.quantization import quantize_
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+    from fly_lightning import FlyMXConfig, mx_filter
+    from fly_lightning.modules.moe import FlyMoE
+    from fly_lightning.quant import frozen_as_parameters
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(FlyMoE(64, 32, 4, 2, layout="hf"), nn.Linear(64, 64))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.normal_(0, 0.3)
+        quantize_(m, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+        return m
+
+    def unclamped(self, mp_policy):  # torch 2.11's: integer parameters are cast too
+        self.orig_dtype = self.sharded_param.dtype
+        self.param_dtype = None if mp_policy.param_dtype == self.orig_dtype else mp_policy.param_dtype
+        self.reduce_dtype = None if mp_policy.reduce_dtype == mp_policy.param_dtype else mp_policy.reduce_dtype
+
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3 + rank))
+    ref = model().to(torch.bfloat16)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr.to(torch.bfloat16))
+    gr = torch.autograd.grad(yr.float().square().sum(), xr)[0]
+    mpp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    res = []
+    for clamp in (True, False):
+        m = model()
+        frozen_as_parameters(m)
+        orig = FSDPParam.init_dtype_attrs
+        if not clamp:  # through the first forward: the root's lazy init reads the policy again
+            FSDPParam.init_dtype_attrs = unclamped
+        try:
+            fully_shard(m[0], mesh=mesh, mp_policy=mpp)
+            fully_shard(m, mesh=mesh, mp_policy=mpp)
+            xi = x.clone().requires_grad_()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                y = m(xi)
+                g = torch.autograd.grad(y.float().square().sum(), xi)[0]
+        finally:
+            FSDPParam.init_dtype_attrs = orig
+        warned = any("converted back to their bytes" in str(w.message) for w in caught)
+        res += [y.dtype == torch.bfloat16 and torch.equal(y, yr) and torch.equal(g, gr), warned]
+    say(rank, *res)
+"""
+    lines = _two_ranks(tmp_path, body)
+    assert lines == ["rank 0: True False True True", "rank 1: True False True True"]
+
+
+def test_frozen_layers_compute_in_their_inputs_dtype():
+    # MX weights have no floating dtype: outside autocast a frozen layer follows its input, as the same layer moved
+    # to that dtype does (what FSDP2's MixedPrecisionPolicy relies on)
+    x = torch.randn(8, 64)
+    for model in (_dense(), nn.Sequential(_moe())):
+        quantize_(model, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+        assert model(x).dtype == torch.float32
+        if isinstance(model[0], FlyMoE):
+            model[0].gate.to(torch.bfloat16)  # the router's own weights: the rest is MX
+        y = model(x.to(torch.bfloat16))
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, copy.deepcopy(model).to(torch.bfloat16)(x.to(torch.bfloat16)))
+
+
+def test_frozen_bytes_cast_to_a_float_come_back_exactly_or_are_refused():
+    from fly_lightning.quant.frozen import _as_bytes
+
+    b = torch.arange(256, dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        with pytest.warns(UserWarning, match="converted back to their bytes exactly"):
+            assert torch.equal(_as_bytes(b.to(dtype)), b)
+    assert _as_bytes(b) is b
+    with pytest.raises(TypeError, match="cannot hold their bytes exactly"):
+        _as_bytes(b.to(torch.float8_e4m3fn))

@@ -183,10 +183,12 @@ def test_fsdp2_shards_what_a_configure_model_only_builds(tmp_path):
     assert _fsdp2_case("builds_only", tmp_path)["sharded"]
 
 
-def test_fsdp2_full_checkpoint_of_restacked_experts_resumes(tmp_path):
-    # save_distributed_checkpoint=False writes one file in the original (per-expert) layout; resuming restacks the
-    # weights and the AdamW state: the resumed run starts from exactly what the first one ended with
-    out = _fsdp2_case("full_checkpoint", tmp_path)
+@pytest.mark.parametrize("case", ["full_checkpoint", "sharded_checkpoint"])
+def test_fsdp2_checkpoint_of_restacked_experts_resumes(case, tmp_path):
+    # save_distributed_checkpoint=False writes one file in the original (per-expert) layout, True a sharded
+    # torch.distributed.checkpoint folder; resuming restacks the weights and the AdamW state: the resumed run starts
+    # from exactly what the first one ended with
+    out = _fsdp2_case(case, tmp_path)
     assert out["sharded"] and len(out["losses"]) == 1 and "net.1.experts.gate_up_proj" in out["saved"]
     assert out["loaded"].keys() == out["saved"].keys()
     for name, (weight, exp_avg, exp_avg_sq, step) in out["saved"].items():

@@ -9,7 +9,8 @@ CASE:
 - ``builds_only``: a ``configure_model`` that builds layers and shards nothing;
 - ``full_checkpoint``: restacked per-expert lists (``ListMoE``), a full single-file checkpoint
   (``save_distributed_checkpoint=False``) saved after 2 steps and resumed: the weights and the optimizer state the
-  first run ended with, against those the resumed run starts its third step with.
+  first run ended with, against those the resumed run starts its third step with;
+- ``sharded_checkpoint``: the same through a sharded checkpoint (``save_distributed_checkpoint=True``).
 
 Rank 0 writes OUT.json: per-step losses, whether every parameter ended sharded, and the full tensors compared.
 """
@@ -137,9 +138,11 @@ class Snapshot(L.Callback):
             self._take(trainer, module)
 
 
-def _fit(module, data, steps, ckpt_in=None, ckpt_out=None, snapshot=None) -> tuple[L.Trainer, list[float]]:
+def _fit(
+    module, data, steps, ckpt_in=None, ckpt_out=None, snapshot=None, distributed=False
+) -> tuple[L.Trainer, list[float]]:
     losses = Losses()
-    strategy = fly_lightning.FlyFSDP2Strategy(save_distributed_checkpoint=False, report=False)
+    strategy = fly_lightning.FlyFSDP2Strategy(save_distributed_checkpoint=distributed, report=False)
     flags = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     callbacks = [losses] + ([snapshot] if snapshot else [])
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=steps, callbacks=callbacks, **flags)
@@ -176,9 +179,10 @@ def main(case: str, out: Path) -> None:
         data = torch.utils.data.TensorDataset(torch.randn(16, H, generator=g), torch.randn(16, 1, generator=g))
         ckpt = out.with_suffix(".ckpt")
         saved, loaded = Snapshot(), Snapshot(at_step=2)
-        _fit(ListMoEModule(), data, 2, ckpt_out=ckpt, snapshot=saved)
+        distributed = case == "sharded_checkpoint"
+        _fit(ListMoEModule(), data, 2, ckpt_out=ckpt, snapshot=saved, distributed=distributed)
         resumed = ListMoEModule()
-        trainer, result["losses"] = _fit(resumed, data, 3, ckpt_in=ckpt, snapshot=loaded)
+        trainer, result["losses"] = _fit(resumed, data, 3, ckpt_in=ckpt, snapshot=loaded, distributed=distributed)
         result["saved"], result["loaded"], result["sharded"] = saved.taken, loaded.taken, _sharded(resumed)
     if case == "inner_call" or case == "builds_only":
         result["weights"] = _full(module)

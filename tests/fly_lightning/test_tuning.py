@@ -246,6 +246,7 @@ with dispatch_config(select="measure"):
 rec = {r["shape"]: r for r in DISPATCH_LOG.records("scratch")}
 print(json.dumps({"measured": measured, "changed": changed, "calls": calls, "backend": rec["4"]["backend"],
                   "later": rec["16"]["backend"], "later_reason": rec["16"]["reason"]}))
+dist.barrier()  # neither rank tears gloo down while the other still talks to it
 dist.destroy_process_group()
 """
 

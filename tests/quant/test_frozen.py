@@ -407,6 +407,7 @@ def main(rank, port, arg):
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     from torch.distributed.device_mesh import init_device_mesh
     run(rank, init_device_mesh("cpu", (2,)), arg)
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it
     dist.destroy_process_group()
 
 if __name__ == "__main__":

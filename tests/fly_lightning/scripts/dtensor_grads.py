@@ -56,6 +56,7 @@ def _rank(rank: int, world: int, init: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    dist.barrier()  # neither rank tears gloo down while the other still talks to it (a CI run aborted in teardown)
     dist.destroy_process_group()
 
 

@@ -491,11 +491,12 @@ def run(rank, mesh, path):
     assert lines == ["rank 0: True False True True", "rank 1: True False True True"]
 
 
-def test_frozen_mx_under_fsdp2_mixed_precision_compute_in_param_dtype(tmp_path):
+@pytest.mark.parametrize("mode", ["frozen", "training"])
+def test_mx_under_fsdp2_mixed_precision_compute_in_param_dtype(mode, tmp_path):
     # MixedPrecisionPolicy(param_dtype=bf16) casts the inputs and floating weights, never the MX bytes: frozen layers
-    # follow their activations' dtype, so the sharded model equals the unsharded one moved to bf16. torch 2.11 also
-    # casts the uint8 parameters in its all-gather (emulated here by its init_dtype_attrs): the bytes come back
-    # exactly, with a warning
+    # follow their activations' dtype, so the sharded model equals the unsharded one moved to bf16 (as the training
+    # form, whose masters it casts, does). torch 2.11 also casts the uint8 parameters in its all-gather (emulated
+    # here by its init_dtype_attrs): the bytes come back exactly, with a warning
     body = """
 def run(rank, mesh, arg):
     import warnings
@@ -512,7 +513,7 @@ def run(rank, mesh, arg):
         with torch.no_grad():
             for p in m.parameters():
                 p.normal_(0, 0.3)
-        quantize_(m, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+        quantize_(m, FlyMXConfig(frozen=arg == "frozen"), filter_fn=mx_filter)
         return m
 
     def unclamped(self, mp_policy):  # torch 2.11's: integer parameters are cast too
@@ -547,8 +548,9 @@ def run(rank, mesh, arg):
         res += [y.dtype == torch.bfloat16 and torch.equal(y, yr) and torch.equal(g, gr), warned]
     say(rank, res[0], *res[2:])  # whether this torch's own policy warns depends on its version
 """
-    lines = _two_ranks(tmp_path, body)
-    assert lines == ["rank 0: True True True", "rank 1: True True True"]
+    lines = _two_ranks(tmp_path, body, mode)
+    warned = mode == "frozen"
+    assert lines == [f"rank 0: True True {warned}", f"rank 1: True True {warned}"]
 
 
 def test_frozen_layers_compute_in_their_inputs_dtype():

@@ -83,7 +83,7 @@ _HOLDS_BYTES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 def _as_bytes(t: Tensor) -> Tensor:
     """A stored MX tensor as its ``uint8`` bytes. FSDP2 in torch 2.11 casts every parameter it gathers to
-    ``MixedPrecisionPolicy(param_dtype=...)``, integer ones included (later versions leave those alone): bytes 0-255
+    ``MixedPrecisionPolicy(param_dtype=...)``, integer ones included (2.13 leaves those alone): bytes 0-255
     are exact in any float dtype with 8 significant bits (bf16, fp16, fp32), so they convert back exactly, at the
     cost of that pass and of gathering 2 bytes per byte. A dtype that rounds them is refused."""
     if t.dtype == torch.uint8:
@@ -91,7 +91,7 @@ def _as_bytes(t: Tensor) -> Tensor:
     if t.dtype not in _HOLDS_BYTES:
         raise TypeError(
             f"frozen MX weights reached the forward as {t.dtype}, which cannot hold their bytes exactly (a "
-            "mixed-precision policy cast them?); keep them uint8: shard them with no param_dtype, or torch >= 2.13"
+            "mixed-precision policy cast them?); keep them uint8: shard them with no param_dtype, or use torch 2.13"
         )
     warnings.warn(
         f"frozen MX weights reached the forward as {t.dtype} (FSDP2's MixedPrecisionPolicy casts integer parameters "

@@ -50,6 +50,10 @@ class _FlyStrategyMixin:
 
     _fly_shards_parameters = False  # FSDP2 strategies: frozen MX weights become parameters, which it shards
 
+    def _fly_tensor_parallel(self) -> bool:
+        """Whether the user's ``configure_model`` may apply a tensor-parallel plan (model parallel, TP size > 1)."""
+        return False
+
     def __init__(
         self,
         *args: Any,
@@ -75,7 +79,7 @@ class _FlyStrategyMixin:
 
     def connect(self, model: Any) -> None:
         super().connect(model)
-        self._fly_apply(model)
+        self._fly_apply(model, before_configure_model=True)
 
     def setup_environment(self) -> None:
         if self.fly_dispatch is not None and self._fly_previous_config is None:
@@ -123,7 +127,7 @@ class _FlyStrategyMixin:
             ] + list(states[len(self.optimizers) :])
         super().load_optimizer_state_dict(checkpoint)
 
-    def _fly_apply(self, model: nn.Module | None) -> None:
+    def _fly_apply(self, model: nn.Module | None, before_configure_model: bool = False) -> None:
         if model is None:
             return
         s = transform(model, ops=self.fly_ops)
@@ -134,12 +138,16 @@ class _FlyStrategyMixin:
         left = [(path, cls, earlier.get(path, reason) if reason == SHARDED else reason) for path, cls, reason in s.left]
         self.transform_summary.unrecognised = s.unrecognised
         if self.fly_quantization is not None:
-            self._fly_quantize(model)
+            self._fly_quantize(model, before_configure_model)
         self.transform_summary.left = left + self._fly_quantization_left
 
-    def _fly_quantize(self, model: nn.Module) -> None:
+    def _fly_quantize(self, model: nn.Module, before_configure_model: bool = False) -> None:
         """``quantize_`` on the modules no earlier pass has seen (each module is quantized at most once: a pass marks
-        every module it saw, on the module itself, so a later Trainer does not quantize it again either)."""
+        every module it saw, on the module itself, so a later Trainer does not quantize it again either).
+
+        Frozen MX Linears are no ``nn.Linear``, and tensor-parallel plans (``ColwiseParallel``, ``RowwiseParallel``)
+        take nothing else: under a tensor-parallel strategy they are converted after ``configure_model`` instead, and
+        those its plan sharded stay as they are, with the reason."""
         from torchao.quantization import quantize_
 
         from fly_lightning.dtensor import is_dtensor
@@ -151,14 +159,22 @@ class _FlyStrategyMixin:
         default = mx_filter if ours else lambda m, fqn: isinstance(m, nn.Linear)  # noqa: E731
         heads = _output_heads(model) if ours and user_filter is None else set()  # kept whatever their names
         sharded: list[tuple[str, str, str]] = []
+        defer = ours and self.fly_quantization.frozen and self._fly_tensor_parallel()
+        deferred: set[int] = set()  # frozen Linears left for the pass after configure_model
 
         def wanted(module: nn.Module, fqn: str) -> bool:
             if getattr(module, "_fly_quantize_seen", False) or not (user_filter or default)(module, fqn):
                 return False
             if id(module) in heads:
                 return False
+            if defer and before_configure_model and isinstance(module, nn.Linear):
+                deferred.add(id(module))
+                return False
             if any(is_dtensor(p) for p in module.parameters(recurse=False)):
                 why = "quantization: parameters already sharded (quantize before fully_shard / parallelize_module)"
+                if defer and isinstance(module, nn.Linear):
+                    why = ("quantization: frozen MX Linears are converted after configure_model under tensor "
+                           "parallelism (its plans take nn.Linear only), and this one was sharded there")  # fmt: skip
                 sharded.append((fqn, type(module).__name__, why))
                 return False
             return True
@@ -175,7 +191,8 @@ class _FlyStrategyMixin:
             if isinstance(m, FlyMoE) and not getattr(m, "_fly_quantize_seen", False) and m.mx is None
         ]  # fmt: skip
         for m in model.modules():
-            m._fly_quantize_seen = True
+            if id(m) not in deferred:
+                m._fly_quantize_seen = True
         self._fly_quantization_left += sharded + experts
         if self._fly_shards_parameters:  # FSDP2 shards parameters only: frozen MX weights must be some
             from fly_lightning.quant.frozen import frozen_as_parameters
@@ -328,6 +345,10 @@ def _build(pl: Any) -> dict[str, type]:
     class FlyModelParallelStrategy(_FlyStrategyMixin, _FullCheckpoints, strategies.ModelParallelStrategy):
         strategy_name = "flydsl_model_parallel"
         _fly_shards_parameters = True
+
+        def _fly_tensor_parallel(self) -> bool:
+            size = self._tensor_parallel_size
+            return (self.num_processes if size == "auto" else size) > 1  # Lightning's "auto": the devices per node
 
     class FlyFSDP2Strategy(_FlyStrategyMixin, _FullCheckpoints, strategies.ModelParallelStrategy):
         """FSDP2 on a 1-D mesh. Unless a user ``configure_model`` shards the model, blocks of ``nn.ModuleList``s and

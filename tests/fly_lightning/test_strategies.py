@@ -208,6 +208,41 @@ def test_model_parallel_tensor_parallel_two_processes_gloo(tmp_path):
     torch.testing.assert_close(ours["losses"], stock["losses"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["mx", "frozen"])
+def test_mx_under_tensor_parallelism(mode, tmp_path):
+    # a user TP plan over the model: the training form (FlyMXLinear is an nn.Linear) is sharded by the plan and its
+    # DTensor ops run the reference (recorded); frozen Linears are no nn.Linear for ColwiseParallel, so they wait
+    # for the pass after configure_model, where the plan sharded them: left unquantized with the reason, no crash
+    ours, plain = _run("flydsl_tp", 2, tmp_path, mode), _run("flydsl_tp", 2, tmp_path)
+    if mode == "mx":
+        assert "FlyMXLinear" in ours["modules"] and ours["left"] == []
+        assert ours["dispatch"]["mx_fake_quantize"]["by_backend"] == {"aten": 40}
+        torch.testing.assert_close(ours["losses"], plain["losses"], rtol=1e-2, atol=1e-2)  # MXFP8 numerics
+    else:
+        assert "FlyMXFrozenLinear" not in ours["modules"]
+        left = {path: reason for path, _, reason in ours["left"]}
+        assert sorted(left) == ["head", "layers.0.ff.0", "layers.0.ff.2", "layers.1.ff.0", "layers.1.ff.2"], left
+        assert all("converted after configure_model under tensor parallelism" in r for r in left.values())
+        torch.testing.assert_close(ours["losses"], plain["losses"], rtol=0, atol=0)
+
+
+def test_frozen_linears_wait_for_configure_model_under_tensor_parallelism():
+    # the two passes of a tensor-parallel strategy: before configure_model frozen Linears are left alone (not marked
+    # seen) while experts convert; after it, Linears the plan did not shard convert
+    from fly_lightning import FlyMXConfig
+    from fly_lightning.modules.moe import FlyMoE
+    from fly_lightning.quant import FlyMXFrozenExperts, FlyMXFrozenLinear
+
+    strategy = fly_lightning.FlyModelParallelStrategy(quantization=FlyMXConfig(frozen=True), tensor_parallel_size=2)
+    assert strategy._fly_tensor_parallel()
+    model = nn.Sequential(nn.Linear(64, 64), FlyMoE(64, 32, 4, 2, layout="hf"))
+    strategy._fly_quantize(model, before_configure_model=True)
+    assert type(model[0]) is nn.Linear and isinstance(model[1].experts, FlyMXFrozenExperts)
+    strategy._fly_quantize(model)
+    assert isinstance(model[0], FlyMXFrozenLinear)
+    assert not fly_lightning.FlyModelParallelStrategy(tensor_parallel_size=1)._fly_tensor_parallel()
+
+
 class _Dense(L.LightningModule):
     def __init__(self):
         super().__init__()

@@ -5,7 +5,8 @@
 STRATEGY is a registered name, ``stock_fsdp2``, or ``flydsl_tp`` / ``stock_tp`` (tensor parallel over all devices,
 sequence-parallel norms as in torchtitan, the plan applied by the user in ``configure_model``).
 
-``mx``: a ``flydsl*`` strategy gets ``quantization=FlyMXConfig()`` (converted before DDP wraps or FSDP2 shards).
+``mx``: a ``flydsl*`` strategy (``flydsl_tp`` too) gets ``quantization=FlyMXConfig()`` (converted before DDP wraps
+or FSDP2 shards).
 ``frozen``: ``FlyMXConfig(frozen=True)`` instead (under DDP each rank initialising its model from another seed); every
 rank writes, for its frozen MX tensors, a checksum and the bytes it holds to OUT.json.rank<N>, and rank 0 the bytes of
 buffers DDP syncs per step.
@@ -131,6 +132,7 @@ def main() -> None:
     model = TinyMoELM() if "moe" in extras else TinyLM()
     data = torch.randint(0, 64, (64, 17), generator=torch.Generator().manual_seed(1))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=8, shuffle=False)
+    quantization = fly_lightning.FlyMXConfig(frozen="frozen" in extras) if {"mx", "frozen"} & set(extras) else None
     if strategy == "stock_fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -138,14 +140,15 @@ def main() -> None:
         from fly_lightning.strategies import _auto_fully_shard
 
         model.configure_model = lambda: _auto_fully_shard(trainer.strategy, model)
-    elif ("mx" in extras or "frozen" in extras) and strategy.startswith("flydsl"):
+    elif quantization and strategy.startswith("flydsl") and strategy != "flydsl_tp":
         cls = L.strategies.StrategyRegistry[strategy]["strategy"]
-        strategy = cls(quantization=fly_lightning.FlyMXConfig(frozen="frozen" in extras), report=False)
+        strategy = cls(quantization=quantization, report=False)
     elif strategy in ("flydsl_tp", "stock_tp"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         cls = fly_lightning.FlyModelParallelStrategy if strategy == "flydsl_tp" else ModelParallelStrategy
-        strategy = cls(data_parallel_size=1, tensor_parallel_size=devices)
+        quant = {"quantization": quantization} if quantization and strategy == "flydsl_tp" else {}
+        strategy = cls(data_parallel_size=1, tensor_parallel_size=devices, **quant)
         model.configure_model = lambda: _tensor_parallel(model, trainer.strategy.device_mesh["tensor_parallel"])
     synced = SyncedBuffers()
     trainer = L.Trainer(

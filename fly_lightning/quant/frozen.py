@@ -24,8 +24,7 @@ holds those buffers and ``_extra_state`` metadata (format, scale mode, block siz
 
 Dtypes: MX weights have no floating dtype of their own, so both layers compute in the autocast dtype under autocast,
 else in their activations' dtype (as bitsandbytes' 4-bit layers do). That is what FSDP2's ``MixedPrecisionPolicy``
-needs: it casts inputs and floating weights to ``param_dtype``, never these bytes (torch 2.11 does cast them, see
-``_as_bytes``).
+needs: it casts inputs and floating weights to ``param_dtype``, never these bytes (an FSDP2 that did: ``_as_bytes``).
 """
 
 from __future__ import annotations
@@ -82,20 +81,21 @@ _HOLDS_BYTES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _as_bytes(t: Tensor) -> Tensor:
-    """A stored MX tensor as its ``uint8`` bytes. FSDP2 in torch 2.11 casts every parameter it gathers to
-    ``MixedPrecisionPolicy(param_dtype=...)``, integer ones included (2.13 leaves those alone): bytes 0-255
-    are exact in any float dtype with 8 significant bits (bf16, fp16, fp32), so they convert back exactly, at the
-    cost of that pass and of gathering 2 bytes per byte. A dtype that rounds them is refused."""
+    """A stored MX tensor as its ``uint8`` bytes. An FSDP2 without 2.13's clamp in ``init_dtype_attrs`` casts every
+    parameter it gathers to ``MixedPrecisionPolicy(param_dtype=...)``, integer ones included (2.11 has no clamp, but
+    its ``fully_shard`` refuses integer parameters anyway: ``fsdp2_shards_integer_parameters``). Bytes 0-255 are exact
+    in any float dtype with 8 significant bits (bf16, fp16, fp32), so they convert back exactly, at the cost of that
+    pass and of gathering 2 bytes per byte. A dtype that rounds them is refused."""
     if t.dtype == torch.uint8:
         return t
     if t.dtype not in _HOLDS_BYTES:
         raise TypeError(
             f"frozen MX weights reached the forward as {t.dtype}, which cannot hold their bytes exactly (a "
-            "mixed-precision policy cast them?); keep them uint8: shard them with no param_dtype, or use torch 2.13"
+            "mixed-precision policy cast them?); keep them uint8: shard them with no param_dtype"
         )
     warnings.warn(
-        f"frozen MX weights reached the forward as {t.dtype} (FSDP2's MixedPrecisionPolicy casts integer parameters "
-        "in this torch); converted back to their bytes exactly, at the cost of one pass and twice the gathered bytes",
+        f"frozen MX weights reached the forward as {t.dtype} (a MixedPrecisionPolicy cast integer parameters); "
+        "converted back to their bytes exactly, at the cost of one pass and twice the gathered bytes",
         stacklevel=3,
     )
     return t.to(torch.uint8)
@@ -339,15 +339,31 @@ def frozen_buffer_names(model: nn.Module) -> list[str]:
     ]
 
 
+def fsdp2_shards_integer_parameters() -> bool:
+    """Whether this torch's ``fully_shard`` takes parameters of integer dtypes. 2.13's does; 2.11's refuses them (it
+    makes each sharded parameter require grad before setting the flag: "only Tensors of floating point dtype can
+    require gradients", seen on the GPU image's 2.11). 2.12, not checked, is taken as 2.11."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+
+
 def frozen_as_parameters(model: nn.Module) -> list[str]:
     """Turn the frozen MX weights of ``model`` from buffers into parameters that need no gradient, in place, and
     return their qualified names: FSDP2's ``fully_shard`` shards parameters and leaves buffers whole on every rank.
     ``flydsl_fsdp2`` and ``flydsl_model_parallel`` do this to the modules they quantize; call it before your own
     ``fully_shard`` (modules already sharded keep their buffers, and are not named). The tensors stay ``uint8``, so
     setting ``requires_grad`` on them raises (as ``LightningModule.unfreeze`` or ``BaseFinetuning`` would): PyTorch
-    gives gradients to floating dtypes only."""
+    gives gradients to floating dtypes only. Where ``fully_shard`` cannot take integer parameters
+    (``fsdp2_shards_integer_parameters``), nothing changes, with a warning: the buffers stay whole on every rank."""
     from torch.distributed.fsdp import FSDPModule
 
+    if not fsdp2_shards_integer_parameters():
+        if any(_mx_names(m) for m in model.modules()):
+            warnings.warn(
+                f"torch {torch.__version__}: FSDP2 cannot shard integer parameters (torch 2.13 can), so frozen MX "
+                "weights stay buffers, whole on every rank",
+                stacklevel=2,
+            )
+        return []
     names, sharded = [], []  # modules fully_shard already holds: their parameter set is fixed, buffers stay
     for prefix, m in model.named_modules():
         if isinstance(m, FSDPModule):

@@ -14,10 +14,15 @@ from torch import nn
 from fly_lightning import FlyMXConfig, mx_filter
 from fly_lightning.modules.moe import FlyMoE, moe_reference
 from fly_lightning.quant import FlyMXFrozenExperts, FlyMXFrozenLinear, FlyMXLinear, formats
+from fly_lightning.quant.frozen import fsdp2_shards_integer_parameters
 
 logging.getLogger("torchao").setLevel(logging.ERROR)
 quantize_ = pytest.importorskip("torchao.quantization").quantize_
 FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"]
+# frozen MX weights become uint8 parameters for FSDP2 only where its fully_shard takes them (torch 2.13)
+needs_integer_sharding = pytest.mark.skipif(
+    not fsdp2_shards_integer_parameters(), reason="this torch's fully_shard refuses integer parameters"
+)
 BYTES_PER_PARAM = {"mxfp8_e4m3": 1 + 1 / 32, "mxfp8_e5m2": 1 + 1 / 32, "mxfp4_e2m1": 0.5 + 1 / 32}
 
 
@@ -243,6 +248,7 @@ def test_quantize_a_tiny_model_with_a_moe_block_frozen():
     assert state["moe.experts._extra_state"]["shape"] == {"gate_up": [4, 64, 64], "down": [4, 64, 32]}
 
 
+@needs_integer_sharding
 def test_frozen_as_parameters_keeps_values_state_and_dtype():
     # for FSDP2, which shards parameters only: the same tensors as parameters without gradients, once
     from fly_lightning.quant import frozen_as_parameters
@@ -347,6 +353,7 @@ def test_input_gradient_under_torch_func_grad(frozen):
     torch.testing.assert_close(g, xl.grad)
 
 
+@needs_integer_sharding
 def test_frozen_as_parameters_leaves_modules_fully_shard_already_holds():
     # fully_shard fixed their parameter set: they keep buffers (a one-process gloo group, in a subprocess)
     import subprocess
@@ -432,6 +439,7 @@ def _two_ranks(tmp_path, body: str, arg: str = "") -> list[str]:
     return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank"))
 
 
+@needs_integer_sharding
 def test_frozen_experts_sharded_by_fsdp2_match_the_unsharded_block(tmp_path):
     # the block's MX experts as parameters, sharded (half the bytes per rank) and resharded after forward, so
     # backward gathers them again; output and input gradient equal the unsharded block's
@@ -457,6 +465,7 @@ def run(rank, mesh, arg):
     assert _two_ranks(tmp_path, body) == ["rank 0: 4 True True", "rank 1: 4 True True"]
 
 
+@needs_integer_sharding
 def test_fsdp2_checkpoints_of_frozen_mx_experts_round_trip(tmp_path):
     # the ways a sharded model is saved and restored (Lightning's ModelParallelStrategy uses them): the full state
     # dict gathered (the uint8 bytes and the format's extra state equal the unsharded block's), loaded into a
@@ -491,7 +500,7 @@ def run(rank, mesh, path):
     assert lines == ["rank 0: True False True True", "rank 1: True False True True"]
 
 
-@pytest.mark.parametrize("mode", ["frozen", "training"])
+@pytest.mark.parametrize("mode", [pytest.param("frozen", marks=needs_integer_sharding), "training"])
 def test_mx_under_fsdp2_mixed_precision_compute_in_param_dtype(mode, tmp_path):
     # MixedPrecisionPolicy(param_dtype=bf16) casts the inputs and floating weights, never the MX bytes: frozen layers
     # follow their activations' dtype, so the sharded model equals the unsharded one moved to bf16 (as the training
@@ -577,3 +586,15 @@ def test_frozen_bytes_cast_to_a_float_come_back_exactly_or_are_refused():
     assert _as_bytes(b) is b
     with pytest.raises(TypeError, match="cannot hold their bytes exactly"):
         _as_bytes(b.to(torch.float8_e4m3fn))
+
+
+def test_frozen_weights_stay_buffers_where_fsdp2_cannot_shard_integer_parameters(monkeypatch):
+    import fly_lightning.quant.frozen as frozen
+
+    monkeypatch.setattr(frozen, "fsdp2_shards_integer_parameters", lambda: False)
+    net = _dense()
+    quantize_(net, FlyMXConfig(frozen=True), filter_fn=mx_filter)
+    before = dict(net.named_buffers())
+    with pytest.warns(UserWarning, match="FSDP2 cannot shard integer parameters"):
+        assert frozen.frozen_as_parameters(net) == []
+    assert dict(net.named_buffers()) == before and not any(p.dtype == torch.uint8 for p in net.parameters())

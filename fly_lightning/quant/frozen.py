@@ -81,11 +81,11 @@ _HOLDS_BYTES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _as_bytes(t: Tensor) -> Tensor:
-    """A stored MX tensor as its ``uint8`` bytes. An FSDP2 without 2.13's clamp in ``init_dtype_attrs`` casts every
-    parameter it gathers to ``MixedPrecisionPolicy(param_dtype=...)``, integer ones included (2.11 has no clamp, but
-    its ``fully_shard`` refuses integer parameters anyway: ``fsdp2_shards_integer_parameters``). Bytes 0-255 are exact
-    in any float dtype with 8 significant bits (bf16, fp16, fp32), so they convert back exactly, at the cost of that
-    pass and of gathering 2 bytes per byte. A dtype that rounds them is refused."""
+    """A stored MX tensor as its ``uint8`` bytes. An FSDP2 lacking the clamp that 2.12+ has in ``init_dtype_attrs``
+    casts every parameter it gathers to ``MixedPrecisionPolicy(param_dtype=...)``, integer ones included (2.11 has no
+    clamp, but its ``fully_shard`` refuses integer parameters anyway: ``fsdp2_shards_integer_parameters``). Bytes
+    0-255 are exact in any float dtype with 8 significant bits (bf16, fp16, fp32), so they convert back exactly, at
+    the cost of that pass and of gathering 2 bytes per byte. A dtype that rounds them is refused."""
     if t.dtype == torch.uint8:
         return t
     if t.dtype not in _HOLDS_BYTES:
@@ -340,10 +340,11 @@ def frozen_buffer_names(model: nn.Module) -> list[str]:
 
 
 def fsdp2_shards_integer_parameters() -> bool:
-    """Whether this torch's ``fully_shard`` takes parameters of integer dtypes. 2.13's does; 2.11's refuses them (it
-    makes each sharded parameter require grad before setting the flag: "only Tensors of floating point dtype can
-    require gradients", seen on the GPU image's 2.11). 2.12, not checked, is taken as 2.11."""
-    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+    """Whether this torch's ``fully_shard`` takes parameters of integer dtypes: from 2.12 (its sharded parameters keep
+    ``requires_grad=False``, and mixed precision leaves integer ones uncast; the gloo tests ran on 2.12 and 2.13).
+    2.11 refuses them: it makes each sharded parameter require grad before setting the flag ("only Tensors of
+    floating point dtype can require gradients", seen on the GPU image's 2.11)."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 12)
 
 
 def frozen_as_parameters(model: nn.Module) -> list[str]:
@@ -359,7 +360,7 @@ def frozen_as_parameters(model: nn.Module) -> list[str]:
     if not fsdp2_shards_integer_parameters():
         if any(_mx_names(m) for m in model.modules()):
             warnings.warn(
-                f"torch {torch.__version__}: FSDP2 cannot shard integer parameters (torch 2.13 can), so frozen MX "
+                f"torch {torch.__version__}: FSDP2 cannot shard integer parameters (torch 2.12 can), so frozen MX "
                 "weights stay buffers, whole on every rank",
                 stacklevel=2,
             )

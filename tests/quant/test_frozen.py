@@ -19,7 +19,7 @@ from fly_lightning.quant.frozen import fsdp2_shards_integer_parameters
 logging.getLogger("torchao").setLevel(logging.ERROR)
 quantize_ = pytest.importorskip("torchao.quantization").quantize_
 FORMATS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1"]
-# frozen MX weights become uint8 parameters for FSDP2 only where its fully_shard takes them (torch 2.13)
+# frozen MX weights become uint8 parameters for FSDP2 only where its fully_shard takes them (torch 2.12+)
 needs_integer_sharding = pytest.mark.skipif(
     not fsdp2_shards_integer_parameters(), reason="this torch's fully_shard refuses integer parameters"
 )

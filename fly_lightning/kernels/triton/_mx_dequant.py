@@ -312,6 +312,12 @@ def ptx_pairs(t: torch.Tensor) -> bool:
     return _nvidia_capability(t) >= (8, 0)
 
 
+def wgmma(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device multiplies with Hopper's warpgroup MMAs (NVIDIA from sm90; not ROCm, nor the
+    interpreter): the launch plans whose register layouts were written and timed for them."""
+    return _nvidia_capability(t) >= (9, 0)
+
+
 def _nvidia_capability(t: torch.Tensor) -> tuple[int, int]:
     """``t``'s compute capability when compiled Triton runs it on an NVIDIA GPU, else (0, 0)."""
     if not t.is_cuda or torch.version.hip is not None or interpreting():

@@ -48,6 +48,7 @@ CONFIGS = {
     "block_k128_m16": replace(mk.INTERPRETER_CONFIG, block_m=16, block_k=128, group_m=1),
     "block_n64_k32": replace(mk.INTERPRETER_CONFIG, block_n=64, block_k=32, group_m=4),
     "prepass": mk.PREPASS,  # dequantised to bf16 in memory, then the bf16 grouped kernel
+    "swapped": mk.SWAPPED,  # the plan for few rows per group on sm90: x dequantised first, weights swapped
 }
 
 
@@ -58,6 +59,20 @@ def test_launch_configurations(name):
     mk.launch(*args, out, config=CONFIGS[name])
     _check(out, args)
     assert out[int(args[-1][-1]) :].isnan().all()
+
+
+@pytest.mark.parametrize("x_fmt", ["mxfp8_e4m3", "mxfp4_e2m1", None])
+def test_plans_by_rows_per_group(x_fmt):
+    """MX x: swapped tiles up to SWAP_MAX_ROWS rows per group on sm90 only, in-loop tiles between, the prepass from
+    PREPASS_MIN_ROWS; weight-only never swapped (untimed) nor dequantised in memory; the interpreter its own plan."""
+    w_fmt = "mxfp4_e2m1"
+    plans = {rows: mk.choose_config(rows * 128, 128, False, x_fmt, w_fmt, sm90=True) for rows in (1, 64, 65, 255, 256)}
+    mx = x_fmt is not None
+    assert plans[1] == plans[64] == (mk.SWAPPED if mx else mk.SMALL_GROUPS)
+    assert plans[65] == mk.SMALL_GROUPS and plans[255] == mk.loop_config(255 * 128, 128, x_fmt, w_fmt)
+    assert plans[256] == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
+    assert mk.choose_config(64 * 128, 128, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS  # sm80: not timed
+    assert mk.choose_config(64 * 128, 128, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 
 
 SWAPPED = replace(mk.INTERPRETER_CONFIG, block_m=16, block_n=32, block_k=128, swap=True)

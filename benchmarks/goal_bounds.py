@@ -21,9 +21,10 @@
 - MX GEMMs (0.9x bf16 cuBLAS at M >= 1024, ``mx_gemm.json``; 0.9x our bf16 grouped GEMM, ``mx_grouped_mm.json``;
   weight-only MXFP4 2.5x bf16 at M <= 64): Hopper has no MX tensor cores, so an exact MX GEMM there is a bf16 GEMM
   fed converted operands. The machine bound is that bf16 GEMM (1.0x, conversion hidden) for the first two goals,
-  and for weight-only the MX bytes at copy bandwidth. The design we run from 128 rows (dequantise each operand to
-  bf16 in memory, then the bf16 GEMM) has its own bound: the bf16 GEMM's device time plus the dequantisation's
-  bytes (MX read, bf16 written) at the bandwidth ``mx_dequantize.json`` measured for our dequantising kernel.
+  and for weight-only the MX bytes at copy bandwidth. The design we run from 128 rows (dense) and 256 rows per
+  group (grouped), dequantise each operand to bf16 in memory, then the bf16 GEMM, has its own bound: the bf16
+  GEMM's device time plus the dequantisation's bytes (MX read, bf16 written) at the bandwidth
+  ``mx_dequantize.json`` measured for our dequantising kernel.
   ``prepass_ceiling_x`` = bf16 / that bound; below the goal on geomean means only a kernel that converts in its
   main loop, hidden behind the MMAs, can meet it: the goal is then past our design, not past the machine.
 

@@ -259,7 +259,7 @@ def _summarise(res: Results) -> None:
         "<f>_loop: the in-loop kernel alone (tiles dequantised in its main loop), timed beside ours, which takes "
         "the prepass (operands dequantised to bf16 in memory, then the bf16 grouped GEMM) from 256 rows per group.",
         f"<f>_swap (cases of at most {SWAP_MAX_ROWS} rows per group): timed beside ours (ours takes it up to "
-        f"{mk.SWAP_MAX_ROWS} rows per group on sm90+): "
+        f"{mk.SWAP_MAX_ROWS} rows per group on Hopper): "
         "x dequantised to bf16 first, then swapped tiles (weights on the MMA's M side, its register operand) summing K "
         "in the register fragment's order (fragment_k); <f>_swap_err its check; geomean_<f>_swap_x_vs_bf16 over those "
         "cases only.",

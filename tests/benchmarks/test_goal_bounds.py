@@ -6,17 +6,15 @@ import shutil
 import pytest
 
 from benchmarks.goal_bounds import (
-    dequant_ms,
     grouped_bounds,
     main,
     moe_roof_ms,
-    mx_dense_bounds,
-    mx_grouped_bounds,
     roofline_ms,
     route_bounds,
     run_copy_gbps,
     step_bounds,
     suite_bytes,
+    w4_bounds,
 )
 from benchmarks.harness import RESULTS_DIR
 from benchmarks.train_step_cases import MODELS, ModelCase
@@ -81,8 +79,6 @@ def test_main_reads_the_result_files_and_writes_its_own_beside_them(tmp_path):
         "moe_route_floor": dict(env, notes=["copy bandwidth 4000 GB/s"], rows=[floor_row]),
         "train_step": dict(env, rows=[]),
         "mx_gemm": dict(env, rows=[]),
-        "mx_grouped_mm": dict(env, rows=[]),
-        "mx_dequantize": dict(env, summary=dict(copy_bandwidth_gbps=4000.0, min_copy_share=0.9)),
     }
     for name, payload in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(payload))
@@ -110,39 +106,18 @@ def test_committed_goal_bounds_follow_from_the_committed_results(tmp_path):
     assert main(tmp_path).summary == committed["summary"]
 
 
-def test_dequant_moves_the_mx_bytes_and_scales_in_and_bf16_out():
-    # 1e6 elements at 1000 GB/s: MXFP8 reads 1 + 1/32 bytes and writes 2 per element
-    assert dequant_ms(1e6, "mxfp8", 1000.0) == pytest.approx((1 + 1 / 32 + 2) * 1e6 / 1e9)
-    assert dequant_ms(1e6, "fp4", 1000.0) == pytest.approx((0.5 + 1 / 32 + 2) * 1e6 / 1e9)
-
-
-def test_mx_dense_bounds_add_the_prepass_to_the_bf16_gemm_and_place_weight_only_against_memory():
-    m = n = k = 1024
-    deq = dequant_ms((m + n) * k, "mxfp8", 1000.0)
+def test_w4_bounds_place_weight_only_against_its_memory_roof():
     rows = [
-        dict(case="a", kind="mxfp8", m=m, n=n, k=k, bf16_graph_ms=3 * deq, ours_graph_ms=4 * deq),
-        dict(case="small", kind="mxfp8", m=512, n=n, k=k, bf16_graph_ms=1.0, ours_graph_ms=9.0),  # under 1024 rows
-        dict(case="b", kind="mxfp4", m=m, n=n, k=k, bf16_graph_ms=1.0, ours_graph_ms=1.0),
         dict(case="w", kind="w4", m=16, n=4096, k=4096, bf16_graph_ms=0.02, ours_graph_ms=0.01),
+        dict(case="wide", kind="w4", m=128, n=4096, k=4096, bf16_graph_ms=0.05, ours_graph_ms=0.05),  # > 64 rows
+        dict(case="mx", kind="mxfp4", m=16, n=4096, k=4096, bf16_graph_ms=0.02, ours_graph_ms=0.02),  # not w4
     ]
-    out, s = mx_dense_bounds(rows, 1000.0, 4000.0)
-    a = next(r for r in out if r["case"] == "a")
-    assert a["prepass_ceiling_x"] == 0.75 and a["ours_of_bound"] == 1.0  # bf16 3 parts + dequant 1 part
-    assert s["mxfp8_prepass_ceiling_x"] == 0.75 and not s["mxfp8_prepass_meets_goal"]
-    assert s["mxfp4_prepass_ceiling_x"] > 0.9 and s["mxfp4_prepass_meets_goal"]  # a tiny dequant on a 1 ms GEMM
-    assert "small" not in [r["case"] for r in out]
-    roof = (4096 * 4096 * (0.5 + 1 / 32) + 2 * (16 * 4096 * 2)) / 4000e6
-    w = next(r for r in out if r["case"] == "w")
-    assert w["ceiling_x"] == round(0.02 / roof, 3) and s["w4_goal_needs_of_roof"] == round(2.5 / s["w4_ceiling_x"], 3)
-
-
-def test_mx_grouped_bounds_dequantise_every_expert_weight():
-    row = dict(case="g", M=1024, K=1024, N=512, E=8, bf16_ms=1.0, fp8_ms=2.0, fp4_ms=None)
-    out, s = mx_grouped_bounds([row], 1000.0)
-    bound = 1.0 + dequant_ms((1024 + 8 * 512) * 1024, "fp8", 1000.0)
-    assert [r["case"] for r in out] == ["fp8 g"]  # fp4 not timed: no row, no geomean term
-    assert out[0]["bound_ms"] == round(bound, 4) and s["fp8_ours_of_prepass_bound"] == round(bound / 2.0, 3)
-    assert not any(k.startswith("fp4") for k in s)
+    out, s = w4_bounds(rows, 4000.0)
+    roof = (4096 * 4096 * (0.5 + 1 / 32) + 2 * (16 * 4096 * 2)) / 4000e6  # fp4 pairs, scales; bf16 x and out
+    assert [r["case"] for r in out] == ["w"] and out[0]["roof_ms"] == round(roof, 4)
+    assert out[0]["ceiling_x"] == round(0.02 / roof, 3) and out[0]["ours_of_roof"] == round(roof / 0.01, 3)
+    assert s["goal_needs_of_roof"] == round(2.5 / (0.02 / roof), 3)
+    assert w4_bounds(rows[1:], 4000.0) == ([], {})  # nothing to bound: no geomean of nothing
 
 
 def test_moe_roof_counts_three_passes_of_the_expert_gemms_per_layer():

@@ -312,10 +312,10 @@ def ptx_pairs(t: torch.Tensor) -> bool:
     return _nvidia_capability(t) >= (8, 0)
 
 
-def wgmma(t: torch.Tensor) -> bool:
-    """Whether ``t``'s device multiplies with Hopper's warpgroup MMAs (NVIDIA from sm90; not ROCm, nor the
-    interpreter): the launch plans whose register layouts were written and timed for them."""
-    return _nvidia_capability(t) >= (9, 0)
+def hopper(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device is an NVIDIA Hopper (sm90: warpgroup MMAs; not Blackwell, whose MMAs and shared memory
+    differ; not ROCm, nor the interpreter): the launch plans whose register layouts were written and timed there."""
+    return _nvidia_capability(t)[0] == 9
 
 
 def _nvidia_capability(t: torch.Tensor) -> tuple[int, int]:

@@ -22,10 +22,11 @@ Design:
   operand; ``fragment_k`` sums K in that operand's fragment order (``_fragment_k``), so each lane decodes one natural
   run of 32 values and feeds it as it is (sm90 SASS, Triton 3.6: K loop 427 -> 384 instructions MXFP4, 372 -> 322
   MXFP8, nothing stored to shared memory); ``x_prepass`` dequantises MX activations to bf16 first (a copy of x only),
-  which ``fragment_k`` needs. The plan for MX x up to ``SWAP_MAX_ROWS`` rows per group on sm90+ (``SWAPPED``): the
+  which ``fragment_k`` needs. The plan for MX x up to ``SWAP_MAX_ROWS`` rows per group on Hopper (``SWAPPED``): the
   mx_grouped_mm suite's ``<f>_swap`` column (H200, b71629c) timed it 0.456 against the in-loop plan's 0.726 ms MXFP8
-  and 0.456 against 0.540 MXFP4 at 64 rows per group (128 experts, K 4096, N 1024); at 128 rows it was slower (0.542
-  against 0.444 MXFP8), and from 256 the prepass wins. Weight-only swapped tiles are untimed: not planned.
+  and 0.456 against 0.540 MXFP4 at 64 rows per group (128 experts, K 4096, N 1024; the suite's one case that small,
+  same-format pairs); at 128 rows it was slower (0.542 against 0.444 MXFP8), and from 256 the prepass wins.
+  Weight-only swapped tiles are untimed: not planned.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from fly_lightning.kernels.triton._fragment_k import to_fragment_order
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequantize, load_operand, ptx_pairs, wgmma
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequantize, hopper, load_operand, ptx_pairs
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
 
@@ -205,8 +206,8 @@ INTERPRETER_PROGRAMS = 3
 def choose_config(
     m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt: str = "", sm90: bool = False
 ) -> MXGroupedMMConfig:
-    """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats (``sm90``: the GPU has
-    Hopper's wgmma, whose register fragment ``SWAPPED`` is laid out for and where it was timed)."""
+    """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats (``sm90``: the GPU is a
+    Hopper, whose wgmma register fragment ``SWAPPED`` is laid out for and where it was timed)."""
     if on_cpu:
         return INTERPRETER_CONFIG
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
@@ -259,7 +260,7 @@ def launch(
     if k == 0:
         return out.zero_()  # rows past the last offset too: the product over an empty K is zero everywhere
     interp = x.device.type == "cpu"
-    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, wgmma(x))
+    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, hopper(x))
     if cfg.prepass:
         return _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out)
     if k % cfg.block_k:

@@ -13,8 +13,9 @@ from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
     choose_config,
 )
 
-# rows per group: the launcher picks the plan from these and the formats (from 256, MX x MX is dequantised in a
-# prepass and runs the bf16 grouped kernel; weight-only never: it takes the WEIGHT_ONLY tiles from 256)
+# rows per group: the launcher picks the plan from these and the formats on Hopper (up to 64, MX x takes the swapped
+# plan, x dequantised first; from 256, MX x MX is dequantised in a prepass and runs the bf16 grouped kernel;
+# weight-only never: it takes the WEIGHT_ONLY tiles from 256)
 ROWS = {"small": 64, "large": 200, "weight-only-wide": 384}
 PAIRS = {
     "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),
@@ -36,7 +37,8 @@ def variant(pair: str, plan: str, out: str = "bf16") -> dict:
     if plan.startswith("swap"):
         cfg = replace(SWAPPED, fragment_k=plan == "swap-fragk")
     else:
-        cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt)
+        cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt, sm90=True)
+        x_fmt = None if cfg.x_prepass else x_fmt  # the kernel then reads x dequantised to bf16
     fn = _mx_grouped_mm_kernel
     sig = {a: "i32" for a in fn.arg_names}
     sig.update(X="*bf16" if x_fmt is None else "*u8", XS="*bf16" if x_fmt is None else "*u8", W="*u8", WS="*u8",

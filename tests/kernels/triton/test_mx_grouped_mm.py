@@ -75,6 +75,20 @@ def test_plans_by_rows_per_group(x_fmt):
     assert mk.choose_config(64 * 128, 128, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 
 
+@pytest.mark.parametrize("capability, planned", [((9, 0), True), ((8, 0), False), ((10, 0), False), ((12, 0), False)])
+def test_the_swapped_plan_is_for_hopper_only(monkeypatch, capability, planned):
+    """``hopper``: sm90 only (Blackwell's MMAs and shared memory differ; SWAPPED was written and timed on Hopper)."""
+    from fly_lightning.kernels.triton import _mx_dequant
+
+    class _OnGPU:  # what _nvidia_capability reads of a tensor
+        is_cuda, device = True, torch.device("cuda", 0)
+
+    monkeypatch.setattr(_mx_dequant, "interpreting", lambda: False)
+    monkeypatch.setattr(_mx_dequant, "_capability", lambda index: capability)
+    assert _mx_dequant.hopper(_OnGPU()) is planned
+    assert not _mx_dequant.hopper(torch.zeros(1))  # CPU tensors: never
+
+
 SWAPPED = replace(mk.INTERPRETER_CONFIG, block_m=16, block_n=32, block_k=128, swap=True)
 
 

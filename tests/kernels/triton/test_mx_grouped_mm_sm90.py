@@ -1,15 +1,18 @@
 """The MX grouped GEMM kernel compiles for sm_90 (Hopper) on the CPU in every format pair and launch configuration:
 bf16 wgmma fed by software-pipelined asynchronous copies, at most the 8 bytes of register spills that the swept
 configurations have (``_mx_grouped_mm_kernel``'s table); swapped weight-only tiles with ``fragment_k`` keep the decoded
-weights out of shared memory. Says nothing about speed."""
+weights out of shared memory, as does the plan for MX activations at few rows per group (the same tiles, x
+dequantised first). Says nothing about speed."""
 
 
 def test_every_variant_compiles_to_wgmma_within_the_known_spills(compiled_variants):
     results = compiled_variants("mx_grouped_mm_sm90_compile.py")
     assert len(results) == 19
     for name, r in results.items():
-        # fp4 weights decode pairwise (dequant_fp4's PTX form) except beside fp4 activations (spills there)
-        assert (r["bf16x2_fma"] > 0) == (name.startswith(("w-fp4", "e4m3-fp4"))), (name, r)
+        # fp4 weights decode pairwise (dequant_fp4's PTX form) except beside fp4 activations (spills there); the
+        # small plan reads MX x dequantised to bf16 first, so there fp4 weights always decode pairwise
+        pairwise = name.startswith(("w-fp4", "e4m3-fp4")) or name == "fp4-small"
+        assert (r["bf16x2_fma"] > 0) == pairwise, (name, r)
         assert r["spill_bytes"] <= 8, (name, r)  # the table's sweep timed these spills; more would be news
         assert r["shared"] <= 232448, (name, r)  # H100/H200: 227 KB of shared memory per block
         assert r["wgmma"] > 0 and r["mma"] == 0, (name, r)  # Hopper's warpgroup MMA, not Ampere's mma.sync
@@ -20,3 +23,7 @@ def test_every_variant_compiles_to_wgmma_within_the_known_spills(compiled_varian
         natural, frag = results[f"{pair}-swap"], results[f"{pair}-swap-fragk"]
         assert frag["loop_shared_stores"] == frag["loop_ldsm"] == 0, (natural, frag)
         assert 0 < frag["loop_instructions"] < natural["loop_instructions"], (natural, frag)
+    # the plan for MX x at few rows per group on Hopper is those swapped fragment_k tiles, x dequantised first
+    for pair in ("e4m3", "e5m2", "fp4", "e4m3-fp4"):
+        r = results[f"{pair}-small"]
+        assert r["loop_shared_stores"] == r["loop_ldsm"] == 0 and r["spill_bytes"] == 0, (pair, r)

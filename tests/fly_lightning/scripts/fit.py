@@ -201,3 +201,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():
+        # Lightning leaves the process group up: torn down at interpreter exit, gloo aborted there once in CI
+        # ("terminate called without an active exception"); both ranks end it here, together
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

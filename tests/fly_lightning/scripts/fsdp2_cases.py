@@ -192,3 +192,6 @@ def main(case: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    if torch.distributed.is_initialized():  # as fit.py: both ranks end the gloo group together, not at exit
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

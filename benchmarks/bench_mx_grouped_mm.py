@@ -93,7 +93,7 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor, end: int) -> float:
     return ((y[:end].float() - ref[:end]).norm() / ref[:end].norm().clamp_min(1e-30)).item()
 
 
-SWAP_MAX_ROWS = 256  # rows per group up to which the swapped candidate (<f>_swap) is timed
+SWAP_TIMED_MAX_ROWS = 256  # rows per group up to which the swapped candidate (<f>_swap) is timed
 
 
 def swap_config(case: Case, cpu: bool) -> mk.MXGroupedMMConfig:
@@ -142,7 +142,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         ref = mx_grouped_mm_reference(*mx_args[:-1], torch.float32)
         row[f"{f}_err"] = _rel_err(y, ref, end)
         row[f"{f}_emul_err"] = _rel_err(emulated(xd, xs, wd, ws, offs, fmt), ref, end)
-        swapped = case.m / case.e <= SWAP_MAX_ROWS  # few rows per group: a weight tile feeds one or two row tiles
+        swapped = case.m / case.e <= SWAP_TIMED_MAX_ROWS  # few rows per group: a weight tile feeds one or two row tiles
         if swapped:
             y = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
             mk.launch(xd, xs, fmt, wd, ws, fmt, offs, y, config=swap_config(case, xd.device.type == "cpu"))
@@ -258,7 +258,7 @@ def _summarise(res: Results) -> None:
         "<f>_emul_incl_impl names the included path (torchao's function where installed and the layout fits).",
         "<f>_loop: the in-loop kernel alone (tiles dequantised in its main loop), timed beside ours, which takes "
         "the prepass (operands dequantised to bf16 in memory, then the bf16 grouped GEMM) from 256 rows per group.",
-        f"<f>_swap (cases of at most {SWAP_MAX_ROWS} rows per group): timed beside ours (ours takes it up to "
+        f"<f>_swap (cases of at most {SWAP_TIMED_MAX_ROWS} rows per group): timed beside ours (ours takes it up to "
         f"{mk.SWAP_MAX_ROWS} rows per group on Hopper): "
         "x dequantised to bf16 first, then swapped tiles (weights on the MMA's M side, its register operand) summing K "
         "in the register fragment's order (fragment_k); <f>_swap_err its check; geomean_<f>_swap_x_vs_bf16 over those "

@@ -197,7 +197,7 @@ def run_case(
 
 
 def alt_plans(m, n, k, a_fmt, b_fmt, inputs, ours_ms, ref, ours_graph_ms=None) -> dict:
-    """Milliseconds of other launch plans on this case: the dequantising prepass and in-loop plans (all of ALT_PLANS
+    """Milliseconds of other launch plans on this case: the bf16 prepass and in-loop plans (all of ALT_PLANS
     from LARGE_M), for tuning ``plan``; a plan that fails or disagrees with the reference is recorded as such. Below
     LARGE_M also graph-timed ("<plan> graph"): the host's cost decides there in event timing, not the device's."""
     from dataclasses import replace
@@ -209,8 +209,8 @@ def alt_plans(m, n, k, a_fmt, b_fmt, inputs, ours_ms, ref, ours_graph_ms=None) -
     graphs = m < LARGE_M and inputs[0][2].is_cuda
     if graphs:
         out["plan_graph_ms"] = ours_graph_ms
-    loop = replace(base, prepass=False, split_k=1)
-    cands = [replace(base, prepass=True)]
+    loop = replace(base, prepass=False, fp8_blockwise=False, split_k=1)
+    cands = [replace(base, prepass=True, fp8_blockwise=False)]  # the bf16 prepass beside the fp8 one
     for bm, bn, bk, warps, stages, swap in ALT_PLANS if m >= LARGE_M else [MID_PLAN]:
         cands.append(replace(loop, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages, swap=swap))
     for cfg in cands:

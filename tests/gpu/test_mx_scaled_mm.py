@@ -94,7 +94,7 @@ def test_fp8_conversions_agree_on_every_code(fmt, m, fp8_cvt):
     bs = torch.randint(110, 140, (n, k // 32), device="cuda", dtype=torch.uint8).view(torch.float8_e8m0fnu)
     dt = formats.FORMATS[fmt].torch_dtype
     a, b = a.view(dt), b.view(dt)
-    base = replace(plan(m, 128 if m > 64 else n, k, fmt, fmt, a.device), prepass=False)  # the in-loop plan
+    base = replace(plan(m, 128 if m > 64 else n, k, fmt, fmt, a.device, out_dtype=torch.float32), prepass=False)
     cfg = replace(base, prepass=True) if fp8_cvt == "prepass" else replace(base, fp8_cvt=fp8_cvt)
     y = launch(a, a_s, fmt, b, bs, fmt, torch.float32, cfg)
     want = mx_scaled_mm_reference(a, a_s, fmt, b, bs, fmt, torch.float32)
@@ -263,3 +263,45 @@ def test_aten_fallback_rounds_fp32_sums_once(out_dtype):
     y = MX_SCALED_MM.impls["aten"].fn(a, a_s, "mxfp8_e4m3", b, bs, "mxfp8_e4m3", out_dtype)
     tol = 1e-5 if out_dtype == torch.float32 else 1e-3  # bf16 rounding would be about 4e-3
     assert y.dtype == out_dtype and ((y.float() - ref).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.parametrize(
+    "a_fmt, b_fmt",
+    [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp4_e2m1")],
+    ids=["e4m3", "fp4", "e4m3-fp4"],
+)
+def test_fp8_blockwise_plan(a_fmt, b_fmt, monkeypatch):
+    """Many rows, bf16 output, on Hopper: the launcher re-expresses both operands and runs cuBLAS's blockwise fp8
+    GEMM (seen through the requantising call), with zero, extreme and NaN scales; its error against the fp32 reference
+    as small as the bf16 prepass's, NaN where the reference has them."""
+    from dataclasses import replace
+
+    from fly_lightning.kernels.triton import mx_scaled_mm as kernel
+    from fly_lightning.kernels.triton._mx_requant import available
+
+    m, n, k = 300, 256, 512
+    a, a_s, b, bs = _operands(m, n, k, a_fmt, b_fmt, spread=2)
+    if not available(a.device):
+        pytest.skip("cuBLAS's blockwise fp8 GEMM: Hopper with CUDA >= 12.9")
+    bs = bs.view(torch.uint8).clone()
+    bs[0, :] = 0  # 2^-127
+    bs[1, 0] = 225  # 2^98 on one block: the row's other blocks round within 2^-17 of it
+    bs[2, 3] = 255  # NaN block
+    bs = bs.view(torch.float8_e8m0fnu)
+    calls = []
+    real = kernel.requantize
+    monkeypatch.setattr(kernel, "requantize", lambda *t: calls.append(1) or real(*t))
+    cfg = kernel.plan(m, n, k, a_fmt, b_fmt, a.device)
+    assert cfg.fp8_blockwise
+    y = _mm(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16)
+    assert calls, "the dispatched call did not take the fp8 plan"
+    want = mx_scaled_mm_reference(a, a_s, a_fmt, b, bs, b_fmt, torch.float32)
+    y_bf16 = kernel.launch(a, a_s, a_fmt, b, bs, b_fmt, torch.bfloat16, replace(cfg, fp8_blockwise=False))
+    assert torch.equal(y.isnan(), want.isnan()) and y[:, 2].isnan().all()
+    finite = ~want.isnan()
+    scale = want[finite].abs().amax()
+    err, err_bf16 = ((t.float() - want)[finite].abs().amax() / scale for t in (y, y_bf16))
+    assert err <= max(1.5 * err_bf16, 2e-5), (err.item(), err_bf16.item())
+    cols = finite.all(0)  # columns without NaN: relative error as a whole
+    rel = ((y.float() - want)[:, cols].norm() / want[:, cols].norm()).item()
+    assert rel < 4e-3, rel

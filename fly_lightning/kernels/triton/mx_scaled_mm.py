@@ -82,6 +82,8 @@ from fly_lightning.kernels.triton._mx_dequant import (
     load_operand,
     ptx_pairs,
 )
+from fly_lightning.kernels.triton._mx_requant import FORMATS as FP8_FORMATS
+from fly_lightning.kernels.triton._mx_requant import available, requantize
 from fly_lightning.kernels.triton._support import (
     ON_HIP,
     copy_reason,
@@ -98,6 +100,13 @@ PREPASS_MIN_M = 128
 the prepass won from 128 rows (0.081 against 0.085 ms MXFP8, 0.074 against 0.119 MXFP4 at 128x14336x4096; 2.3x at
 256x4096x4096); with host-bound eager timing the in-loop plan's one launch wins below about 1024 rows, a cost hidden
 whenever the host runs ahead of the GPU, as in a training step."""
+FP8_BLOCKWISE = True
+"""Whether the prepass plan re-expresses MX x MX operands (e4m3 / e2m1 elements, bf16 output) for cuBLAS's blockwise
+fp8 GEMM on Hopper (``_mx_requant``: exact for e2m1 groups whose scales span <= 14, else rounded within 2^-17 of the
+group's largest element; the fp8 MMAs' sums promoted to fp32 every 128 K). Probe (``probe_mx_fp8_blockwise``, H100,
+873ece0, the GEMMs alone): 1.16-1.26x cuBLAS bf16 on the ten mx_gemm shapes from 1024 rows, 1.48x at 256; relative
+error of a bf16 output unchanged (1.66e-3), of an fp32 output 1.25e-4 MXFP8, 0 MXFP4 (so fp32 outputs keep the
+bf16 prepass, which sums exactly in fp32)."""
 LUT_MAX_M = 32
 """Rows up to which weight-only MXFP4 runs unswapped with the byte-table decode (``MXMMConfig.fp4_lut``)."""
 FP8_CVT = "hw"
@@ -122,10 +131,11 @@ class MXMMConfig:
     prepass: bool = False
     fp4_lut: bool = False  # MXFP4 tiles loaded as 32-bit words, decoded by byte tables (``dequant_fp4_words``; GPU)
     fragment_k: bool = False  # swapped weight-only: K permuted so decoded weights are the wgmma register fragment
+    fp8_blockwise: bool = False  # prepass to e4m3 with 1x128 scales (``_mx_requant``), then cuBLAS's fp8 GEMM
 
     def label(self) -> str:
         if self.prepass:
-            return "prepass-cublas"
+            return "prepass-fp8-cublas" if self.fp8_blockwise else "prepass-cublas"
         s = f"{self.block_m}x{self.block_n}x{self.block_k}-w{self.num_warps}-s{self.num_stages}"
         s += ("-swap" if self.swap else "") + (f"-k{self.split_k}" if self.split_k > 1 else "")
         s += ("-hwcvt" if self.fp8_cvt == "hw" else "") + ("-lut" if self.fp4_lut else "")
@@ -197,18 +207,40 @@ def _mx_mm_kernel(
 
 
 def plan(
-    m: int, n: int, k: int, a_fmt: str | None, b_fmt: str, device: torch.device, sms: int | None = None
+    m: int,
+    n: int,
+    k: int,
+    a_fmt: str | None,
+    b_fmt: str,
+    device: torch.device,
+    sms: int | None = None,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    fp8_gemm: bool | None = None,
 ) -> MXMMConfig:
-    """The launch plan for a shape: swapped, K-split tiles for few rows, the dequantising prepass from
-    ``PREPASS_MIN_M`` rows, 64x128 in-loop tiles between (``sms``: the GPU's multiprocessors, read from ``device``
-    when not given). Cached: it runs on every call."""
-    return _plan(m, n, k, a_fmt, b_fmt, device, sms, device.type == "cpu" and interpreting())  # env read last
+    """The launch plan for a shape: swapped, K-split tiles for few rows, a prepass from ``PREPASS_MIN_M`` rows, 64x128
+    in-loop tiles between (``sms``: the GPU's multiprocessors, read from ``device`` when not given). The prepass
+    re-expresses MX x MX operands for cuBLAS's blockwise fp8 GEMM where ``fp8_gemm`` (``_mx_requant.available``,
+    read from ``device`` when None) and ``FP8_BLOCKWISE`` allow, else dequantises to bf16. Cached: it runs on every
+    call."""
+    interp = device.type == "cpu" and interpreting()  # env read last
+    fp8 = (
+        m >= PREPASS_MIN_M
+        and FP8_BLOCKWISE
+        and out_dtype == torch.bfloat16
+        and a_fmt in FP8_FORMATS
+        and b_fmt in FP8_FORMATS
+        and n % 16 == 0
+        and (available(device) if fp8_gemm is None else fp8_gemm)
+    )
+    return _plan(m, n, k, a_fmt, b_fmt, device, sms, interp, fp8)
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(
-    m: int, n: int, k: int, a_fmt: str | None, b_fmt: str, device: torch.device, sms: int | None, interp: bool
-) -> MXMMConfig:
+    m: int, n: int, k: int, a_fmt: str | None, b_fmt: str, device: torch.device, sms: int | None, interp: bool,
+    fp8: bool,
+) -> MXMMConfig:  # fmt: skip
     if interp:  # the interpreter's cost is per program: few, small programs
         return MXMMConfig(min(64, max(16, next_pow2(m))), 64, K_ALIGN, swap=m <= 64)
     if m <= 64:
@@ -232,7 +264,7 @@ def _plan(
             bm, bn, K_ALIGN, num_warps=4, num_stages=4, swap=not w4, split_k=split, fp8_cvt=FP8_CVT, fp4_lut=lut
         )
     if m >= PREPASS_MIN_M:
-        return MXMMConfig(128, 256, K_ALIGN, num_warps=8, num_stages=3, fp8_cvt=FP8_CVT, prepass=True)
+        return MXMMConfig(128, 256, K_ALIGN, 8, 3, fp8_cvt=FP8_CVT, prepass=True, fp8_blockwise=fp8)
     # in-loop, wide tiles (128x256 w8 s3: 1.24-1.33x faster than 128x128 at M >= 1024 before the prepass replaced it)
     # stay for explicit configs: the mx_gemm suite's plan scan and the sm90 compile check
     return MXMMConfig(64, 128, K_ALIGN, num_warps=4, num_stages=4, fp8_cvt=FP8_CVT)
@@ -267,7 +299,11 @@ _MX_MM = FastLaunch(_mx_mm_kernel)
 def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig | None = None) -> torch.Tensor:
     m, n = a.shape[0], b.shape[0]
     k = b_scale.shape[1] * 32
-    cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device)
+    cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device, out_dtype=out_dtype)
+    if cfg.fp8_blockwise and not (
+        cfg.prepass and a_fmt in FP8_FORMATS and b_fmt in FP8_FORMATS and out_dtype == torch.bfloat16 and n % 16 == 0
+    ):
+        raise ValueError(f"mx_scaled_mm: {cfg} takes {FP8_FORMATS} operands, N % 16 and a bf16 output")
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
     if cfg.fragment_k and not (cfg.swap and a_fmt is None and cfg.block_k == FRAGMENT_STEP and not cfg.prepass):
@@ -285,6 +321,9 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
         lut = False  # the plan's pick on unaligned rows: the pair decode, same tiles
     if m == 0 or n == 0 or k == 0:
         return torch.zeros(m, n, dtype=out_dtype, device=a.device)
+    if cfg.fp8_blockwise:
+        qa, sa, qb, sb = requantize(a, a_scale, a_fmt, b, b_scale, b_fmt)
+        return torch._scaled_mm(qa, qb.t(), sa, sb, out_dtype=out_dtype)
     if cfg.prepass:
         return _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
     split = cfg.split_k

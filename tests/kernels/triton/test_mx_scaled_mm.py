@@ -130,8 +130,20 @@ def test_plans():
     assert not (at64.swap or at64.fp4_lut)
     fp8 = plan(16, 4096, 4096, None, "mxfp8_e4m3", cuda, sms=132)
     assert fp8.swap and not fp8.fp4_lut and fp8.split_k == small.split_k
-    big = plan(8192, 8192, 8192, "mxfp8_e4m3", "mxfp8_e4m3", cuda, sms=132)
+    big = plan(8192, 8192, 8192, "mxfp8_e4m3", "mxfp8_e4m3", cuda, sms=132, fp8_gemm=False)
     assert big.prepass and big.label() == "prepass-cublas"  # many rows: dequantise once, then cuBLAS
+    # with cuBLAS's blockwise fp8 GEMM (Hopper): e4m3 / e2m1 operands re-expressed for it, bf16 output, from 128 rows
+    fp8_plan = plan(128, 4096, 4096, "mxfp8_e4m3", "mxfp4_e2m1", cuda, sms=132, fp8_gemm=True)
+    assert fp8_plan.prepass and fp8_plan.fp8_blockwise and fp8_plan.label() == "prepass-fp8-cublas"
+    for args, kw in [
+        ((8192, 8192, 8192, "mxfp8_e5m2", "mxfp8_e5m2"), {}),  # e5m2: out of e4m3's range
+        ((8192, 8192, 8192, "mxfp8_e4m3", "mxfp8_e4m3"), {"out_dtype": torch.float32}),  # fp32 sums kept exact
+        ((8192, 8200, 8192, "mxfp4_e2m1", "mxfp4_e2m1"), {}),  # N % 16
+        ((127, 8192, 8192, "mxfp4_e2m1", "mxfp4_e2m1"), {}),  # below the prepass
+        ((8192, 8192, 8192, None, "mxfp4_e2m1"), {}),  # bf16 activations
+    ]:
+        assert not plan(*args, cuda, sms=132, fp8_gemm=True, **kw).fp8_blockwise, (args, kw)
+    assert not plan(8192, 8192, 8192, "mxfp8_e4m3", "mxfp8_e4m3", cuda, sms=132).fp8_blockwise  # CPU torch: no CUDA
     mid = plan(100, 8192, 8192, "mxfp8_e4m3", "mxfp8_e4m3", cuda, sms=132)
     assert not (mid.prepass or mid.swap) and mid.split_k == 1 and mid.block_k == 128
     assert not plan(8192, 64, 128, "mxfp8_e4m3", "mxfp8_e4m3", torch.device("cpu")).prepass  # interpreter: in-loop
@@ -189,6 +201,17 @@ def test_launch_rejects_fragment_k_off_swapped_weight_only(a_fmt, cfg):
     a, a_s, b, bs = _operands(4, 8, 128, a_fmt, "mxfp4_e2m1")
     with pytest.raises(ValueError, match="fragment_k is for swapped weight-only plans"):  # before any launch
         launch(a, a_s, a_fmt, b, bs, "mxfp4_e2m1", torch.float32, cfg)
+
+
+@pytest.mark.parametrize(
+    "a_fmt, b_fmt, out_dtype",
+    [("mxfp8_e5m2", "mxfp8_e5m2", torch.bfloat16), ("mxfp8_e4m3", "mxfp8_e4m3", torch.float32)],
+)
+def test_launch_rejects_fp8_blockwise_off_its_operands(a_fmt, b_fmt, out_dtype):
+    a, a_s, b, bs = _operands(4, 16, 128, a_fmt, b_fmt)
+    cfg = MXMMConfig(128, 256, 128, prepass=True, fp8_blockwise=True)
+    with pytest.raises(ValueError, match="N % 16 and a bf16 output"):  # before any launch
+        launch(a, a_s, a_fmt, b, bs, b_fmt, out_dtype, cfg)
 
 
 def test_launch_rejects_a_split_that_does_not_divide_k():

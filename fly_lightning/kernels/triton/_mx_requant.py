@@ -28,6 +28,7 @@ from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv
 from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, _capability
 from fly_lightning.kernels.triton._support import interpreting, on_device
+from fly_lightning.quant import formats
 
 FORMATS = ("mxfp8_e4m3", "mxfp4_e2m1")
 """Element formats re-expressed exactly enough here (e5m2's range does not fit e4m3's)."""
@@ -36,28 +37,51 @@ ROWS, COLS = 16, 512  # per program: 8K elements, as the dequantising prepass
 
 
 @triton.jit
-def _code_values(DATA, rows64, rmask, cb, stride_d, C, FMT: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr):
-    """The tile's element codes as fp32 values, unscaled ([BR, BC]); NaN for e4m3's NaN codes. No fp32 subnormal
-    is formed on the GPU (a flush to zero would lose e2m1's 0.5 and e4m3's subnormals)."""
+def _load(DATA, rows64, rmask, cb, stride_d, C, FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
+    """The tile's raw bytes ([BR, BC / 2] e2m1 pairs or [BR, BC] e4m3) and whether each 32-block holds a non-zero
+    element ([BR * BC / 128, 4]; NaN codes count), read off the magnitude bits."""
+    G: tl.constexpr = BC // 128
     if FMT == 3:
         half = cb * (BC // 2) + tl.arange(0, BC // 2)
-        p = tl.load(DATA + rows64[:, None] * stride_d + half[None, :], mask=rmask & (half[None, :] < C // 2), other=0)
-        p = p.to(tl.int32)
-        c = tl.reshape(tl.join(p & 0xF, p >> 4), (p.shape[0], BC))  # element 2j in the low nibble
+        raw = tl.load(DATA + rows64[:, None] * stride_d + half[None, :], mask=rmask & (half[None, :] < C // 2), other=0)
+        live = tl.max(tl.reshape(raw & 0x77, (BR * G, 4, 16)), axis=2) > 0
+    else:
+        cols = cb * BC + tl.arange(0, BC)
+        raw = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C), other=0)
+        live = tl.max(tl.reshape(raw & 0x7F, (BR * G, 4, 32)), axis=2) > 0
+    return raw, live
+
+
+@triton.jit
+def _values_f32(raw, FMT: tl.constexpr, BC: tl.constexpr):
+    """The codes as fp32 values, unscaled ([BR, BC]); NaN for e4m3's NaN codes (the interpreter's path: numpy keeps
+    fp32 subnormals)."""
+    x = raw.to(tl.int32)
+    if FMT == 3:
+        c = tl.reshape(tl.join(x & 0xF, x >> 4), (x.shape[0], BC))  # element 2j in the low nibble
         e = (c >> 1) & 3
         m = c & 1
         bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))  # 0, 0.5; (1 + m / 2) * 2^(e - 1)
         v = (bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    else:  # exponent at fp32's with bias 7, then the missing 2^120
+        mag = x & 0x7F
+        v = (((x & 0x80) << 24) | (mag << 20)).to(tl.float32, bitcast=True) * 2.0**120
+        v = tl.where(mag == 0x7F, float("nan"), v)
+    return v
+
+
+@triton.jit
+def _values_f16(raw, FMT: tl.constexpr, BC: tl.constexpr):
+    """The codes as fp16 values, unscaled ([BR, BC]; the GPU's path: fp16 keeps subnormals in hardware, and e4m3
+    converts to it by instruction). e2m1: sign and magnitude bits placed at fp16's (value * 2^-14), then 2^14."""
+    if FMT == 3:
+        x = raw.to(tl.int32)
+        lo = ((x & 0x7) << 9) | ((x & 0x8) << 12)  # element 2j, the low nibble
+        hi = ((x & 0x70) << 5) | ((x & 0x80) << 8)
+        bits = tl.reshape(tl.join(lo, hi), (x.shape[0], BC)).to(tl.int16)
+        v = bits.to(tl.float16, bitcast=True) * tl.full((1, 1), 16384.0, tl.float16)
     else:
-        cols = cb * BC + tl.arange(0, BC)
-        x = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C), other=0)
-        if HW_CVT:
-            v = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:  # the interpreter: exponent at fp32's with bias 7 (subnormals kept there), then the missing 2^120
-            x = x.to(tl.int32)
-            mag = x & 0x7F
-            v = (((x & 0x80) << 24) | (mag << 20)).to(tl.float32, bitcast=True) * 2.0**120
-            v = tl.where(mag == 0x7F, float("nan"), v)
+        v = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
     return v
 
 
@@ -89,21 +113,23 @@ def _requant_tile(
     sb = cb * (BC // 32) + tl.arange(0, BC // 32)
     s = tl.load(SCALE + rows64[:, None] * stride_s + sb[None, :], mask=rmask & (sb[None, :] < C // 32), other=127)
     s3 = tl.reshape(s.to(tl.int32), (BR * G, 4))
-    v3 = tl.reshape(_code_values(DATA, rows64, rmask, cb, stride_d, C, FMT, BC, HW_CVT), (BR * G, 4, 32))
-    live = tl.max((v3 != 0).to(tl.int32), axis=2) > 0  # NaN counts: != 0
+    raw, live = _load(DATA, rows64, rmask, cb, stride_d, C, FMT, BR, BC)
     top = tl.max(tl.where(live & (s3 != 255), s3, -1), axis=1)  # -1: nothing non-zero in the group
     if FMT == 3:
         g = tl.maximum(top - 6, 0)
     else:
         g = tl.maximum(top, 0)
     d = tl.minimum(s3 - g[:, None], 6)  # at most 6 where anything is non-zero; all-zero blocks clamped (0 * 2^6)
-    f = tl.where(d >= -126, ((d + 127) << 23).to(tl.float32, bitcast=True), 0.0)  # below: under e4m3's last step
-    f = tl.where(s3 == 255, float("nan"), f)
-    q = tl.reshape(v3 * f[:, :, None], (BR, BC))
-    if HW_CVT:
-        codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if HW_CVT:  # fp16 products: exact down to 2^-21; anything smaller rounds to 0 in e4m3 all the same
+        fb = tl.where(d >= -14, (d + 15) << 10, tl.where(d >= -24, 1 << (d + 24).to(tl.int32), 0))
+        f = tl.where(s3 == 255, 0x7E00, fb).to(tl.int16).to(tl.float16, bitcast=True)  # 255: NaN
+        v3 = tl.reshape(_values_f16(raw, FMT, BC), (BR * G, 4, 32))
+        codes = tl.reshape(v3 * f[:, :, None], (BR, BC)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
     else:
-        codes = _e4m3_codes(q).to(tl.uint8)
+        f = tl.where(d >= -126, ((d + 127) << 23).to(tl.float32, bitcast=True), 0.0)  # below: under e4m3's last step
+        f = tl.where(s3 == 255, float("nan"), f)
+        v3 = tl.reshape(_values_f32(raw, FMT, BC), (BR * G, 4, 32))
+        codes = _e4m3_codes(tl.reshape(v3 * f[:, :, None], (BR, BC))).to(tl.uint8)
     cols = cb * BC + tl.arange(0, BC)
     tl.store(Q + rows64[:, None] * stride_q + cols[None, :], codes, mask=rmask & (cols[None, :] < C))
     # group scales, outer-dim-major ([C / 128, R]): 2^(g - 127); g = 0 is 2^-127, an fp32 subnormal
@@ -143,6 +169,24 @@ def available(device: torch.device) -> bool:
     if device.type != "cuda" or torch.version.hip is not None or _CUDA < (12, 9) or interpreting():
         return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+
+
+def reference(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rule in plain torch (torch's own float8 rounding), for one operand: ``(e4m3 [R, K], fp32 scales
+    [R, K / 128])``, the scales row-major."""
+    s = scale.view(torch.uint8).long()
+    ones = torch.full_like(s, 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+    v = formats.from_mx(data, ones, fmt)  # the codes' values
+    r, k = v.shape
+    v4, s3 = v.view(r, k // GROUP, 4, 32), s.view(r, k // GROUP, 4)
+    live = (v4 != 0).any(-1) & (s3 != 255)
+    top = torch.where(live, s3, -1).amax(-1)
+    g = (top - 6 if fmt == "mxfp4_e2m1" else top).clamp_min(0)
+    d = (s3 - g[..., None]).clamp_max(6)
+    f = torch.where(d >= -126, torch.exp2(d.double()), 0.0).float()
+    f = torch.where(s3 == 255, float("nan"), f)
+    q = (v4 * f[..., None]).view(r, k).to(torch.float8_e4m3fn)
+    return q, torch.exp2((g - 127).double()).float()
 
 
 def requantize(

@@ -19,7 +19,8 @@ def variant(pair: str) -> dict:
     aligned = ("A", "A_SCALE", "A_Q", "A_QS", "B", "B_SCALE", "B_Q", "B_QS", "C", "stride_a", "stride_b")
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=4, num_stages=1)
     ptx = kernel.asm["ptx"]
-    return dict(spill_bytes=spill, registers=regs, e4m3_cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"))
+    cvt = ptx.count("cvt.rn.satfinite.e4m3x2.f16x2")
+    return dict(spill_bytes=spill, registers=regs, e4m3_cvt=cvt, f32_cvt=ptx.count("cvt.rn.satfinite.e4m3x2.f32"))
 
 
 VARIANTS = {p: (lambda p=p: variant(p)) for p in PAIRS}

@@ -1,29 +1,12 @@
-"""MX operands re-expressed as e4m3 with 1x128 fp32 scales (interpreter): bit-exact against a plain-torch statement
-of the rule (torch's own float8 rounding), exact where the group's scales allow it, bounded where they do not; NaN
+"""MX operands re-expressed as e4m3 with 1x128 fp32 scales (interpreter): bit-exact against the module's plain-torch
+``reference`` (torch's own float8 rounding), exact where the group's scales allow it, bounded where they do not; NaN
 blocks, zero groups, rows and K off the tile; the arguments refused before any launch."""
 
 import pytest
 import torch
 
-from fly_lightning.kernels.triton._mx_requant import requantize
+from fly_lightning.kernels.triton._mx_requant import reference, requantize
 from fly_lightning.quant import formats
-
-
-def _rule(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The module's rule in plain torch: (e4m3 [R, K], fp32 scales [R, K / 128])."""
-    s = scale.view(torch.uint8).long()
-    v = formats.from_mx(data, torch.full_like(s, 127).to(torch.uint8).view(torch.float8_e8m0fnu), fmt)  # code values
-    r, k = v.shape
-    v4 = v.view(r, k // 128, 4, 32)
-    s3 = s.view(r, k // 128, 4)
-    live = (v4 != 0).any(-1) & (s3 != 255)
-    top = torch.where(live, s3, -1).amax(-1)
-    g = (top - 6 if fmt == "mxfp4_e2m1" else top).clamp_min(0)
-    d = (s3 - g[..., None]).clamp_max(6)
-    f = torch.where(d >= -126, torch.exp2(d.double()), 0.0).float()
-    f = torch.where(s3 == 255, float("nan"), f)
-    q = (v4 * f[..., None]).view(r, k).to(torch.float8_e4m3fn)
-    return q, torch.exp2((g - 127).double()).float()
 
 
 def _blocks(x, g, spread):
@@ -36,7 +19,7 @@ def _blocks(x, g, spread):
 def _check_rule(a, a_s, a_fmt, b, b_s, b_fmt):
     qa, sa, qb, sb = requantize(a, a_s, a_fmt, b, b_s, b_fmt)
     for q, sc, data, scale, fmt in ((qa, sa, a, a_s, a_fmt), (qb, sb.t(), b, b_s, b_fmt)):
-        want_q, want_s = _rule(data, scale, fmt)
+        want_q, want_s = reference(data, scale, fmt)
         assert q.dtype == torch.float8_e4m3fn and sc.dtype == torch.float32
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
         assert torch.equal(sc, want_s)

@@ -178,3 +178,40 @@ def test_moe_experts_mx_gemm_form_runs_triton_and_equals_the_emulated_form(fmt):
     rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
     assert rel(y_m, y_e) < 1e-2 and rel(gx_m, gx_e) < 2e-2
     assert all(rel(a, b) < 2e-2 for a, b in zip(gw_m, gw_e, strict=True))
+
+
+@pytest.mark.parametrize("name", ["plan", "small"])
+@pytest.mark.parametrize("x_fmt, w_fmt", [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", "mxfp4_e2m1"),
+                                          ("mxfp8_e4m3", "mxfp4_e2m1")])  # fmt: skip
+def test_fp8_plan_from_many_rows_per_group(x_fmt, w_fmt, name, monkeypatch):
+    """From PREPASS_MIN_ROWS rows per group on Hopper, bf16 output: both operands re-expressed (seen through the
+    requantising call) and multiplied on fp8 MMAs, in the plan's tiles and the small ones; against the fp32 product,
+    a NaN weight block only in its group's column, rows past the last offset unwritten."""
+    from dataclasses import replace
+
+    from fly_lightning.kernels.triton._mx_requant import available
+
+    counts = [300, 0, 700, 260, 1, 300]  # 1561 rows over 6 groups: >= 256 per group on average
+    args = list(_problem(counts, 512, 384, x_fmt, w_fmt, tail=9))
+    if not available(args[0].device):
+        pytest.skip("fp8 plan: Hopper with CUDA >= 12.9")
+    args[4] = args[4].clone()
+    args[4].view(torch.uint8)[2, 5, 3] = 255  # group 2, weight row 5: one NaN block
+    calls = []
+    real = mk.requantize
+    monkeypatch.setattr(mk, "requantize", lambda *t: calls.append(1) or real(*t))
+    cfg = mk.FP8 if name == "plan" else replace(mk.FP8, block_m=64, block_n=128, num_stages=4, num_warps=4)
+    if name == "plan":
+        y = fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=args[1], x_fmt=x_fmt)
+        assert DISPATCH_LOG.records("mx_grouped_mm")[-1]["backend"] == "triton"
+    else:
+        y = torch.full((args[0].shape[0], 384), float("nan"), device="cuda", dtype=torch.bfloat16)
+        mk.launch(*args, y, config=cfg)
+    assert calls, "the fp8 plan did not run"
+    end, offs = int(args[-1][-1]), args[-1].tolist()
+    ref = mx_grouped_mm_reference(*args, torch.float32)[:end]
+    assert torch.equal(y[:end].isnan(), ref.isnan()) and y[offs[1] : offs[2], 5].isnan().all()
+    ok = ~ref.isnan()
+    assert ((y[:end].float() - ref)[ok].norm() / ref[ok].norm()).item() < 1e-2  # bf16 output rounding
+    if name == "small":
+        assert y[end:].isnan().all()

@@ -29,7 +29,6 @@ import argparse
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -107,14 +106,6 @@ def swap_config(case: Case, cpu: bool) -> mk.MXGroupedMMConfig:
     return mk.MXGroupedMMConfig(rows, 128, group_m=8, num_stages=3, num_warps=8, **flags)
 
 
-FP8_TILES = {"fp8": mk.FP8, "fp8s": replace(mk.FP8, block_m=64, block_n=128, num_stages=4, num_warps=4)}
-"""fp8 candidates timed on every case: the plan's tiles from PREPASS_MIN_ROWS rows per group, and a smaller one."""
-
-
-def fp8_config(name: str, cpu: bool) -> mk.MXGroupedMMConfig:
-    return replace(mk.INTERPRETER_CONFIG, fp8=True) if cpu else FP8_TILES[name]
-
-
 def _bf16_grouped(x, w, offs):
     return fly_lightning.grouped_mm(x, w, offs)
 
@@ -156,10 +147,6 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
             y = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
             mk.launch(xd, xs, fmt, wd, ws, fmt, offs, y, config=swap_config(case, xd.device.type == "cpu"))
             row[f"{f}_swap_err"] = _rel_err(y, ref, end)
-        for name in FP8_TILES:
-            y = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
-            mk.launch(xd, xs, fmt, wd, ws, fmt, offs, y, config=fp8_config(name, xd.device.type == "cpu"))
-            row[f"{f}_{name}_err"] = _rel_err(y, ref, end)
         del ref, y
 
         def ours(x, w, o, mx, f=f, fmt=fmt):
@@ -180,14 +167,6 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
 
         if swapped:
             fns[f"{f}_swap"] = swap
-
-        def fp8(x, w, o, mx, f=f, fmt=fmt, name="fp8"):  # re-expressed as e4m3 with 1x128 scales, fp8 MMAs
-            xd, xs, wd, ws = mx[f]
-            out = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
-            return mk.launch(xd, xs, fmt, wd, ws, fmt, o, out, config=fp8_config(name, xd.device.type == "cpu"))
-
-        for name in FP8_TILES:
-            fns[f"{f}_{name}"] = lambda *t, fp8=fp8, name=name: fp8(*t, name=name)
 
         def incl(x, w, o, mx, fmt=fmt):
             xd, xs = fly_lightning.mx_cast(x, fmt)
@@ -232,8 +211,6 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         row[f"{f}_loop_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_loop_ms']:.4g}")
         if f"{f}_swap_ms" in row:
             row[f"{f}_swap_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_swap_ms']:.4g}")
-        for name in FP8_TILES:
-            row[f"{f}_{name}_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_{name}_ms']:.4g}")
         row[f"{f}_incl_x_vs_emul_incl"] = float(f"{row[f'{f}_emul_incl_ms'] / row[f'{f}_incl_ms']:.4g}")
         row[f"{f}_incl_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_incl_ms']:.4g}")
     return row
@@ -261,8 +238,7 @@ def _summarise(res: Results) -> None:
     for f in FORMATS:
         for key, goal in ((f"{f}_x_vs_bf16", GOAL_VS_BF16), (f"{f}_x_vs_emul", GOAL_VS_EMULATED),
                           (f"{f}_incl_x_vs_emul_incl", GOAL_VS_EMULATED), (f"{f}_incl_x_vs_bf16", None),
-                          (f"{f}_loop_x_vs_bf16", None), (f"{f}_swap_x_vs_bf16", None),
-                          (f"{f}_fp8_x_vs_bf16", None), (f"{f}_fp8s_x_vs_bf16", None)):  # fmt: skip
+                          (f"{f}_loop_x_vs_bf16", None), (f"{f}_swap_x_vs_bf16", None)):  # fmt: skip
             vals = [r[key] for r in rows if key in r]
             g = round(geomean(vals), 3) if vals else None
             res.summary[f"geomean_{key}"] = g
@@ -281,10 +257,7 @@ def _summarise(res: Results) -> None:
         "emulated = torchao's formula (elements and scales cast to bf16 and multiplied), then torch._grouped_mm; "
         "<f>_emul_incl_impl names the included path (torchao's function where installed and the layout fits).",
         "<f>_loop: the in-loop kernel alone (tiles dequantised in its main loop), timed beside ours, which takes "
-        "a prepass from 256 rows per group: on Hopper both operands re-expressed as e4m3 with 1x128 scales and "
-        "multiplied on fp8 MMAs (the fp8 plan), elsewhere dequantised to bf16 for the bf16 grouped GEMM.",
-        f"<f>_fp8, <f>_fp8s (every case): the fp8 plan's kernel with its tiles ({mk.FP8.label()}) and with "
-        f"{FP8_TILES['fp8s'].label()}, timed beside ours; <f>_fp8*_err their checks.",
+        "the prepass (operands dequantised to bf16 in memory, then the bf16 grouped GEMM) from 256 rows per group.",
         f"<f>_swap (cases of at most {SWAP_TIMED_MAX_ROWS} rows per group): timed beside ours (ours takes it up to "
         f"{mk.SWAP_MAX_ROWS} rows per group on Hopper): "
         "x dequantised to bf16 first, then swapped tiles (weights on the MMA's M side, its register operand) summing K "

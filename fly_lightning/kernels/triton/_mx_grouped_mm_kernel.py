@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from fly_lightning.kernels.triton import _fp8_grouped_mm_kernel as fp8k
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
 from fly_lightning.kernels.triton._fragment_k import to_fragment_order
@@ -45,8 +44,6 @@ from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swiz
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequantize, hopper, load_operand, ptx_pairs
-from fly_lightning.kernels.triton._mx_requant import FORMATS as FP8_FORMATS
-from fly_lightning.kernels.triton._mx_requant import GROUP, available, requantize
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
 
@@ -173,7 +170,6 @@ class MXGroupedMMConfig:
     swap: bool = False  # weights on the MMA's M side (its register operand), the group's rows on its N side
     fragment_k: bool = False  # swapped, high-precision x: K in the register fragment's order (``_fragment_k``)
     x_prepass: bool = False  # MX x dequantised to bf16 in memory first (small), then the high-precision x kernel
-    fp8: bool = False  # both operands re-expressed as e4m3 with 1x128 scales (``_mx_requant``), then fp8 MMAs
 
     def label(self) -> str:
         if self.prepass:
@@ -181,7 +177,7 @@ class MXGroupedMMConfig:
         persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
         flags = ("_swap" if self.swap else "") + ("_fragk" if self.fragment_k else "")
         return (
-            ("xprepass_" if self.x_prepass else "fp8_" if self.fp8 else "")
+            ("xprepass_" if self.x_prepass else "")
             + f"{self.block_m}x{self.block_n}x{self.block_k}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
             + f"_{persist}{flags}"
         )
@@ -201,12 +197,6 @@ WEIGHT_ONLY = MXGroupedMMConfig(256, 128, 64, 8, 3, 8)
 PREPASS_MIN_ROWS = 256
 PREPASS = MXGroupedMMConfig(prepass=True)
 SWAP_MAX_ROWS = 64
-# Hopper, MX x MX (e4m3 / e2m1), bf16 output, from PREPASS_MIN_ROWS rows per group: the operands re-expressed for fp8
-# MMAs (``_fp8_grouped_mm_kernel``) instead of dequantised to bf16, when cuBLAS's blockwise fp8 is there too
-# (``_mx_requant.available``: the same CUDA and GPU conditions as the dense plan). K step 128. The per-step product
-# beside the accumulator doubles its registers: 128x128 tiles spill (80 bytes at 8 warps, sm90 compile on the CPU),
-# 64x256 over 8 warps and 64x128 over 4 do not.
-FP8 = MXGroupedMMConfig(64, 256, 128, 8, 3, 8, fp8=True)
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
 INTERPRETER_CONFIG = MXGroupedMMConfig(32, 32, 64, 2, 1, 4)
@@ -214,16 +204,15 @@ INTERPRETER_PROGRAMS = 3
 
 
 def choose_config(
-    m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt: str = "", sm90: bool = False, fp8: bool = False
+    m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt: str = "", sm90: bool = False
 ) -> MXGroupedMMConfig:
     """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats (``sm90``: the GPU is a
-    Hopper, whose wgmma register fragment ``SWAPPED`` is laid out for and where it was timed; ``fp8``: ``FP8`` may
-    serve these operands and this output, see there)."""
+    Hopper, whose wgmma register fragment ``SWAPPED`` is laid out for and where it was timed)."""
     if on_cpu:
         return INTERPRETER_CONFIG
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
     if x_fmt is not None and m / max(1, e) >= PREPASS_MIN_ROWS:
-        return FP8 if fp8 else PREPASS
+        return PREPASS
     if x_fmt is not None and sm90 and m / max(1, e) <= SWAP_MAX_ROWS:
         return SWAPPED
     return loop_config(m, e, x_fmt, w_fmt)
@@ -271,16 +260,9 @@ def launch(
     if k == 0:
         return out.zero_()  # rows past the last offset too: the product over an empty K is zero everywhere
     interp = x.device.type == "cpu"
-    fp8_ok = x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out.dtype == torch.bfloat16
-    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, hopper(x), fp8_ok and available(x.device))
+    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, hopper(x))
     if cfg.prepass:
         return _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out)
-    if cfg.fp8:
-        if not fp8_ok or k % GROUP:
-            raise ValueError(f"mx_grouped_mm kernel: {cfg} takes {FP8_FORMATS} operands, K % {GROUP}, a bf16 output")
-        qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w.reshape(e * n, -1), w_scale.reshape(e * n, -1), w_fmt)
-        return fp8k.launch(qx, sx.t(), qw.view(e, n, k), sw, offs, out, cfg.block_m, cfg.block_n, cfg.group_m,
-                           cfg.num_warps, cfg.num_stages, cfg.programs_per_sm or 1)  # fmt: skip
     if k % cfg.block_k:
         raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
     if cfg.x_prepass and x_fmt is None:

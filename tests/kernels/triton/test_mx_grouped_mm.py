@@ -71,9 +71,6 @@ def test_plans_by_rows_per_group(x_fmt):
     assert plans[1] == plans[64] == (mk.SWAPPED if mx else mk.SMALL_GROUPS)
     assert plans[65] == mk.SMALL_GROUPS and plans[255] == mk.loop_config(255 * 128, 128, x_fmt, w_fmt)
     assert plans[256] == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
-    fp8 = mk.choose_config(256 * 128, 128, False, x_fmt, w_fmt, sm90=True, fp8=True)  # fp8 MMAs serve them
-    assert fp8 == (mk.FP8 if mx else mk.WEIGHT_ONLY) and (fp8.label().startswith("fp8_") or not mx)
-    assert mk.choose_config(255 * 128, 128, False, x_fmt, w_fmt, sm90=True, fp8=True) == plans[255]
     assert mk.choose_config(64 * 128, 128, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS  # sm80: not timed
     assert mk.choose_config(64 * 128, 128, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 
@@ -90,29 +87,6 @@ def test_the_swapped_plan_is_for_hopper_only(monkeypatch, capability, planned):
     monkeypatch.setattr(_mx_dequant, "_capability", lambda index: capability)
     assert _mx_dequant.hopper(_OnGPU()) is planned
     assert not _mx_dequant.hopper(torch.zeros(1))  # CPU tensors: never
-
-
-FP8_PAIRS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e4m3", "mxfp4_e2m1")]
-
-
-@pytest.mark.parametrize("x_fmt, w_fmt", FP8_PAIRS)
-def test_fp8_tiles(x_fmt, w_fmt):
-    """Operands re-expressed as e4m3 with 1x128 scales (exact here: neighbouring blocks within 2^14), per-step fp8
-    products scaled into the accumulator: uneven groups, K of three steps, rows past the last offset unwritten; a
-    NaN weight block gives its column NaN in its group only."""
-    args = _problem(x_fmt, w_fmt, k=384, n=72)
-    args[4].view(torch.uint8)[1, 3, 5] = 255  # group 1 (3 rows), weight row 3: one NaN block
-    cfg = replace(mk.INTERPRETER_CONFIG, fp8=True)
-    out = torch.full((args[0].shape[0], 72), float("nan"), dtype=torch.bfloat16)
-    mk.launch(*args, out, config=cfg)
-    end, offs = int(args[-1][-1]), args[-1].tolist()
-    ref = mx_grouped_mm_reference(*args, torch.float32)[:end]
-    assert torch.equal(out[:end].isnan(), ref.isnan()) and out[offs[0] : offs[1], 3].isnan().all()
-    ok = ~ref.isnan()
-    assert ((out[:end].float() - ref)[ok].norm() / ref[ok].norm()).item() < 4e-3  # bf16 output
-    assert out[end:].isnan().all()
-    with pytest.raises(ValueError, match="bf16 output"):  # fp32 outputs keep exact fp32 sums (other plans)
-        mk.launch(*args, torch.empty(out.shape), config=cfg)
 
 
 SWAPPED = replace(mk.INTERPRETER_CONFIG, block_m=16, block_n=32, block_k=128, swap=True)

@@ -1,65 +1,25 @@
-"""Triton MX GEMM for Hopper, registered as the ``triton`` backend of ``mx_scaled_mm``.
+"""Triton MX GEMM for Hopper, registered as the ``triton`` backend of ``mx_scaled_mm``. Hopper has fp8 tensor cores
+but no MX ones; ``plan`` picks one of three forms by rows (history and timings of forms not kept: git log).
 
-Hopper has no MX tensor cores, so each K step loads the MX bytes (fp8, or fp4 two per byte) and E8M0 scales of both
-tiles, dequantises them in registers to bf16 (``_mx_dequant``: bit placement and two power-of-two multiplies, exact)
-and feeds a bf16 ``tl.dot`` with fp32 accumulation. The weight-only form loads bf16 activations as they are. The
-conversion runs on data the software pipeline (``num_stages``) already prefetched, and each weight tile is converted
-once per output tile; a large ``BLOCK_K`` (128, the support boundary) amortises the scale loads.
+- Many rows (M >= ``PREPASS_MIN_M``), MX x MX with e4m3 / e2m1 elements and a bf16 output (``FP8_BLOCKWISE``): both
+  operands re-expressed as e4m3 with one fp32 power-of-two scale per 128 values along K (``_mx_requant``, one
+  launch), then cuBLAS's blockwise fp8 GEMM (``torch._scaled_mm``, 1x128 x 1x128). A precision change, bounded and
+  measured: see ``FP8_BLOCKWISE``. Otherwise (e5m2, fp32 or fp16 outputs, other GPUs) the bf16 prepass: each operand
+  dequantised once into bf16 (``_mx_dequant.dequantize``), cuBLAS's bf16 GEMM on the copies (exact values, fp32
+  sums; ``(M + N) * K * 2`` bytes alive during the call). Converting in the main loop instead costs every output
+  tile its own conversion (about 300 TFLOP/s on the H200 against cuBLAS's 800).
+- Few rows (M <= 64, decode): tiles dequantised in registers (bit placement and power-of-two multiplies, exact) into
+  a bf16 ``tl.dot`` with fp32 accumulation; operands swapped (``out^T = dequant(b) @ a^T``: the weights fill the
+  MMA's M side) and K split across programs so that enough programs stream the weights (fp32 partials summed in
+  the kernel, in split order, by each tile's last program). Weight-only MXFP4 runs unswapped (``mma.sync`` at 16
+  rows: no shared-memory trip for the converted weights), up to ``LUT_MAX_M`` rows with the byte-table decode
+  (``MXMMConfig.fp4_lut``). Bound by the decode (about 8 instructions per weight element in the sm90 loop), not by
+  bandwidth: the weight-only goal needs about one per element and the scales applied per 32-wide K slice.
+- Between: the same in-loop tiles, unswapped (64x128).
 
-Small M (decode, weight-only at M <= 64; weight-only MXFP4 there runs unswapped, see below) swaps the operands,
-``out^T = dequant(b) @ a^T``, so that the weight tile fills the MMA's M side and the few tokens its N side, and
-splits K across programs so that enough programs stream the weights (fp32 partials, summed in the kernel by each
-tile's last program to finish). Result: fp32 accumulation
-of the exact dequantised values, so it matches ``mx_scaled_mm_reference`` up to summation order (and underflow
-below 2^-126, where bf16 keeps 7 bits).
-Its bound is the decode, not bandwidth: at 16x28672x4096 (MXFP4 weights, H200, mx_gemm suite at 8182f20) it streams
-62 MB of weights in 50 us of device time, 1.2 TB/s, against cuBLAS's 58 us for 4x the bytes in bf16. That is with the
-fp4 pairs decoded in one word each (``dequant_fp4``'s PTX form: 56 us before; the sm90 main loop, compiled on the CPU,
-630 -> 509 instructions per thread, 8 per weight element). The weight-only goal (2.5x bf16) needs a decode of about
-one instruction per element (values and their bits laid out in memory so that one register's nibbles decode
-together, as triton_kernels' Hopper MXFP4 path does) and the scales applied per 32-wide K slice to the MMA's partial
-sums rather than to every element. ``MXMMConfig.fp4_lut`` (32-bit words of eight codes, decoded by byte tables with
-one scale multiply per word) takes the swapped loop from 512 to 489 static instructions per thread and K step, 411
-unswapped (``mma.sync`` at 16 rows). Timed (``benchmarks/probe_mx_weight_only.py``, H200, graph replays, 09b9f13):
-unswapped with the tables 11.2 against 13.8 us at 16x4096x4096, 35.3 against 45.1 at 32x4096x14336, equal at
-16x28672x4096, slower at 64 rows (and swapped with the tables 1.3-1.9x slower everywhere): ``plan`` takes it for
-weight-only MXFP4 up to ``LUT_MAX_M`` rows (and the unswapped pair decode from there to 64 rows, see below). The
-decode is about a third of the swapped loop; the rest is the
-converted weights' trip through shared memory into the wgmma register operand (8 ``STS.128`` + 8 ``LDSM`` per K
-step), operand moves, and a wait after each of its 8 small wgmmas. Triton's own ``tl.dot_scaled`` compiles to the
-same shape of loop (548 instructions; 391 with ``fast_math``, which drops NaN-scale handling) and ran 1.3-2.4x slower
-than ours on those shapes.
-``MXMMConfig.fragment_k`` removes that round trip without a new weight layout: the swapped weight-only loop sums
-each 128-wide K step in the order of wgmma's bf16 register fragment (``_fragment_k``). Lane ``c`` of a row then needs
-the row's natural elements ``[32 c, 32 c + 32)``: one 16-byte load of MXFP4 (32 of fp8) and one scale, decoded in
-place and renamed into the fragment; the bf16 activations are read in that order (4-byte runs, from L2). sm90 SASS
-(Triton 3.6, compiled on the CPU), per thread and K step, against the same swapped plan in natural order: 374 against
-393 instructions with the byte tables, 370 against 417 pairs, 312 against 389 MXFP8 (364 with 128 weight rows over
-two warpgroups, each its own chain of wgmmas), no ``LDSM`` and 2 barriers instead of 11. ptxas still waits after
-each of the 8 wgmmas (it gives every slice's operand the same registers). Timed (probe, H200, cd386b1): never the
-fastest form; 0.98x-0.55x of the plan's on the five weight-only shapes, so no plan takes it.
-The loops index K by step (``_mx_dequant.load_operand``: offsets are step times a constant, no divisions), so the
-pipeliner prefetches the scale loads too. The instruction counts and timings quoted earlier in this docstring were
-taken before that change, which shortened every small-M loop (the swapped byte-table loop 489 -> 393). Timed after
-it (probe, H200, cd386b1, device time against cuBLAS bf16): 10.7 / 9.9 us at 16x4096x4096, 45.6 / 57.1 at
-16x28672x4096, 30.9 / 34.6 at 32x4096x14336; at 64 rows unswapped now beats swapped (23.8 / 24.9 and 40.6 / 49.3 us
-at 6144x4096 and 8192x8192), which ``plan`` takes.
-
-Many rows (M >= ``PREPASS_MIN_M``, 128): the ``prepass`` plan dequantises each MX operand once into a bf16 tensor
-(``_mx_dequant.dequantize``, bandwidth-bound) and runs cuBLAS's bf16 GEMM on them. Converting in the main loop costs
-every output tile its own conversion of both operands (the loop reached about 300 TFLOP/s on the H200 against
-cuBLAS's 800); the prepass converts each element once, at the price of one bf16 copy of each operand alive during the
-call (``(M + N) * K * 2`` bytes). Same values, cuBLAS's fp32 accumulation, except the split-K reductions PyTorch lets
-cuBLAS run in bf16 for a bf16 output (``allow_bf16_reduced_precision_reduction``, on by default), as in any bf16
-layer; ``out_dtype=torch.float32`` keeps every sum in fp32.
-
-Not kept: only the activations dequantised in a prepass, the weights converted in registers as the swapped MMA's
-register operand (no shared-memory round trip for converted data): 1.7-2.4x slower than the prepass plan on five
-shapes from M = 1024, both formats, in the best of six tile shapes (``benchmarks/probe_mx_half_prepass.py``, H200,
-6c1666e); the per-tile conversion still bounds it.
-Not kept: fp8 MMAs on the raw bytes per 32-wide K slice, each slice's product scaled (no conversion). On the H200 it
-ran 0.35-0.45x this kernel (the per-slice scaling outweighs the MMA) and Hopper's fp8 accumulation lost about 1e-4 of
-the output's range on e5m2 data (mx_gemm suite and GPU tests at befd49a).
+``MXMMConfig.fragment_k`` (swapped weight-only, K summed in the wgmma register fragment's order, no shared-memory
+round trip) stays for explicit configs and the compile checks: it was never the fastest form (0.55-0.98x of the
+plan's, H200, cd386b1).
 """
 
 from __future__ import annotations
@@ -96,17 +56,19 @@ from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
 K_ALIGN = 128  # the fast kernel's K granularity (BLOCK_K); the reference takes K % 32
 PREPASS_MIN_M = 128
-"""Rows from which ``plan`` dequantises in a prepass and runs cuBLAS. By device time (CUDA-graph replays, H200, 4e6f598)
-the prepass won from 128 rows (0.081 against 0.085 ms MXFP8, 0.074 against 0.119 MXFP4 at 128x14336x4096; 2.3x at
-256x4096x4096); with host-bound eager timing the in-loop plan's one launch wins below about 1024 rows, a cost hidden
-whenever the host runs ahead of the GPU, as in a training step."""
+"""Rows from which ``plan`` converts the operands in a prepass and runs cuBLAS. By device time (CUDA-graph replays,
+H200, 4e6f598) the bf16 prepass won from 128 rows (0.081 against 0.085 ms MXFP8, 0.074 against 0.119 MXFP4 at
+128x14336x4096; 2.3x at 256x4096x4096); with host-bound eager timing the in-loop plan's one launch wins below about
+1024 rows, a cost hidden whenever the host runs ahead of the GPU, as in a training step."""
 FP8_BLOCKWISE = True
-"""Whether the prepass plan re-expresses MX x MX operands (e4m3 / e2m1 elements, bf16 output) for cuBLAS's blockwise
-fp8 GEMM on Hopper (``_mx_requant``: exact for e2m1 groups whose scales span <= 14, else rounded within 2^-17 of the
-group's largest element; the fp8 MMAs' sums promoted to fp32 every 128 K). Probe (``probe_mx_fp8_blockwise``, H100,
-873ece0, the GEMMs alone): 1.16-1.26x cuBLAS bf16 on the ten mx_gemm shapes from 1024 rows, 1.48x at 256; relative
-error of a bf16 output unchanged (1.66e-3), of an fp32 output 1.25e-4 MXFP8, 0 MXFP4 (so fp32 outputs keep the
-bf16 prepass, which sums exactly in fp32)."""
+"""Whether the prepass plan re-expresses MX x MX operands (e4m3 / e2m1 elements, bf16 output, N % 16) for cuBLAS's
+blockwise fp8 GEMM on Hopper with CUDA >= 12.9. Precision: e2m1 groups are exact while their non-zero blocks'
+scales span <= 14, e4m3 and wider groups round within 2^-17 of the group's largest element (``_mx_requant``); the
+fp8 MMAs' sums are promoted to fp32 every 128 K. Measured (mx_gemm suite, H100, f35bf63): relative error of the bf16
+output unchanged (1.66e-3 on every shape); against cuBLAS bf16 at M >= 1024, 0.94x (MXFP8) and 1.01x (MXFP4)
+event-timed, 1.02x / 1.06x device time, where the bf16 prepass ran 0.72x / 0.84x (H200, b71629c); faster than the
+bf16 prepass on all 24 shapes from 128 rows. fp32 outputs keep the bf16 prepass (exact fp32 sums: the fp8 form's
+differ by 1.25e-4 relative on MXFP8, ``probe_mx_fp8_blockwise``)."""
 LUT_MAX_M = 32
 """Rows up to which weight-only MXFP4 runs unswapped with the byte-table decode (``MXMMConfig.fp4_lut``)."""
 FP8_CVT = "hw"
@@ -370,8 +332,10 @@ def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor
     "MX x MX (e4m3, e5m2, e2m1; formats may differ), bf16 x MX (weight-only); "
     "K % 128; last dims (data and scales) contiguous, any row stride; tiles dequantised to bf16 in registers, "
     "bf16 MMAs with fp32 accumulation; few rows: K split, operands swapped (weight-only MXFP4 up to 64 rows: not "
-    "swapped; up to 32, fp4 decoded from 32-bit words where rows are 4-byte aligned); M >= 128: dequantised to bf16 "
-    "in a prepass (a bf16 copy of each operand during the call), then cuBLAS",
+    "swapped; up to 32, fp4 decoded from 32-bit words where rows are 4-byte aligned); M >= 128, e4m3 / e2m1, bf16 "
+    "out, N % 16 (sm90, CUDA 12.9+): re-expressed as e4m3 with one scale per 128 along K (fp8 copies during the "
+    "call), then cuBLAS's blockwise fp8 GEMM (sums promoted every 128 K); other M >= 128: dequantised to bf16 in a "
+    "prepass (a bf16 copy of each operand during the call), then cuBLAS",
 )
 def mx_scaled_mm_triton(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:
     return launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)

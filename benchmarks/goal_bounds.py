@@ -20,7 +20,8 @@
   ``ceiling_x`` = the fastest baseline over that bound.
 - Weight-only MXFP4 GEMM (2.5x bf16 cuBLAS at M <= 64, ``mx_gemm.json``): the roof is memory, the MX weights with
   their scales, the bf16 activations and output moved once at copy bandwidth (``gemm_roof.json``); ``ceiling_x`` =
-  bf16's device time (graph replays) over that roof, launch latency left out. The dense and grouped MX goals (0.9x
+  bf16's device time (graph replays) over that roof, launch latency left out. Placed only when both files come from
+  the same device. The dense and grouped MX goals (0.9x
   bf16) get no bound here: a kernel converting MX to bf16 in registers, hidden behind the MMAs, is bounded by the
   bf16 GEMM itself (1.0x), and the dequantise-then-GEMM design we run has no strict bound of its own (its bf16
   copies are partly reread from L2: the suites' device times beat a bf16 GEMM plus a dequantisation at full copy
@@ -241,7 +242,12 @@ def main(results: Path = RESULTS_DIR) -> Results:
     s_rows = step_bounds(step["rows"], roof["summary"]["best_tflops"], roof["summary"]["copy_GBps"])
     for r in s_rows:
         res.add(goal="step 1.15x best", **r)
-    w_rows, w_sum = w4_bounds(mx_gemm["rows"], roof["summary"]["copy_GBps"])
+    # a roof is the machine's own: the weight-only bound only where mx_gemm ran on the roofs' device
+    devices = (mx_gemm["environment"].get("device"), roof["environment"].get("device"))
+    same = devices[0] == devices[1]
+    w_rows, w_sum = w4_bounds(mx_gemm["rows"], roof["summary"]["copy_GBps"]) if same else ([], {})
+    if not same:
+        res.summary["w4_bound"] = f"not placed: mx_gemm ran on {devices[0]}, the roofs on {devices[1]}"
     for r in w_rows:
         res.add(goal="mx_gemm w4 2.5x bf16", **r)
     res.summary.update({f"grouped_{k}": v for k, v in g_sum.items()})

@@ -88,6 +88,25 @@ def test_main_reads_the_result_files_and_writes_its_own_beside_them(tmp_path):
     assert saved["summary"]["route_ceiling_x"] == 25.0
     assert saved["summary"]["sources"]["moe_route_floor"] == "abc"
     assert [r["goal"] for r in res.rows] == ["grouped 1.2x peer", "route 40x aten"]
+    assert "w4_bound" not in res.summary  # the same device: placed (no weight-only rows here)
+
+
+def test_the_weight_only_bound_needs_the_roofs_device(tmp_path):
+    """mx_gemm from another GPU than the roofs: the weight-only bound is not placed, and the summary says why."""
+    env = lambda dev: {"environment": {"git_rev": "abc", "device": dev}}  # noqa: E731
+    w4 = dict(case="w4 16x4096x4096", kind="w4", m=16, n=4096, k=4096, bf16_graph_ms=0.0134, ours_graph_ms=0.0116)
+    files = {
+        "gemm_roof": dict(env("H200"), summary=dict(best_tflops=700.0, copy_GBps=4000.0), rows=[]),
+        "grouped_mm": dict(env("H200"), rows=[]),
+        "moe_route_floor": dict(env("H200"), notes=["copy bandwidth 4000 GB/s"], rows=[]),
+        "train_step": dict(env("H200"), rows=[]),
+        "mx_gemm": dict(env("H100"), rows=[w4]),
+    }
+    for name, payload in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(payload))
+    res = main(tmp_path)
+    assert res.summary["w4_bound"] == "not placed: mx_gemm ran on H100, the roofs on H200"
+    assert not any(r["goal"].startswith("mx_gemm") for r in res.rows) and "w4_ceiling_x" not in res.summary
 
 
 def test_committed_goal_bounds_follow_from_the_committed_results(tmp_path):

@@ -27,6 +27,10 @@ Design:
   and 0.456 against 0.540 MXFP4 at 64 rows per group (128 experts, K 4096, N 1024; the suite's one case that small,
   same-format pairs); at 128 rows it was slower (0.542 against 0.444 MXFP8), and from 256 the prepass wins.
   Weight-only swapped tiles are untimed: not planned.
+- Not kept: fp8 MMAs on operands re-expressed as e4m3 with 1x128 scales (as the dense GEMM's fp8 plan, whose cuBLAS
+  kernel has no grouped form on sm90), each 128-wide K step's product scaled into the fp32 accumulator. About 330
+  TFLOP/s at best, 0.46x / 0.48x of the bf16 grouped GEMM in geomean (mx_grouped_mm suite, every case, H100,
+  8620c77): each step waits for its product before scaling it, so no MMA is in flight during the scaling.
 """
 
 from __future__ import annotations

@@ -1,0 +1,170 @@
+"""Probe (GPU): grouped GEMM on fp8 tensor cores for MX operands, in forms of the K loop, against the bf16 grouped
+GEMM (ours, on the dequantised operands) and the MX grouped plan, on grouped suite cases:
+
+- ``step``: e4m3 with 1x128 scales (``_mx_requant``), each 128-wide step's fp8 product scaled into the fp32
+  accumulator right away (the form tried at 8620c77: about 330 TFLOP/s on the H100);
+- ``lagged``: the same sums, each step's product scaled one step later, after the next step's MMA is issued;
+- ``row``: one scale per row over the whole K (rows of x, and of each expert's weight), the fp8 MMAs accumulating
+  across K with a promotion to fp32 every 128 (``max_num_imprecise_acc``), both scales in the epilogue;
+- ``row_fast``: the same without promotion (the fp8 MMA's own accumulation across K).
+
+The re-expression is done beforehand (not timed): the GEMM forms alone, device time from CUDA-graph replays, side by
+side, after a check against the fp32 product of the dequantised operands. Prints; not a suite.
+
+    python -m benchmarks.probe_mx_fp8_grouped
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import fly_lightning
+from benchmarks.grouped_mm_cases import cases, make_inputs
+from benchmarks.harness import probe_graph_ms
+from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
+from fly_lightning.kernels.triton._mx_requant import requantize
+from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
+from fly_lightning.quant.formats import from_mx
+
+CASES = ("uniform-E8-m4096-K4096-N4096", "qwen3-30b-a3b-gate_up", "deepseek-v3-ep8-down", "mixtral-8x7b-down")
+MODES = {"step": 0, "lagged": 1, "row": 2, "row_fast": 3}
+
+
+@triton.jit
+def _ld(ptrs):
+    return tl.load(ptrs).to(tl.float8e4nv, bitcast=True)
+
+
+# fmt: off
+@triton.jit
+def _tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N, stride_xm, stride_xsk, stride_we, stride_wn,
+          stride_wsk, stride_om, num_n, k_tiles, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          GROUP_M: tl.constexpr, MODE: tl.constexpr):
+    pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
+    rows = g_start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < g_start + g_size
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    src = tl.where(row_ok, rows, 0).to(tl.int64)
+    col = tl.where(col_ok, cols, 0).to(tl.int64)
+    ks = tl.arange(0, 128)
+    xp = X + src[:, None] * stride_xm + ks[None, :]
+    wp = W + g.to(tl.int64) * stride_we + col[:, None] * stride_wn + ks[None, :]
+    xs = XS + src
+    ws = WS + g.to(tl.int64) * N + col
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if MODE == 0:
+        for kk in range(0, k_tiles):
+            p = tl.dot(_ld(xp + kk * 128), tl.trans(_ld(wp + kk * 128)))
+            acc += p * (tl.load(xs + kk * stride_xsk)[:, None] * tl.load(ws + kk * stride_wsk)[None, :])
+    elif MODE == 1:
+        p = tl.dot(_ld(xp), tl.trans(_ld(wp)))
+        for kk in range(1, k_tiles):
+            q = tl.dot(_ld(xp + kk * 128), tl.trans(_ld(wp + kk * 128)))
+            j = kk - 1
+            acc += p * (tl.load(xs + j * stride_xsk)[:, None] * tl.load(ws + j * stride_wsk)[None, :])
+            p = q
+        j = k_tiles - 1
+        acc += p * (tl.load(xs + j * stride_xsk)[:, None] * tl.load(ws + j * stride_wsk)[None, :])
+    else:
+        for kk in range(0, k_tiles):
+            if MODE == 2:
+                acc = tl.dot(_ld(xp + kk * 128), tl.trans(_ld(wp + kk * 128)), acc, max_num_imprecise_acc=128)
+            else:
+                acc = tl.dot(_ld(xp + kk * 128), tl.trans(_ld(wp + kk * 128)), acc)
+        acc = acc * (tl.load(xs)[:, None] * tl.load(ws)[None, :])
+    o = OUT + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(o, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _kernel(X, XS, W, WS, OUT, OFFS, M, N, K, E, stride_xm, stride_xsk, stride_we, stride_wn, stride_wsk, stride_om,
+            NUM_PROGS, E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+            MODE: tl.constexpr):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = K // 128
+    e_ids = tl.arange(0, E_POW2)
+    ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
+    total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
+    g = pid * 0
+    g_first = pid * 0
+    g_start = pid * 0
+    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
+    g_size = tl.maximum(g_end - g_start, 0)
+    g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    for tile in range(pid, total, NUM_PROGS):
+        g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+            tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+        _tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N, stride_xm, stride_xsk, stride_we, stride_wn,
+              stride_wsk, stride_om, num_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, MODE)
+# fmt: on
+
+
+def _rowwise(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power-of-two scale per row (the largest block scale; e2m1 shifted up by 6), e4m3 elements: [R, K], [1, R]."""
+    v = from_mx(data, scale, fmt)
+    top = scale.view(torch.uint8).int().amax(1) - (6 if fmt == "mxfp4_e2m1" else 0)
+    s = torch.exp2((top - 127).float())
+    return (v / s[:, None]).to(torch.float8_e4m3fn), s[None, :].contiguous()
+
+
+def _launch(qx, sx, qw, sw, offs, out, mode, bm, bn, warps, stages):
+    e, n, k = qw.shape
+    m = qx.shape[0]
+    progs = torch.cuda.get_device_properties(qx.device).multi_processor_count
+    u8 = torch.uint8
+    _kernel[(progs,)](qx.view(u8), sx, qw.view(u8), sw, out, offs, m, n, k, e, qx.stride(0), sx.stride(0),
+                      qw.stride(0), qw.stride(1), sw.stride(0), out.stride(0), progs, E_POW2=max(1024, e),
+                      BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, MODE=mode, num_warps=warps, num_stages=stages)  # fmt: skip
+    return out
+
+
+def _case(fmt: str, case) -> None:
+    x, w, offs = make_inputs(case)
+    e, n, k = case.e, case.n, case.k
+    xd, xs = fly_lightning.mx_cast(x, fmt)
+    wd, ws = fly_lightning.mx_cast(w.transpose(1, 2).reshape(-1, k), fmt)  # [E * N, K]
+    qx, sxb, qw, swb = requantize(xd, xs, fmt, wd, ws, fmt)
+    rx, rsx = _rowwise(xd, xs, fmt)
+    rw, rsw = _rowwise(wd, ws, fmt)
+    xb, wb = from_mx(xd, xs, fmt, torch.bfloat16), from_mx(wd, ws, fmt, torch.bfloat16).view(e, n, k)
+    args = (xd, xs, fmt, wd.view(e, n, -1), ws.view(e, n, -1), fmt, offs)
+    ref = mx_grouped_mm_reference(*args, torch.float32)
+    out = torch.empty(case.m, n, device="cuda", dtype=torch.bfloat16)
+    fns = {
+        "bf16": lambda: gk.launch(xb, wb.transpose(1, 2), offs, out),
+        "plan": lambda: fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=xs, x_fmt=fmt),
+    }
+    for mode, code in MODES.items():
+        for bm, bn, warps, stages in ((64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3)):
+            if code < 2 and (bm, bn) != (64, 256):
+                continue  # the per-step forms spill in larger tiles
+            q = (qx, sxb.t(), qw.view(e, n, k), swb) if code < 2 else (rx, rsx, rw.view(e, n, k), rsw)
+            fns[f"{mode}-{bm}x{bn}"] = lambda q=q, c=code, t=(bm, bn, warps, stages): _launch(*q, offs, out, c, *t)
+    ms, errs = probe_graph_ms({k_: (lambda *_, f=f: f()) for k_, f in fns.items()}, [()], ref, f"{fmt} {case.name}")
+    flops = 2 * case.m * n * k
+    print(f"{fmt} {case.name}", flush=True)
+    for k_, t in ms.items():
+        print(f"   {k_:22s} {t * 1e3:9.1f} us {flops / t / 1e9:7.1f} TFLOP/s  x_bf16 {ms['bf16'] / t:5.2f}"
+              f"  err {errs.get(k_, 0):.2e}", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    by_name = {c.name: c for c in cases()}
+    for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
+        for name in CASES:
+            try:
+                _case(fmt, by_name[name])
+            except Exception as exc:  # noqa: BLE001 (report and go on)
+                print(f"{fmt} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -28,9 +28,14 @@ Design:
   same-format pairs); at 128 rows it was slower (0.542 against 0.444 MXFP8), and from 256 the prepass wins.
   Weight-only swapped tiles are untimed: not planned.
 - Not kept: fp8 MMAs on operands re-expressed as e4m3 with 1x128 scales (as the dense GEMM's fp8 plan, whose cuBLAS
-  kernel has no grouped form on sm90), each 128-wide K step's product scaled into the fp32 accumulator. About 330
-  TFLOP/s at best, 0.46x / 0.48x of the bf16 grouped GEMM in geomean (mx_grouped_mm suite, every case, H100,
-  8620c77): each step waits for its product before scaling it, so no MMA is in flight during the scaling.
+  kernel has no grouped form on sm90), each 128-wide K step's product scaled into the fp32 accumulator: 0.46x / 0.48x
+  of the bf16 grouped GEMM in geomean (mx_grouped_mm suite, every case, H100, 8620c77); each step waits for its
+  product, so no MMA is in flight during the scaling, and scaling one step later is slower still. With one scale per
+  row over all of K instead (less exact: a row's small blocks round against its largest), the fp8 GEMM alone, before
+  any re-expression, ran 0.82-1.02x the bf16 grouped GEMM with fp32 promotion every 128 K (128x128 tiles; 128x256
+  spills) and 0.96-1.15x without it (128x256), but that raised MXFP8's bf16-output error from 1.66e-3 to up to
+  3.3e-3 at K = 14336 (``probe_mx_fp8_grouped``, H100, 59ae67b): no form beats this prepass by enough to pay its own
+  re-expression at the same precision.
 """
 
 from __future__ import annotations

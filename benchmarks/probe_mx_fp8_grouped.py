@@ -24,7 +24,7 @@ import fly_lightning
 from benchmarks.grouped_mm_cases import cases, make_inputs
 from benchmarks.harness import probe_graph_ms
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
-from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
+from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle, _scan_start
 from fly_lightning.kernels.triton._mx_requant import requantize
 from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
 from fly_lightning.quant.formats import from_mx
@@ -87,16 +87,7 @@ def _kernel(X, XS, W, WS, OUT, OFFS, M, N, K, E, stride_xm, stride_xsk, stride_w
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = K // 128
-    e_ids = tl.arange(0, E_POW2)
-    ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
-    starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
-    total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
-    g = pid * 0
-    g_first = pid * 0
-    g_start = pid * 0
-    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
-    g_size = tl.maximum(g_end - g_start, 0)
-    g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    total, g, g_first, g_start, g_end, g_size, g_tiles = _scan_start(pid, OFFS, M, E, num_n, BLOCK_M, E_POW2)
     for tile in range(pid, total, NUM_PROGS):
         g, g_first, g_start, g_end, g_size, g_tiles = _advance(
             tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)

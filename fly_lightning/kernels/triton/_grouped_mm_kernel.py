@@ -112,6 +112,21 @@ def _mma_step(
 
 
 @triton.jit
+def _scan_start(pid, OFFS, M, E, num_n, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr):
+    """Every group's tile count from the offsets (clamped to [0, M], as ``_advance`` clamps them), summed, and a
+    scalar group cursor at group 0 for this program to carry across its increasing tiles:
+    ``(total, g, g_first, g_start, g_end, g_size, g_tiles)``."""
+    e_ids = tl.arange(0, E_POW2)
+    ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
+    starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
+    total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
+    g = pid * 0
+    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
+    g_size = tl.maximum(g_end, 0)
+    return total, g, g, g, g_end, g_size, tl.cdiv(g_size, BLOCK_M) * num_n
+
+
+@triton.jit
 def _advance(tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M: tl.constexpr):
     """Move the group cursor until ``tile`` lies in group g; the same clamped arithmetic as the tile count."""
     while (tile >= g_first + g_tiles) & (g < E - 1):

@@ -49,7 +49,7 @@ import triton.language as tl
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
 from fly_lightning.kernels.triton._fragment_k import to_fragment_order
-from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle
+from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle, _scan_start
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequantize, hopper, load_operand, ptx_pairs
@@ -132,18 +132,7 @@ def _mx_grouped_mm_kernel(
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     k_tiles = K // BLOCK_K
-    # every group's tile count from the offsets, clamped to [0, M] as _advance clamps them
-    e_ids = tl.arange(0, E_POW2)
-    ends = tl.minimum(tl.maximum(tl.load(OFFS + e_ids, mask=e_ids < E, other=0), 0), M)
-    starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
-    total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
-    # a scalar group cursor carried across this program's (increasing) tiles
-    g = pid * 0
-    g_first = pid * 0
-    g_start = pid * 0
-    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
-    g_size = tl.maximum(g_end - g_start, 0)
-    g_tiles = tl.cdiv(g_size, BLOCK_M) * num_n
+    total, g, g_first, g_start, g_end, g_size, g_tiles = _scan_start(pid, OFFS, M, E, num_n, BLOCK_M, E_POW2)
     if INTERPRET:
         tile = pid
         while tile < total:

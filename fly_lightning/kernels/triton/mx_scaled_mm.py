@@ -66,9 +66,12 @@ blockwise fp8 GEMM on Hopper with CUDA >= 12.9. Precision: e2m1 groups are exact
 scales span <= 14, e4m3 and wider groups round within 2^-17 of the group's largest element (``_mx_requant``); the
 fp8 MMAs' sums are promoted to fp32 every 128 K. Measured (mx_gemm suite, H100, f35bf63): relative error of the bf16
 output unchanged (1.66e-3 on every shape); against cuBLAS bf16 at M >= 1024, 0.94x (MXFP8) and 1.01x (MXFP4)
-event-timed, 1.02x / 1.06x device time, where the bf16 prepass ran 0.72x / 0.84x (H200, b71629c); faster than the
-bf16 prepass on all 24 shapes from 128 rows. fp32 outputs keep the bf16 prepass (exact fp32 sums: the fp8 form's
-differ by 1.25e-4 relative on MXFP8, ``probe_mx_fp8_blockwise``)."""
+event-timed, 1.02x / 1.06x device time, where the bf16 prepass ran 0.72x / 0.84x (H200, b71629c). Beside the bf16
+prepass in that run: faster from 2048 rows event-timed, and by device time wherever both were graph-timed (128-512
+rows: 0.026-0.068 against 0.032-0.108 ms); but a host-bound eager call costs about 40 us more host time (cuBLAS's
+blockwise setup: 0.12 against 0.08 ms per call at 128-1024 rows, K 4096). The plan goes by device time, as
+``PREPASS_MIN_M`` does. fp32 outputs keep the bf16 prepass (exact fp32 sums: the fp8 form's differ by 1.25e-4
+relative on MXFP8, ``probe_mx_fp8_blockwise``)."""
 LUT_MAX_M = 32
 """Rows up to which weight-only MXFP4 runs unswapped with the byte-table decode (``MXMMConfig.fp4_lut``)."""
 FP8_CVT = "hw"

@@ -24,7 +24,8 @@ from fly_lightning.registry import tensor_key
 _OUT = (torch.bfloat16, torch.float16, torch.float32)
 NATIVE_BACKENDS = ("flydsl",)
 """Backends whose kernels multiply MX operands on MX tensor cores (FlyDSL's ``v_mfma_scale_f32_*`` on gfx950). Every
-other backend dequantises to bf16 and runs a bf16 GEMM (Hopper has no MX tensor cores)."""
+other backend converts first (Hopper has no MX tensor cores): to bf16 for a bf16 GEMM, or, Triton's dense plan from
+128 rows, to e4m3 with 1x128 scales for cuBLAS's blockwise fp8 GEMM."""
 NATIVE_K_MULTIPLE, NATIVE_N_MULTIPLE, NATIVE_MAX_GROUPS, NATIVE_MAX_BYTES = 128, 4, 1024, 2**31
 """The native kernels' boundaries (the FlyDSL MX GEMMs' constraints: K % 128, N % 4, grouped E <= 1024, each tensor
 under 2 GiB; MX x MX only)."""
@@ -170,11 +171,12 @@ def emulated_form(
     unknown); ``dtensor``: an operand is a DTensor (the MX ops have no sharding rule: emulated).
 
     ``"auto"``: a native backend within its boundaries (``NATIVE_*``: MX x MX) takes the MX GEMM. Without one the MX
-    GEMMs dequantise to bf16 (Triton's prepass from 128 rows, ATen's fallback) or convert in their main loop, and the
-    ``mx_linear`` suite (H200, 2984bba, event-timed ``FlyMXLinear``) measured the emulated form faster for bf16 at every
-    row count: forward 1.22x MXFP8 / 1.27x MXFP4 from 128 rows (geomeans; 0.93-0.94x on the two largest MXFP4 shapes),
-    1.04x / 1.33x below, forward+backward 1.08x / 1.16x and 1.09x / 1.07x. fp32 models take the MX GEMM form where
-    Triton takes it (the emulated form's fp32 passes cost 0.93x / 0.96x there)."""
+    GEMMs convert first (Triton's prepass from 128 rows, ATen's fallback) or in their main loop, and the ``mx_linear``
+    suite (H200, 2984bba, event-timed ``FlyMXLinear``; before Triton's fp8 prepass plan, unmeasured here since)
+    measured the emulated form faster for bf16 at every row count: forward 1.22x MXFP8 / 1.27x MXFP4 from 128 rows
+    (geomeans; 0.93-0.94x on the two largest MXFP4 shapes), 1.04x / 1.33x below, forward+backward 1.08x / 1.16x and
+    1.09x / 1.07x. fp32 models take the MX GEMM form where Triton takes it (the emulated form's fp32 passes cost
+    0.93x / 0.96x there)."""
     if preference != "auto":
         return preference == "emulated"
     if dtensor:

@@ -1,8 +1,8 @@
 """MX training Linear (GPU): one ``FlyMXLinear`` forward and forward+backward in each GEMM form, side by side with the
 bf16 ``nn.Linear`` it replaces, to choose ``kernel_preference="auto"`` by measurement.
 
-- ``mx_gemm``: cast activations and weight to MX bytes (``mx_cast``), then ``mx_scaled_mm`` (on the H200 its
-  prepass dequantises both to bf16 from 128 rows, then cuBLAS);
+- ``mx_gemm``: cast activations and weight to MX bytes (``mx_cast``), then ``mx_scaled_mm`` (on Hopper from 128
+  rows its prepass re-expresses both for cuBLAS's blockwise fp8 GEMM with a bf16 output, else dequantises to bf16);
 - ``emulated``: fake-quantise both (``mx_fake_quantize``, one pass each), then cuBLAS on those bf16 values;
 - ``bf16``: ``nn.Linear`` (the layer before conversion: a precision change, not a baseline for speed claims).
 
@@ -10,11 +10,12 @@ Cases: projections at training token counts and two below 128 rows, bf16, and on
 Geomeans over the bf16 cases, from and below 128 rows (``auto`` takes the emulated form for bf16 at every row count,
 from this suite's results; see ``fly_lightning.ops.mx_scaled_mm.emulated_form``).
 
-Every case first compares the two forms' outputs (``forms_equal``, ``forms_max_diff``): bit for bit from 128 rows,
-where both end in the same bf16 values and the same cuBLAS GEMM; below, the MX GEMM's in-loop kernel sums in its own
-order. Event-timed eager calls (host included, as a training step runs them), the variants taking turns in
-rotated rounds; inputs and layers (their weights) rotated through more than the L2. ``x_emulated`` = mx_gemm time /
-emulated time.
+Every case first compares the two forms' outputs (``forms_equal``, ``forms_max_diff``): bit for bit from 128 rows
+where both end in the same bf16 values and the same cuBLAS GEMM (fp32 layers); bf16 MX x MX layers there take the fp8
+GEMM, whose sums differ in the last bits (MXFP8; MXFP4's products sum exactly); below 128 rows the MX GEMM's in-loop
+kernel sums in its own order. Event-timed eager calls (host included, as a training step runs them), the variants
+taking turns in rotated rounds; inputs and layers (their weights) rotated through more than the L2. ``x_emulated`` =
+mx_gemm time / emulated time.
 
     python -m benchmarks.bench_mx_linear      # writes mx_linear.json/.md
 """

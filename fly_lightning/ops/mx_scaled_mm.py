@@ -172,11 +172,11 @@ def emulated_form(
 
     ``"auto"``: a native backend within its boundaries (``NATIVE_*``: MX x MX) takes the MX GEMM. Without one the MX
     GEMMs convert first (Triton's prepass from 128 rows, ATen's fallback) or in their main loop, and the ``mx_linear``
-    suite (H200, 2984bba, event-timed ``FlyMXLinear``; before Triton's fp8 prepass plan, unmeasured here since)
-    measured the emulated form faster for bf16 at every row count: forward 1.22x MXFP8 / 1.27x MXFP4 from 128 rows
-    (geomeans; 0.93-0.94x on the two largest MXFP4 shapes), 1.04x / 1.33x below, forward+backward 1.08x / 1.16x and
-    1.09x / 1.07x. fp32 models take the MX GEMM form where Triton takes it (the emulated form's fp32 passes cost
-    0.93x / 0.96x there)."""
+    suite (event-timed ``FlyMXLinear``) measured the emulated form faster for bf16: on the H100 with Triton's fp8
+    prepass (cadc36d), forward 1.22x MXFP8 / 1.24x MXFP4 from 128 rows (geomeans; 0.77-0.89x on the two largest
+    shapes), 1.37x / 1.23x below, forward+backward 1.14x / 1.17x and 1.09x / 1.09x; on the H200 with the bf16 prepass
+    (2984bba), 1.22x / 1.27x forward from 128 rows. fp32 models take the MX GEMM form where Triton takes it (the
+    emulated form's fp32 passes cost 0.83x there, H100)."""
     if preference != "auto":
         return preference == "emulated"
     if dtensor:

@@ -90,3 +90,23 @@ def test_refuses_before_any_launch():
     c, c_s = formats.to_mx(torch.randn(4, 256), "mxfp8_e4m3")
     with pytest.raises(ValueError, match="must agree"):
         requantize(b, b_s, "mxfp8_e4m3", c, c_s, "mxfp8_e4m3")
+
+
+@pytest.mark.parametrize(
+    "capability, cuda, hip, planned",
+    [((9, 0), (12, 9), None, True), ((9, 0), (13, 0), None, True), ((9, 0), (12, 8), None, False),
+     ((10, 0), (13, 0), None, False), ((8, 0), (13, 0), None, False), ((9, 0), (13, 0), "7.0", False)],
+)  # fmt: skip
+def test_available_on_hopper_with_cuda_12_9(monkeypatch, capability, cuda, hip, planned):
+    """cuBLAS's blockwise fp8 GEMM: sm90 (where it was measured) with a CUDA build from 12.9; not Blackwell, older
+    GPUs, ROCm builds, the interpreter, nor CPU tensors."""
+    from fly_lightning.kernels.triton import _mx_requant
+
+    monkeypatch.setattr(_mx_requant, "interpreting", lambda: False)
+    monkeypatch.setattr(_mx_requant, "_capability", lambda index: capability)
+    monkeypatch.setattr(_mx_requant, "_CUDA", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    assert _mx_requant.available(torch.device("cuda", 0)) is planned
+    assert not _mx_requant.available(torch.device("cpu"))
+    monkeypatch.setattr(_mx_requant, "interpreting", lambda: True)
+    assert not _mx_requant.available(torch.device("cuda", 0))

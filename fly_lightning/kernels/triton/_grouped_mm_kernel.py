@@ -121,9 +121,8 @@ def _scan_start(pid, OFFS, M, E, num_n, BLOCK_M: tl.constexpr, E_POW2: tl.conste
     starts = tl.minimum(tl.maximum(tl.load(OFFS + e_ids - 1, mask=(e_ids > 0) & (e_ids < E), other=0), 0), M)
     total = tl.sum(tl.cdiv(tl.maximum(ends - starts, 0), BLOCK_M) * num_n, axis=0)
     g = pid * 0
-    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)
-    g_size = tl.maximum(g_end, 0)
-    return total, g, g, g, g_end, g_size, tl.cdiv(g_size, BLOCK_M) * num_n
+    g_end = tl.minimum(tl.maximum(tl.load(OFFS), 0), M)  # group 0 starts at row 0: its size is its end
+    return total, g, g, g, g_end, g_end, tl.cdiv(g_end, BLOCK_M) * num_n
 
 
 @triton.jit

@@ -303,26 +303,26 @@ def _dequant_kernel(
 def hw_cvt(t: torch.Tensor) -> bool:
     """Whether ``t``'s device converts fp8 by instruction (``dequant_fp8``'s ``HW_CVT``): NVIDIA from sm89 (Triton has
     no fp8 type before); not ROCm, nor the interpreter."""
-    return _nvidia_capability(t) >= (8, 9)
+    return _nvidia_capability(t.device) >= (8, 9)
 
 
 def ptx_pairs(t: torch.Tensor) -> bool:
     """Whether ``t``'s device runs the inline-PTX pair forms (``dequant_fp4``'s ``PTX``, the bf16 -> MXFP4 cast):
     NVIDIA from sm80 (``cvt.rn.f16x2.f32``, ``min.f16x2``, ``fma.rn.bf16x2``); not ROCm, nor the interpreter."""
-    return _nvidia_capability(t) >= (8, 0)
+    return _nvidia_capability(t.device) >= (8, 0)
 
 
 def hopper(t: torch.Tensor) -> bool:
     """Whether ``t``'s device is an NVIDIA Hopper (sm90: warpgroup MMAs; not Blackwell, whose MMAs and shared memory
     differ; not ROCm, nor the interpreter): the launch plans whose register layouts were written and timed there."""
-    return _nvidia_capability(t)[0] == 9
+    return _nvidia_capability(t.device)[0] == 9
 
 
-def _nvidia_capability(t: torch.Tensor) -> tuple[int, int]:
-    """``t``'s compute capability when compiled Triton runs it on an NVIDIA GPU, else (0, 0)."""
-    if not t.is_cuda or torch.version.hip is not None or interpreting():
+def _nvidia_capability(device: torch.device) -> tuple[int, int]:
+    """``device``'s compute capability when compiled Triton runs on it and it is an NVIDIA GPU, else (0, 0)."""
+    if device.type != "cuda" or torch.version.hip is not None or interpreting():
         return (0, 0)
-    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache

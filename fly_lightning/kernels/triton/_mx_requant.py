@@ -26,7 +26,7 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv
-from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, _capability
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, _nvidia_capability
 from fly_lightning.kernels.triton._support import interpreting, on_device
 from fly_lightning.quant import formats
 
@@ -166,9 +166,7 @@ _CUDA = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
 def available(device: torch.device) -> bool:
     """Whether cuBLAS's blockwise fp8 GEMM serves ``device``: an NVIDIA Hopper (sm90, where it was measured; not
     ROCm, nor the interpreter) with a CUDA build from 12.9 (its 1x128 scaling)."""
-    if device.type != "cuda" or torch.version.hip is not None or _CUDA < (12, 9) or interpreting():
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] == 9
+    return _CUDA >= (12, 9) and _nvidia_capability(device)[0] == 9
 
 
 def reference(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:

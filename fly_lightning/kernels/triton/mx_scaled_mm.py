@@ -192,13 +192,15 @@ def plan(
     fp8 = (
         m >= PREPASS_MIN_M
         and FP8_BLOCKWISE
-        and out_dtype == torch.bfloat16
-        and a_fmt in FP8_FORMATS
-        and b_fmt in FP8_FORMATS
-        and n % 16 == 0
+        and _fp8_takes(a_fmt, b_fmt, n, out_dtype)
         and (available(device) if fp8_gemm is None else fp8_gemm)
     )
     return _plan(m, n, k, a_fmt, b_fmt, device, sms, interp, fp8)
+
+
+def _fp8_takes(a_fmt: str | None, b_fmt: str, n: int, out_dtype: torch.dtype) -> bool:
+    """Whether the fp8 prepass serves these operands: e4m3 / e2m1 both, N % 16 (cuBLAS), a bf16 output."""
+    return a_fmt in FP8_FORMATS and b_fmt in FP8_FORMATS and n % 16 == 0 and out_dtype == torch.bfloat16
 
 
 @functools.lru_cache(maxsize=4096)
@@ -265,9 +267,7 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     m, n = a.shape[0], b.shape[0]
     k = b_scale.shape[1] * 32
     cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device, out_dtype=out_dtype)
-    if cfg.fp8_blockwise and not (
-        cfg.prepass and a_fmt in FP8_FORMATS and b_fmt in FP8_FORMATS and out_dtype == torch.bfloat16 and n % 16 == 0
-    ):
+    if cfg.fp8_blockwise and not (cfg.prepass and _fp8_takes(a_fmt, b_fmt, n, out_dtype)):
         raise ValueError(f"mx_scaled_mm: {cfg} takes {FP8_FORMATS} operands, N % 16 and a bf16 output")
     if k % (cfg.block_k * cfg.split_k):
         raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")

@@ -80,7 +80,7 @@ def test_the_swapped_plan_is_for_hopper_only(monkeypatch, capability, planned):
     """``hopper``: sm90 only (Blackwell's MMAs and shared memory differ; SWAPPED was written and timed on Hopper)."""
     from fly_lightning.kernels.triton import _mx_dequant
 
-    class _OnGPU:  # what _nvidia_capability reads of a tensor
+    class _OnGPU:  # what hopper reads of a tensor
         is_cuda, device = True, torch.device("cuda", 0)
 
     monkeypatch.setattr(_mx_dequant, "interpreting", lambda: False)

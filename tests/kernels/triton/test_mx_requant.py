@@ -100,13 +100,13 @@ def test_refuses_before_any_launch():
 def test_available_on_hopper_with_cuda_12_9(monkeypatch, capability, cuda, hip, planned):
     """cuBLAS's blockwise fp8 GEMM: sm90 (where it was measured) with a CUDA build from 12.9; not Blackwell, older
     GPUs, ROCm builds, the interpreter, nor CPU tensors."""
-    from fly_lightning.kernels.triton import _mx_requant
+    from fly_lightning.kernels.triton import _mx_dequant, _mx_requant
 
-    monkeypatch.setattr(_mx_requant, "interpreting", lambda: False)
-    monkeypatch.setattr(_mx_requant, "_capability", lambda index: capability)
+    monkeypatch.setattr(_mx_dequant, "interpreting", lambda: False)
+    monkeypatch.setattr(_mx_dequant, "_capability", lambda index: capability)
     monkeypatch.setattr(_mx_requant, "_CUDA", cuda)
     monkeypatch.setattr(torch.version, "hip", hip)
     assert _mx_requant.available(torch.device("cuda", 0)) is planned
     assert not _mx_requant.available(torch.device("cpu"))
-    monkeypatch.setattr(_mx_requant, "interpreting", lambda: True)
+    monkeypatch.setattr(_mx_dequant, "interpreting", lambda: True)
     assert not _mx_requant.available(torch.device("cuda", 0))

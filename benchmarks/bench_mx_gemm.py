@@ -35,6 +35,7 @@ from benchmarks.harness import (
     Results,
     backend_of,
     capture_graph,
+    copy_bandwidth_gbps,
     geomean,
     interleaved_graph_ms,
     interleaved_ms,
@@ -322,6 +323,8 @@ def suite(
             run_case(res, m, n, k, kind, device, reps, dequant, rounds, compiled)
     summarise(res)
     res.summary["emulated_impl"] = emulated_impl
+    if device == "cuda":  # this GPU's memory roof, for goal_bounds' weight-only bound (same run, same device)
+        res.summary["copy_GBps"] = round(copy_bandwidth_gbps(device))
     res.notes += [
         "ours: the Triton mx_scaled_mm (operands already MX); ours_q: plus mx_cast of the bf16 activation (floor)",
         "bf16: cuBLAS torch.mm; emulated: torchao MXTensor dequantise to bf16 + torch.mm (torchao's Hopper path), "
@@ -337,6 +340,7 @@ def suite(
         "*_graph_ms: ours and bf16 as device time from CUDA-graph replays (no host launch cost, as under CUDA graphs "
         "or when the host runs ahead of the GPU); graph_x_vs_bf16 = bf16 / ours there. The goals are read on the "
         "event-timed columns (host included); *_graph_geomean_* on the graph columns",
+        "copy_GBps (GPU): device-to-device copy bandwidth measured in this run (bytes read + written)",
     ]
     return res
 

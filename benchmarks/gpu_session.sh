@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests                     # the GPU tests (tests/gpu), JUnit XML in the archive
 #   bash benchmarks/gpu_session.sh rms route grouped_all     # suites, each writing <suite>.json/.md
 #
-# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, mx_w4_probe, mx_event_probe, mx_fp8bw_probe, mx_fp8g_probe, mx_fq_probe, host, overhead, train_step, cold_start, recipe_step,
+# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, mx_w4_probe, mx_w4_floor, mx_event_probe, mx_fp8bw_probe, mx_fp8g_probe, mx_fq_probe, host, overhead, train_step, cold_start, recipe_step,
 # recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (split on spaces), FLY_PYTEST_K
 # a -k expression (kept whole: "geglu or mx").
 # The suites need .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along;
@@ -80,6 +80,7 @@ for phase in "$@"; do
     mx_quality) run mx_quality 540 python3 -m benchmarks.bench_mx_quality ;;
     # a probe (prints, no suite file): weight-only MXFP4 plans and Triton's tl.dot_scaled against ours
     mx_w4_probe) run mx_w4_probe 300 python3 -m benchmarks.probe_mx_weight_only ;;
+    mx_w4_floor) run mx_w4_floor 300 python3 -m benchmarks.probe_mx_w4_floor ;;
     # a probe (prints, and probe_mx_event.json in the archive): event time against host and device time, mx_gemm
     mx_event_probe) run mx_event_probe 300 python3 -m benchmarks.probe_mx_event ;;
     # a probe (prints): MX operands as fp8 with 1x128 scales, cuBLAS's blockwise fp8 GEMM against the prepass plan

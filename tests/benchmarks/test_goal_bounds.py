@@ -91,8 +91,9 @@ def test_main_reads_the_result_files_and_writes_its_own_beside_them(tmp_path):
     assert "w4_bound" not in res.summary  # the same device: placed (no weight-only rows here)
 
 
-def test_the_weight_only_bound_needs_the_roofs_device(tmp_path):
-    """mx_gemm from another GPU than the roofs: the weight-only bound is not placed, and the summary says why."""
+def test_the_weight_only_bound_needs_a_copy_bandwidth_from_its_device(tmp_path):
+    """mx_gemm from another GPU than the roofs, without a bandwidth of its own: the weight-only bound is not placed,
+    and the summary says why; with one, it is placed against that."""
     env = lambda dev: {"environment": {"git_rev": "abc", "device": dev}}  # noqa: E731
     w4 = dict(case="w4 16x4096x4096", kind="w4", m=16, n=4096, k=4096, bf16_graph_ms=0.0134, ours_graph_ms=0.0116)
     files = {
@@ -107,6 +108,13 @@ def test_the_weight_only_bound_needs_the_roofs_device(tmp_path):
     res = main(tmp_path)
     assert res.summary["w4_bound"] == "not placed: mx_gemm ran on H100, the roofs on H200"
     assert not any(r["goal"].startswith("mx_gemm") for r in res.rows) and "w4_ceiling_x" not in res.summary
+    # with the copy bandwidth mx_gemm measured in its own run: placed against that, on mx_gemm's device
+    files["mx_gemm"]["summary"] = dict(copy_GBps=3000.0)
+    (tmp_path / "mx_gemm.json").write_text(json.dumps(files["mx_gemm"]))
+    res = main(tmp_path)
+    assert "w4_bound" not in res.summary and res.summary["w4_device"] == "H100"
+    (row,) = [r for r in res.rows if r["goal"].startswith("mx_gemm")]
+    assert row["roof_ms"] == round((4096 * 4096 * (0.5 + 1 / 32) + 2 * 2 * 16 * 4096) / 3e9, 4)  # w, scales; x, out
 
 
 def test_committed_goal_bounds_follow_from_the_committed_results(tmp_path):

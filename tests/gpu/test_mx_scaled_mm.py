@@ -141,6 +141,40 @@ def test_split_k_reduction_in_the_kernel(split, out_dtype):
     assert all(torch.equal(y, ys[0]) for y in ys[1:])
 
 
+def test_split_k_counters_in_captured_graphs_and_eager_calls_between():
+    """The arrival counters live in zeroed workspaces that each launch re-zeroes: two captured graphs (each with a
+    capture slot of its own) replayed in turn with eager calls between them on the same stream, and a call on
+    another stream, all equal the eager result; the workspaces are zero afterwards."""
+    from fly_lightning.kernels.triton import _workspace
+    from fly_lightning.kernels.triton.mx_scaled_mm import MXMMConfig, launch
+
+    m, n, k, fmt = 16, 4096, 4096, "mxfp4_e2m1"
+    a, _, b, bs = _operands(m, n, k, None, fmt, spread=2)
+    cfg = MXMMConfig(16, 64, 128, split_k=4, fp8_cvt="hw", fp4_lut=True)
+    run = lambda: launch(a, None, None, b, bs, fmt, torch.bfloat16, cfg)  # noqa: E731
+    want = run()
+    graphs, outs = [], []
+    for _ in range(2):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs.append(run())
+        graphs.append(g)
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        for g, y in zip(graphs, outs, strict=True):
+            g.replay()
+            assert torch.equal(run(), want)
+            torch.cuda.synchronize()
+            assert torch.equal(y, want)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            y_side = run()
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(y_side, want)
+    torch.cuda.synchronize()
+    assert not any(ws.any() for ws in _workspace._WORKSPACES.values())
+
+
 @pytest.mark.parametrize("activation", ["mxfp8_e4m3", "mxfp4_e2m1", None])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_flymxlinear_forms_are_bit_equal_from_128_rows(activation, dtype):

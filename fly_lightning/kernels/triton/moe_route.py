@@ -1,5 +1,5 @@
 """Triton MoE routing, registered as the ``triton`` backend of ``moe_route``: the support predicate, the
-per-signature launch plan, the zeroed workspaces the counting tails need, and the launcher. The kernels and
+per-signature launch plan and the launcher (the counting tails' zeroed workspaces: ``_workspace``). The kernels and
 their design are in ``_moe_route_kernel.py``, the launch configurations in ``_moe_route_config.py``.
 """
 
@@ -24,6 +24,7 @@ from fly_lightning.kernels.triton._moe_route_config import (
 from fly_lightning.kernels.triton._moe_route_kernel import PACK_BITS, _moe_route_fwd, _perm_base, _perm_scatter
 from fly_lightning.kernels.triton._select import BF16_INF, FP16_INF, MAX_K
 from fly_lightning.kernels.triton._support import device_reason, interpreting, on_device
+from fly_lightning.kernels.triton._workspace import zeroed
 from fly_lightning.ops.moe_route import MOE_ROUTE
 
 MAX_E = 1024
@@ -31,50 +32,6 @@ MAX_E = 1024
 # sigmoid is off (tests/kernels/triton/test_moe_route_gfx950.py compiles the biased kernels for gfx950)
 ON_HIP = torch.version.hip is not None
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-_WORKSPACES: dict[tuple, torch.Tensor] = {}
-_CAPTURE_POOL_INTS = 1 << 18  # 1 MiB: room for ~248 captured launches with 1024 experts (ticket tail), ~8000 with 8
-_CAPTURE_SLOT_ALIGN = 32  # ints: slots start on their own 128-byte line
-_capture_pools: dict[torch.device, list] = {}  # device -> [zeroed pool, next free int]
-
-
-def _capture_slot(device: torch.device, ints: int) -> torch.Tensor | None:
-    """A zeroed ``[ints]`` int32 slot owned by one captured launch for good, or None when the pool is used up.
-
-    Slots come from a pool zeroed outside capture (when the first launch on the device ran), so a captured launch
-    needs no memset node: each replay finds its slot zero because the kernel re-zeroes it. Slots are never handed out
-    twice, so graphs never share one, however they are replayed.
-    """
-    pool = _capture_pools.get(device)
-    if pool is None:
-        return None
-    size = cdiv(ints, _CAPTURE_SLOT_ALIGN) * _CAPTURE_SLOT_ALIGN
-    start = pool[1]
-    if start + size > pool[0].numel():
-        return None
-    pool[1] = start + size
-    return pool[0][start : start + ints]
-
-
-def _workspace(device: torch.device, ints: int = 2 * MAX_E) -> torch.Tensor:
-    """At least ``ints`` int32, zero between launches (every launch re-zeroes what it used): the ticket tail's
-    ``[ticket, count accumulator[E]]``, or the packed tail's ``E`` int64 words (a view of the first ``2 E``).
-
-    One per (device, stream), so launches on different streams never share it. Under CUDA graph capture each
-    captured launch gets its own zeroed slot: from the pre-zeroed pool when it has room, else a buffer whose zeroing
-    is captured too (one more graph node). Either way a graph may be replayed anywhere.
-    """
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        slot = _capture_slot(device, ints)
-        return slot if slot is not None else torch.zeros(ints, dtype=torch.int32, device=device)
-    if device.type == "cuda" and device not in _capture_pools:
-        _capture_pools[device] = [torch.zeros(_CAPTURE_POOL_INTS, dtype=torch.int32, device=device), 0]
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    ws = _WORKSPACES.get((device, stream))
-    if ws is None:
-        ws = _WORKSPACES[(device, stream)] = torch.zeros(2 * MAX_E, dtype=torch.int32, device=device)
-    return ws
 
 
 def _supports(
@@ -245,9 +202,9 @@ def moe_route_triton(
         return weights, ids, counts, offsets, sorted_slots, slot_pos
     with on_device(logits_TE):  # the workspace, the capture check and the launches all on the logits' GPU
         if plan.packed_tail:  # one int64 word per expert
-            ws = _workspace(dev, 2 * n_experts)[: 2 * n_experts].view(torch.int64)
+            ws = zeroed(dev, 2 * n_experts)[: 2 * n_experts].view(torch.int64)
         else:
-            ws = _workspace(dev, 1 + n_experts)
+            ws = zeroed(dev, 1 + n_experts)
         _ROUTE(
             (plan.programs,),
             (

@@ -52,6 +52,7 @@ from fly_lightning.kernels.triton._support import (
     num_sms,
     on_device,
 )
+from fly_lightning.kernels.triton._workspace import zeroed
 from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
 K_ALIGN = 128  # the fast kernel's K granularity (BLOCK_K); the reference takes K % 32
@@ -169,6 +170,7 @@ def _mx_mm_kernel(
             for s in range(SPLIT_K):
                 total += tl.load(PARTIAL + s * split_stride + tile, mask=mask, other=0.0, cache_modifier=".cg")
             tl.store(ptrs, total.to(OUT.dtype.element_ty), mask=mask)
+            tl.store(ARRIVED + pid, 0)  # every program of the tile has arrived: zero again for the next launch
 
 
 def plan(
@@ -266,18 +268,14 @@ _MX_MM = FastLaunch(_mx_mm_kernel)
 def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig | None = None) -> torch.Tensor:
     m, n = a.shape[0], b.shape[0]
     k = b_scale.shape[1] * 32
-    cfg = config or plan(m, n, k, a_fmt, b_fmt, a.device, out_dtype=out_dtype)
-    if cfg.fp8_blockwise and not (cfg.prepass and _fp8_takes(a_fmt, b_fmt, n, out_dtype)):
-        raise ValueError(f"mx_scaled_mm: {cfg} takes {FP8_FORMATS} operands, N % 16 and a bf16 output")
-    if k % (cfg.block_k * cfg.split_k):
-        raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
-    if cfg.fragment_k and not (cfg.swap and a_fmt is None and cfg.block_k == FRAGMENT_STEP and not cfg.prepass):
-        raise ValueError(f"mx_scaled_mm: fragment_k is for swapped weight-only plans, block_k {FRAGMENT_STEP}: {cfg}")
-    if cfg.swap and not cfg.prepass and "mxfp4_e2m1" in (a_fmt, b_fmt) and cfg.block_k != K_ALIGN:
-        # plan() never emits it; an explicit 128x128x64 swapped plan (8 warps, 4 stages) gave wrong results on the H200
-        raise ValueError(f"mx_scaled_mm: swapped MXFP4 plans need block_k {K_ALIGN} (others are untrusted): {cfg}")
+    if config is None:  # plan() emits valid plans only: checks for explicit configs, off the per-call path
+        cfg = plan(m, n, k, a_fmt, b_fmt, a.device, out_dtype=out_dtype)
+    else:
+        cfg = config
+        _check_config(cfg, a_fmt, b_fmt, n, k, out_dtype)
     interp = a.device.type == "cpu" and interpreting()
-    lut = cfg.fp4_lut and not interp and ptx_pairs(a)  # inline PTX: NVIDIA only
+    ptx = ptx_pairs(a)  # inline PTX: NVIDIA only
+    lut = cfg.fp4_lut and not interp and ptx
     if lut and any(
         t.data_ptr() % 4 or t.stride(0) % 4 for t, f in ((a, a_fmt), (b, b_fmt)) if f == "mxfp4_e2m1"
     ):  # fmt: skip
@@ -296,9 +294,9 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     if split == 1:
         partial = arrived = out  # unused
-    else:  # fp32 partials, and per output tile the count of its programs done (zeroed per call: no shared state)
+    else:  # fp32 partials, and per output tile the count of its programs done (zero between launches)
         partial = outputs.empty(split, m, n, dtype=torch.float32, device=a.device)
-        arrived = torch.zeros(tiles, dtype=torch.int32, device=a.device)
+        arrived = zeroed(a.device, tiles)
     a_arg = a if a_fmt is None else a.view(torch.uint8)  # float8 / e8m0 tensors cannot be kernel arguments
     a_s = (b_scale if a_scale is None else a_scale).view(torch.uint8)  # b's scales: a placeholder for bf16 a
     with on_device(a):
@@ -306,12 +304,33 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
             (tiles, split),
             (a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), out, partial, arrived, m, n, k,
              a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n),
-            A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=split,
-            INTERPRET=interp, HW_CVT=cfg.fp8_cvt == "hw", PTX=ptx_pairs(a), LUT=lut, FRAG_K=cfg.fragment_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **_constants(cfg, a_fmt, b_fmt, interp, ptx, lut),
         )  # fmt: skip
     return out
+
+
+def _check_config(cfg: MXMMConfig, a_fmt, b_fmt, n: int, k: int, out_dtype: torch.dtype) -> None:
+    """An explicit plan's conditions, before any launch."""
+    if cfg.fp8_blockwise and not (cfg.prepass and _fp8_takes(a_fmt, b_fmt, n, out_dtype)):
+        raise ValueError(f"mx_scaled_mm: {cfg} takes {FP8_FORMATS} operands, N % 16 and a bf16 output")
+    if k % (cfg.block_k * cfg.split_k):
+        raise ValueError(f"mx_scaled_mm: K={k} is not a multiple of block_k * split_k in {cfg}")
+    if cfg.fragment_k and not (cfg.swap and a_fmt is None and cfg.block_k == FRAGMENT_STEP and not cfg.prepass):
+        raise ValueError(f"mx_scaled_mm: fragment_k is for swapped weight-only plans, block_k {FRAGMENT_STEP}: {cfg}")
+    if cfg.swap and not cfg.prepass and "mxfp4_e2m1" in (a_fmt, b_fmt) and cfg.block_k != K_ALIGN:
+        # plan() never emits it; an explicit 128x128x64 swapped plan (8 warps, 4 stages) gave wrong results on the H200
+        raise ValueError(f"mx_scaled_mm: swapped MXFP4 plans need block_k {K_ALIGN} (others are untrusted): {cfg}")
+
+
+@functools.lru_cache(maxsize=1024)
+def _constants(cfg: MXMMConfig, a_fmt, b_fmt, interp: bool, ptx: bool, lut: bool) -> dict:
+    """The kernel's constexprs and launch options for a plan (built once: the launch runs on every call)."""
+    return dict(
+        A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP=cfg.swap, SPLIT_K=cfg.split_k,
+        INTERPRET=interp, HW_CVT=cfg.fp8_cvt == "hw", PTX=ptx, LUT=lut, FRAG_K=cfg.fragment_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
 
 
 def _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype) -> torch.Tensor:

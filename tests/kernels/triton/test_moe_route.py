@@ -8,13 +8,11 @@ from hypothesis import strategies as st
 
 from fly_lightning.kernels.triton._moe_route_config import LaunchConfig, launch_config, tile_shape
 from fly_lightning.kernels.triton._moe_route_kernel import PACK_BITS
+from fly_lightning.kernels.triton._workspace import zeroed
 from fly_lightning.kernels.triton.moe_route import (
     MAX_E,
-    _capture_pools,
-    _capture_slot,
     _plan,
     _supports,
-    _workspace,
     moe_route_triton,
     packed_tail_fits,
 )
@@ -163,10 +161,10 @@ def test_workspace_is_zero_after_each_launch_and_counts_repeat(tail, perm):
     logits = torch.randn(50, 16)
     args = (logits, 2, "softmax", True, None, 1.0, None, None, perm)
     first = moe_route_triton(*args, config=LaunchConfig(programs=3, tail=tail))
-    assert not _workspace(logits.device).any()
+    assert not zeroed(logits.device, 2 * MAX_E).any()
     second = moe_route_triton(*args, config=LaunchConfig(programs=3, tail=tail))
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
-    assert not _workspace(logits.device).any()
+    assert not zeroed(logits.device, 2 * MAX_E).any()
 
 
 def test_packed_tail_only_where_its_fields_hold_the_totals():
@@ -185,19 +183,6 @@ def test_packed_tail_only_where_its_fields_hold_the_totals():
     assert not planned(slots // 8, 4).packed_tail and not planned(slots // 8, 4).constexprs["PACKED_TAIL"]
     assert not planned(1 << 20, 4096).packed_tail
     assert not planned(4096, 4, tail="ticket").packed_tail
-
-
-def test_capture_slots_are_disjoint_zeroed_and_run_out(monkeypatch):
-    """Captured launches take slots from a pool zeroed before capture; none is handed out twice, and when the pool is
-    used up (or was never made) the caller gets None and captures its own zeroing instead."""
-    dev = torch.device("cpu")  # the bookkeeping only; the pool is made on the first CUDA launch
-    assert _capture_slot(dev, 9) is None
-    monkeypatch.setitem(_capture_pools, dev, [torch.zeros(100, dtype=torch.int32), 0])
-    a, b, c = _capture_slot(dev, 9), _capture_slot(dev, 41), _capture_slot(dev, 9)
-    assert (a.numel(), b.numel(), c is None) == (9, 41, True)  # 32 + 64 ints used; 32 more do not fit
-    assert (a.storage_offset(), b.storage_offset()) == (0, 32)  # each on its own 128-byte line
-    a.fill_(1)
-    assert not b.any()
 
 
 def test_empty_and_single_token():

@@ -8,6 +8,7 @@ import torch
 
 import fly_lightning
 from fly_lightning import DISPATCH_LOG
+from fly_lightning.kernels.triton._workspace import zeroed
 from fly_lightning.kernels.triton.mx_scaled_mm import MXMMConfig, _supports, launch, plan
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
 from fly_lightning.policy import dispatch_config
@@ -153,12 +154,15 @@ def test_plans():
 def test_split_k_sums_in_the_kernel_in_split_order(out_dtype):
     """Four K splits over several output tiles: the last program of each tile sums the fp32 partials in split order,
     so the result is the same sums as adding the four partial products in order, on every call (bf16: within
-    ``_check``'s tolerance, as the interpreter's float -> bf16 conversion truncates)."""
+    ``_check``'s tolerance, as the interpreter's float -> bf16 conversion truncates). The tiles' arrival counters
+    live in the shared zeroed workspace: zero again after each launch, so the next call counts from zero."""
     m, n, k, split = 37, 45, 512, 4
     a, a_s, b, bs = _operands(m, n, k, None, "mxfp4_e2m1", seed=5)
     cfg = MXMMConfig(16, 16, 128, swap=True, split_k=split)
     y, _ = _check(a, a_s, None, b, bs, "mxfp4_e2m1", out_dtype, cfg)
+    assert not zeroed(a.device, 12).any()  # 3 x 3 tiles counted, then zeroed
     assert torch.equal(y, launch(a, a_s, None, b, bs, "mxfp4_e2m1", out_dtype, cfg))
+    assert not zeroed(a.device, 12).any()
     if out_dtype != torch.float32:
         return
     q = k // split

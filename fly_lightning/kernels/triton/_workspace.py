@@ -19,6 +19,7 @@ CAPTURE_POOL_INTS = 1 << 18  # 1 MiB: ~248 captured routing launches with 1024 e
 CAPTURE_SLOT_ALIGN = 32  # ints: slots start on their own 128-byte line
 
 _WORKSPACES: dict[tuple, torch.Tensor] = {}
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Inductor's generated code calls
 _capture_pools: dict[torch.device, list] = {}  # device -> [zeroed pool, next free int]
 
 
@@ -36,6 +37,11 @@ def capture_slot(device: torch.device, ints: int) -> torch.Tensor | None:
     return pool[0][start : start + ints]
 
 
+def _raw_stream(device: torch.device) -> int:
+    """The current stream's handle: cheaper than ``torch.cuda.current_stream``, which builds a Stream object."""
+    return _RAW_STREAM(device.index) if _RAW_STREAM is not None else torch.cuda.current_stream(device).cuda_stream
+
+
 def zeroed(device: torch.device, ints: int) -> torch.Tensor:
     """At least ``ints`` int32 that are zero now and that the caller's kernel leaves zero (see the module docstring)."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -43,7 +49,7 @@ def zeroed(device: torch.device, ints: int) -> torch.Tensor:
         return slot if slot is not None else torch.zeros(ints, dtype=torch.int32, device=device)
     if device.type == "cuda" and device not in _capture_pools:
         _capture_pools[device] = [torch.zeros(CAPTURE_POOL_INTS, dtype=torch.int32, device=device), 0]
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    stream = _raw_stream(device) if device.type == "cuda" else 0
     ws = _WORKSPACES.get((device, stream))
     if ws is None or ws.numel() < ints:
         # a smaller one still queued on this stream is freed in stream order: nothing later on the stream reads it

@@ -297,12 +297,15 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     else:  # fp32 partials, and per output tile the count of its programs done (zero between launches)
         partial = outputs.empty(split, m, n, dtype=torch.float32, device=a.device)
         arrived = zeroed(a.device, tiles)
-    a_arg = a if a_fmt is None else a.view(torch.uint8)  # float8 / e8m0 tensors cannot be kernel arguments
-    a_s = (b_scale if a_scale is None else a_scale).view(torch.uint8)  # b's scales: a placeholder for bf16 a
+    # float8 / e8m0 tensors cannot be kernel arguments: bytes (each view costs the host about a microsecond)
+    b_u8 = b if b.dtype == torch.uint8 else b.view(torch.uint8)
+    bs_u8 = b_scale.view(torch.uint8)
+    a_arg = a if a_fmt is None or a.dtype == torch.uint8 else a.view(torch.uint8)
+    a_s = bs_u8 if a_scale is None else a_scale.view(torch.uint8)  # b's scales: a placeholder for bf16 a
     with on_device(a):
         _MX_MM(
             (tiles, split),
-            (a_arg, a_s, b.view(torch.uint8), b_scale.view(torch.uint8), out, partial, arrived, m, n, k,
+            (a_arg, a_s, b_u8, bs_u8, out, partial, arrived, m, n, k,
              a.stride(0), a_s.stride(0), b.stride(0), b_scale.stride(0), n, m * n),
             **_constants(cfg, a_fmt, b_fmt, interp, ptx, lut),
         )  # fmt: skip

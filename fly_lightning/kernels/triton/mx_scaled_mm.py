@@ -15,8 +15,8 @@ but no MX ones; ``plan`` picks one of three forms by rows (history and timings o
   rows: no shared-memory trip for the converted weights), up to ``LUT_MAX_M`` rows with the byte-table decode
   (``MXMMConfig.fp4_lut``). Neither bandwidth nor the decode alone bounds it: with the decode cut out entirely the
   kernel still took 75% of the plan's device time at 16x28672x4096 (34.3 against 45.8 us, memory roof 21 us) and
-  85-95% on the other weight-only shapes; the scale multiplies took 5-10%, and building a row's four scale pairs
-  in one register gained 1-3% at <= 32 rows but lost 6-14% at 64 (``probe_mx_w4_floor``, H100, 005afd5). The
+  81-95% on the other weight-only shapes; the scale multiplies took 8-9% at <= 32 rows, and building a row's four
+  scale pairs in one register gained 2-4% there but lost 11-12% at 64 (``probe_mx_w4_floor``, H100, 005afd5). The
   split-K arrival counters are a zeroed workspace the kernel leaves zero (``_workspace``): no memset per call.
 - Between: the same in-loop tiles, unswapped (64x128).
 

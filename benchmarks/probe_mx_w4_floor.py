@@ -70,10 +70,7 @@ def _words_noscale(words_u32, scale):
     KW: tl.constexpr = words_u32.shape[1]
     s = tl.reshape(tl.broadcast_to(scale.to(tl.uint32)[:, :, None], (R, KW // 4, 4)), (R, KW))
     o0, o1, o2, o3 = _lut_noscale(words_u32 ^ s)  # the scales still loaded: one xor per word
-    w = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, KW * 4))
-    lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (R, KW * 8))
+    return md.words_to_bf16(o0, o1, o2, o3)
 
 
 @triton.jit
@@ -82,10 +79,7 @@ def _words_nodecode(words_u32, scale):
     KW: tl.constexpr = words_u32.shape[1]
     s = tl.reshape(tl.broadcast_to(scale.to(tl.uint32)[:, :, None], (R, KW // 4, 4)), (R, KW))
     w0 = words_u32 ^ s
-    w = tl.reshape(tl.join(tl.join(w0, w0 >> 2), tl.join(w0 >> 1, w0 >> 3)), (R, KW * 4))
-    lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (R, KW * 8))
+    return md.words_to_bf16(w0, w0 >> 1, w0 >> 2, w0 >> 3)
 
 
 @triton.jit
@@ -122,10 +116,7 @@ def _words_scale4(words_u32, scale):
     pairs = tl.reshape(tl.join(tl.join(p0, p2), tl.join(p1, p3)), (R, 4))
     s_pair = tl.reshape(tl.broadcast_to(pairs[:, :, None], (R, 4, 4)), (R, KW))
     o0, o1, o2, o3 = md._fp4_words_lut(words_u32, s_pair)
-    w = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, KW * 4))
-    lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return tl.reshape(tl.join(lo, hi), (R, KW * 8))
+    return md.words_to_bf16(o0, o1, o2, o3)
 
 
 def _variant(decode) -> tuple[FastLaunch, tuple]:

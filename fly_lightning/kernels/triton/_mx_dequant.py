@@ -159,6 +159,15 @@ def dequant_fp4_words(words_u32, scale):
     KW: tl.constexpr = words_u32.shape[1]
     s_pair = tl.reshape(tl.broadcast_to(_e8m0_bf16_pairs(scale)[:, :, None], (R, KW // 4, 4)), (R, KW))
     o0, o1, o2, o3 = _fp4_words_lut(words_u32, s_pair)
+    return words_to_bf16(o0, o1, o2, o3)
+
+
+@triton.jit
+def words_to_bf16(o0, o1, o2, o3):
+    """Four ``[R, KW]`` uint32 tiles of bf16 pairs (tile ``j`` from byte ``j`` of each source word) to bf16
+    ``[R, KW * 8]`` in element order."""
+    R: tl.constexpr = o0.shape[0]
+    KW: tl.constexpr = o0.shape[1]
     w = tl.reshape(tl.join(tl.join(o0, o2), tl.join(o1, o3)), (R, KW * 4))  # word j of each group in order
     lo = w.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     hi = (w >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)

@@ -330,3 +330,43 @@ def test_moe_transform_probe_swaps_real_blocks_and_leaves_a_look_alike():
         assert summary.left[0][2].startswith("probe: the swapped block computes something else"), summary
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+def test_routing_and_split_k_gemm_share_the_zeroed_workspace():
+    """Routing's counting tails and the split-K MX GEMM's arrival counters use one zeroed workspace per stream, which
+    each launch leaves zero: interleaved eager calls, and both captured in one graph replayed with new inputs, give
+    the eager results (routing exactly), and the workspace is zero after."""
+    from fly_lightning.kernels.triton import _workspace
+    from fly_lightning.ops.moe_route import moe_route_reference
+
+    logits = torch.randn(4096, 64, device="cuda")
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
+    b, bs = fly_lightning.mx_cast(torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16), "mxfp4_e2m1")
+
+    def step():
+        r = fly_lightning.moe_route(logits, 4, return_permutation=True)
+        with torch.no_grad():
+            y = fly_lightning.mx_scaled_mm(x, b, bs, "mxfp4_e2m1")  # 16 rows: the split-K plan
+        return r, y, fly_lightning.moe_route(logits, 2, score="sigmoid")
+
+    def same(got, want):
+        eq = lambda g, w: (g is None and w is None) or torch.equal(g, w)  # noqa: E731
+        (r, y, r2), (wr, wy, wr2) = got, want
+        assert all(eq(g, w) for g, w in zip((*r, *r2), (*wr, *wr2), strict=True)) and torch.equal(y, wy)
+
+    first = step()
+    assert _backend("moe_route") == "triton" and _backend("mx_scaled_mm") == "triton"
+    ref = moe_route_reference(logits, 4, return_permutation=True)
+    assert torch.equal(first[0].ids_TK, ref.ids_TK) and torch.equal(first[0].counts_E, ref.counts_E)
+    for _ in range(3):
+        same(step(), first)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    logits.copy_(torch.randn_like(logits))
+    x.copy_(torch.randn_like(x))
+    want = step()  # eager, between capture and replay, on the same stream
+    graph.replay()
+    torch.cuda.synchronize()
+    same(captured, want)
+    assert not any(ws.any() for ws in _workspace._WORKSPACES.values())

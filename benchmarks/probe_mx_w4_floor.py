@@ -171,11 +171,7 @@ def host_breakdown() -> None:
     partial = torch.empty(cfg.split_k, m, n, device="cuda", dtype=torch.float32)
     arrived = zeroed(x.device, tiles)  # the kernel leaves it zero
     bu, bsu = b.view(torch.uint8), b_s.view(torch.uint8)
-    consts = dict(
-        A_FMT=0, B_FMT=3, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        SWAP=cfg.swap, SPLIT_K=cfg.split_k, INTERPRET=False, HW_CVT=True, PTX=True, LUT=cfg.fp4_lut, FRAG_K=False,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    consts = kernel._constants(cfg, None, FMT, False, True, cfg.fp4_lut)  # what launch() passes on an H100
     args = (x, bsu, bu, bsu, out, partial, arrived, m, n, k, x.stride(0), bsu.stride(0), bu.stride(0), bsu.stride(0),
             n, m * n)  # fmt: skip
 

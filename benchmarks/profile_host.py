@@ -1,8 +1,9 @@
 """Where an eager call's host time goes (GPU machine; diagnostic, not a suite with goals).
 
 Host microseconds per call for each layer of two paths, outer to inner, on inputs small enough that the host is the
-bottleneck (N calls, then one device sync): the MX GEMM's prepass plan (public ``mx_scaled_mm``, the dispatcher, the
-kernel module's ``launch``, the dequantising launch, cuBLAS) and RMSNorm (public call, dispatcher, Triton launch).
+bottleneck (N calls, then one device sync): the MX GEMM's prepass plans (public ``mx_scaled_mm``, the dispatcher, the
+kernel module's ``launch``; the bf16 prepass's dequantising launch and cuBLAS; on Hopper the fp8 plan's
+re-expression and cuBLAS's blockwise fp8 GEMM) and RMSNorm (public call, dispatcher, Triton launch).
 Then a Triton launch through ``JITFunction`` (binder and cache lookup on every call) against the same compiled kernel
 launched directly, and the top functions of a ``cProfile`` of each public call. Writes ``host_profile.json``.
 
@@ -19,7 +20,7 @@ import torch
 
 import fly_lightning
 from benchmarks.harness import Results, host_us, time_ms
-from fly_lightning.kernels.triton import _mx_dequant
+from fly_lightning.kernels.triton import _mx_dequant, _mx_requant
 from fly_lightning.kernels.triton import mx_scaled_mm as mx_kernel
 from fly_lightning.kernels.triton._math import cdiv
 
@@ -100,6 +101,7 @@ def main() -> None:
     op = fly_lightning.get_op("mx_scaled_mm")
     args = (a, a_s, fmt, b, b_s, fmt, bf16)
     da, db = _mx_dequant.dequantize(a, a_s, fmt, b, b_s, fmt)
+    qa, sa, qb, sb = _mx_requant.requantize(a, a_s, fmt, b, b_s, fmt)  # the fp8 plan's operands (Hopper)
     xr = torch.randn(16, 4096, device=dev, dtype=bf16)
     wr = torch.randn(4096, device=dev, dtype=bf16)
     rms = fly_lightning.get_op("rms_norm")
@@ -134,6 +136,8 @@ def main() -> None:
         "dequant kernel, compiled launch": lambda: direct(*all_args),
         "dequant kernel via FastLaunch": lambda: _mx_dequant._DEQUANT(grid, kargs, **consts, num_warps=4),
         "torch.mm bf16": lambda: torch.mm(da, db.t()),
+        "mx requantize (2 operands, fp8 plan)": lambda: _mx_requant.requantize(a, a_s, fmt, b, b_s, fmt),
+        "torch._scaled_mm 1x128 (fp8 plan)": lambda: torch._scaled_mm(qa, qb.t(), sa, sb, out_dtype=bf16),
         "torch.empty x2": lambda: (torch.empty(M, K, device=dev), torch.empty(N, K, device=dev)),
         "plan() (cached)": lambda: mx_kernel.plan(M, N, K, fmt, fmt, a.device),
         "rms_norm public": lambda: fly_lightning.rms_norm(xr, wr, 1e-6),

@@ -276,6 +276,13 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
     else:
         cfg = config
         _check_config(cfg, a_fmt, b_fmt, n, k, out_dtype)
+    if m == 0 or n == 0 or k == 0:
+        return torch.zeros(m, n, dtype=out_dtype, device=a.device)
+    if cfg.fp8_blockwise:
+        qa, sa, qb, sb = requantize(a, a_scale, a_fmt, b, b_scale, b_fmt)
+        return torch._scaled_mm(qa, qb.t(), sa, sb, out_dtype=out_dtype)
+    if cfg.prepass:
+        return _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
     interp = a.device.type == "cpu" and interpreting()
     ptx = ptx_pairs(a)  # inline PTX: NVIDIA only
     lut = cfg.fp4_lut and not interp and ptx
@@ -285,13 +292,6 @@ def launch(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype, config: MXMMConfig |
         if config is not None:
             raise ValueError(f"mx_scaled_mm: {cfg} loads MXFP4 rows as 32-bit words: rows and data 4-byte aligned")
         lut = False  # the plan's pick on unaligned rows: the pair decode, same tiles
-    if m == 0 or n == 0 or k == 0:
-        return torch.zeros(m, n, dtype=out_dtype, device=a.device)
-    if cfg.fp8_blockwise:
-        qa, sa, qb, sb = requantize(a, a_scale, a_fmt, b, b_scale, b_fmt)
-        return torch._scaled_mm(qa, qb.t(), sa, sb, out_dtype=out_dtype)
-    if cfg.prepass:
-        return _prepass_mm(a, a_scale, a_fmt, b, b_scale, b_fmt, out_dtype)
     split = cfg.split_k
     out = outputs.empty(m, n, dtype=out_dtype, device=a.device)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)

@@ -22,7 +22,6 @@ Device time from CUDA-graph replays, side by side. Then the host time of one eag
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import replace
 
 import torch
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 
 import fly_lightning
-from benchmarks.harness import copy_bandwidth_gbps, probe_graph_ms
+from benchmarks.harness import copy_bandwidth_gbps, host_us, probe_graph_ms
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton import _mx_dequant as md
 from fly_lightning.kernels.triton import mx_scaled_mm as kernel
@@ -149,18 +148,6 @@ def _launcher(fl: FastLaunch, chain: tuple, cfg: kernel.MXMMConfig):
     return call
 
 
-def _host_us(fn, n: int = 2000) -> float:
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
 def host_breakdown() -> None:
     m, n, k = 16, 4096, 4096
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -193,7 +180,7 @@ def host_breakdown() -> None:
         print(f"host us per call, w4 {m}x{n}x{k} ({cfg.label()}):", flush=True)
         for _ in range(2):
             for name, fn in parts.items():
-                print(f"   {name:22s} {_host_us(fn):6.1f}", flush=True)
+                print(f"   {name:22s} {host_us(fn):6.1f}", flush=True)
 
 
 def main() -> None:

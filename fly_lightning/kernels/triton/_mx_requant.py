@@ -45,9 +45,10 @@ def _load(DATA, rows64, rmask, cb, stride_d, C, FMT: tl.constexpr, BR: tl.conste
         half = cb * (BC // 2) + tl.arange(0, BC // 2)
         raw = tl.load(DATA + rows64[:, None] * stride_d + half[None, :], mask=rmask & (half[None, :] < C // 2), other=0)
         live = tl.max(tl.reshape(raw & 0x77, (BR * G, 4, 16)), axis=2) > 0
-    else:
+    else:  # e4m3 data as it is (no byte view on the host), read as its bits; masked lanes are never stored
         cols = cb * BC + tl.arange(0, BC)
-        raw = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C), other=0)
+        raw = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C))
+        raw = raw.to(tl.uint8, bitcast=True)
         live = tl.max(tl.reshape(raw & 0x7F, (BR * G, 4, 32)), axis=2) > 0
     return raw, live
 
@@ -124,11 +125,12 @@ def _requant_tile(
         fb = tl.where(d >= -14, (d + 15) << 10, tl.where(d >= -24, 1 << (d + 24).to(tl.int32), 0))
         f = tl.where(s3 == 255, 0x7E00, fb).to(tl.int16).to(tl.float16, bitcast=True)  # 255: NaN
         v3 = tl.reshape(_values_f16(raw, FMT, BC), (BR * G, 4, 32))
-        codes = tl.reshape(v3 * f[:, :, None], (BR, BC)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        codes = tl.reshape(v3 * f[:, :, None], (BR, BC)).to(tl.float8e4nv)
     else:
         f = tl.where(d >= -126, ((d + 127) << 23).to(tl.float32, bitcast=True), 0.0)  # below: under e4m3's last step
         f = tl.where(s3 == 255, float("nan"), f)
         v3 = tl.reshape(_values_f32(raw, FMT, BC), (BR * G, 4, 32))
+        # bytes to a byte view of Q: the interpreter has no bitcast to fp8
         codes = _e4m3_codes(tl.reshape(v3 * f[:, :, None], (BR, BC))).to(tl.uint8)
     cols = cb * BC + tl.arange(0, BC)
     tl.store(Q + rows64[:, None] * stride_q + cols[None, :], codes, mask=rmask & (cols[None, :] < C))
@@ -200,19 +202,21 @@ def requantize(
     if k % GROUP or b_scale.shape[1] * 32 != k:
         raise ValueError(f"requantize: K={k} (a) and {b_scale.shape[1] * 32} (b) must agree and divide by {GROUP}")
     groups = k // GROUP
-    q = outputs.empty(m + n, k, dtype=torch.uint8, device=a.device)  # one allocation each (host time)
+    # one allocation each, the operands' parts as views (host time: each allocation, view or slice costs it)
+    q = outputs.empty(m + n, k, dtype=torch.float8_e4m3fn, device=a.device)
     qs = outputs.empty((m + n) * groups, dtype=torch.float32, device=a.device)
     qa, qb = q[:m], q[m:]
-    sa, sb = qs[: m * groups].view(groups, m), qs[m * groups :].view(groups, n)
+    sa, sb = qs.as_strided((m, groups), (1, m)), qs.as_strided((groups, n), (n, 1), m * groups)
     tiles = (cdiv(m, ROWS) + cdiv(n, ROWS)) * cdiv(k, COLS)
     if tiles:
+        # e4m3 data goes as it is, e2m1 pairs are bytes already; E8M0 scales cannot be kernel arguments: bytes
+        hw = a.is_cuda and not interpreting()
+        out_a, out_b = (qa, qb) if hw else (qa.view(torch.uint8), qb.view(torch.uint8))
         with on_device(a):
             _REQUANT(
                 (tiles,),
-                (a.view(torch.uint8), a_scale.view(torch.uint8), qa, sa, m, a.stride(0), a_scale.stride(0),
-                 b.view(torch.uint8), b_scale.view(torch.uint8), qb, sb, n, b.stride(0), b_scale.stride(0), k),
-                A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS,
-                HW_CVT=a.is_cuda and not interpreting(), num_warps=4,
+                (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0),
+                 b, b_scale.view(torch.uint8), out_b, sb, n, b.stride(0), b_scale.stride(0), k),
+                A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=hw, num_warps=4,
             )  # fmt: skip
-    f8 = torch.float8_e4m3fn
-    return qa.view(f8), sa.t(), qb.view(f8), sb
+    return qa, sa, qb, sb

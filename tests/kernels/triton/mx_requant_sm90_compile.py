@@ -14,7 +14,9 @@ def variant(pair: str) -> dict:
     a_fmt, b_fmt = PAIRS[pair]
     fn = _requant_kernel
     sig = {a: "i32" for a in fn.arg_names}
-    sig.update(A="*u8", A_SCALE="*u8", A_Q="*u8", A_QS="*fp32", B="*u8", B_SCALE="*u8", B_Q="*u8", B_QS="*fp32")
+    data = {"mxfp8_e4m3": "*fp8e4nv", "mxfp4_e2m1": "*u8"}  # e4m3 data as it is, e2m1 pairs as bytes
+    sig.update(A=data[a_fmt], A_SCALE="*u8", A_Q="*fp8e4nv", A_QS="*fp32", B=data[b_fmt], B_SCALE="*u8",
+               B_Q="*fp8e4nv", B_QS="*fp32")  # fmt: skip
     const = dict(A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=True)
     aligned = ("A", "A_SCALE", "A_Q", "A_QS", "B", "B_SCALE", "B_Q", "B_QS", "C", "stride_a", "stride_b")
     kernel, spill, regs = compile_sm90(fn, sig, const, aligned, num_warps=4, num_stages=1)

@@ -115,10 +115,12 @@ def main() -> None:
     kargs = (
         a.view(torch.uint8), a_s.view(torch.uint8), da, M, a.stride(0), a_s.stride(0), da.stride(0),
         b.view(torch.uint8), b_s.view(torch.uint8), db, N, b.stride(0), b_s.stride(0), db.stride(0), c,
+        a_s.view(torch.uint8), 1,  # no group offsets (an unread pointer)
     )  # fmt: skip
     hw = _mx_dequant.hw_cvt(a)  # the constants dequantize passes on this device
     consts = dict(
-        A_FMT=1, B_FMT=1, BR=rows, BC=cols, FP32=False, HW_CVT=hw, PTX=hw or _mx_dequant.ptx_pairs(a)
+        A_FMT=1, B_FMT=1, BR=rows, BC=cols, FP32=False, HW_CVT=hw, PTX=hw or _mx_dequant.ptx_pairs(a),
+        SKIP_EMPTY=False,
     )  # fmt: skip
     compiled = _mx_dequant._dequant_kernel[grid](*kargs, **consts, num_warps=4)
     direct = compiled[(*grid, 1, 1)]

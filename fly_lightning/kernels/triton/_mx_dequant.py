@@ -270,12 +270,17 @@ DEQUANT_COLS = 512
 def _dequant_tile(
     DATA, SCALE, OUT, R, C, stride_d, stride_s, stride_o, tile, n_col_tiles,
     FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr, HW_CVT: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, OFFS=None, GROUP_ROWS=1, M=0, SKIP_EMPTY: tl.constexpr = False,
 ):  # fmt: skip
     rows = (tile // n_col_tiles) * BR + tl.arange(0, BR)
     cb = tile % n_col_tiles
     cols = cb * BC + tl.arange(0, BC)
     rmask = rows[:, None] < R
+    if SKIP_EMPTY:  # rows of groups with no rows in the grouped GEMM: neither read nor written
+        g = rows // GROUP_ROWS
+        end = tl.minimum(tl.maximum(tl.load(OFFS + g, mask=rows < R, other=0), 0), M)
+        start = tl.minimum(tl.maximum(tl.load(OFFS + g - 1, mask=(g > 0) & (rows < R), other=0), 0), M)
+        rmask = rmask & (end > start)[:, None]
     rows64 = rows.to(tl.int64)
     g = cb * (BC // 32) + tl.arange(0, BC // 32)
     s = tl.load(SCALE + rows64[:, None] * stride_s + g[None, :], mask=rmask & (g[None, :] < C // 32), other=127)
@@ -292,12 +297,14 @@ def _dequant_tile(
 @triton.jit
 def _dequant_kernel(
     A, A_SCALE, A_OUT, RA, stride_a, stride_as, stride_ao,
-    B, B_SCALE, B_OUT, RB, stride_b, stride_bs, stride_bo, C,
+    B, B_SCALE, B_OUT, RB, stride_b, stride_bs, stride_bo, C, OFFS, GROUP_ROWS,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr,
-    HW_CVT: tl.constexpr, PTX: tl.constexpr,
+    HW_CVT: tl.constexpr, PTX: tl.constexpr, SKIP_EMPTY: tl.constexpr = False,
 ):  # fmt: skip
     """Two operands of the same K in one launch (each launch costs the host tens of microseconds): the first
-    ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's."""
+    ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's. ``SKIP_EMPTY``: B holds ``GROUP_ROWS``
+    rows per group and A the grouped GEMM's rows, ``OFFS`` its int32 end offsets: B's rows of groups without rows
+    are skipped (the offsets clamped to [0, RA] as the grouped GEMM clamps them)."""
     n_col_tiles = tl.cdiv(C, BC)
     tiles_a = tl.cdiv(RA, BR) * n_col_tiles
     pid = tl.program_id(0)
@@ -306,7 +313,7 @@ def _dequant_kernel(
                       A_FMT, BR, BC, FP32, HW_CVT, PTX)  # fmt: skip
     else:
         _dequant_tile(B, B_SCALE, B_OUT, RB, C, stride_b, stride_bs, stride_bo, pid - tiles_a, n_col_tiles,
-                      B_FMT, BR, BC, FP32, HW_CVT, PTX)  # fmt: skip
+                      B_FMT, BR, BC, FP32, HW_CVT, PTX, OFFS, GROUP_ROWS, RA, SKIP_EMPTY)  # fmt: skip
 
 
 def hw_cvt(t: torch.Tensor) -> bool:
@@ -351,34 +358,46 @@ def _rows(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> int:
 
 
 def dequantize(
-    data: torch.Tensor, scale: torch.Tensor, fmt: str, *more: torch.Tensor | str
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    *more: torch.Tensor | str,
+    offs: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MX rows ``data`` ``[R, C / per_byte]`` (last dim contiguous, any row stride) with E8M0 ``scale`` ``[R, C / 32]``
     to a new ``[R, C]`` tensor: bf16 on the GPU; fp32 under the interpreter (same values: its bf16 is unreliable).
 
     ``dequantize(a, a_scale, a_fmt, b, b_scale, b_fmt)``: two operands of the same K in one launch, a pair back.
+    ``offs``: a grouped GEMM's int32 end offsets (``[E]``, contiguous) over ``a``'s rows, ``b`` holding E groups of
+    equal rows (its weights): rows of ``b``'s groups that have no rows of ``a`` are left unwritten.
     Runs on every GEMM call of the prepass plans: its host time is kept low (one shape check per operand, and
     ``FastLaunch``)."""
     if more and (len(more) != 3 or scale.shape[1] != more[1].shape[1]):
         raise ValueError("dequantize: one operand, or two (data, scale, fmt) of the same K")
+    if offs is not None and (not more or offs.numel() == 0 or more[1].shape[0] % offs.numel()):
+        raise ValueError("dequantize: offs needs two operands, the second's rows a multiple of the groups")
     ra = _rows(data, scale, fmt)
     b, b_s, b_fmt = more if more else (data, scale, fmt)
     rb = _rows(b, b_s, b_fmt) if more else 0
     c = scale.shape[1] * 32
     dev = data.device
     dtype = torch.bfloat16 if data.is_cuda else torch.float32
-    out = outputs.empty(ra + rb, c, dtype=dtype, device=dev)  # one allocation for both (host time)
+    # one allocation for both (host time); skipped groups' rows stay unwritten
+    out = outputs.empty(ra + rb, c, dtype=dtype, device=dev, written_in_full=offs is None)
     a_out, b_out = (out[:ra], out[ra:]) if more else (out, out)
     tiles = (cdiv(ra, DEQUANT_ROWS) + cdiv(rb, DEQUANT_ROWS)) * cdiv(c, DEQUANT_COLS)
     if tiles:
         hw = hw_cvt(data)
+        s_u8 = scale.view(torch.uint8)
+        bs_u8 = b_s.view(torch.uint8) if more else s_u8
         with on_device(data):
             _DEQUANT(
                 (tiles,),
-                (data.view(torch.uint8), scale.view(torch.uint8), a_out, ra, data.stride(0), scale.stride(0), c,
-                 b.view(torch.uint8), b_s.view(torch.uint8), b_out, rb, b.stride(0), b_s.stride(0), c, c),
+                (data.view(torch.uint8), s_u8, a_out, ra, data.stride(0), scale.stride(0), c,
+                 b.view(torch.uint8), bs_u8, b_out, rb, b.stride(0), b_s.stride(0), c, c,
+                 s_u8 if offs is None else offs, 1 if offs is None else rb // offs.numel()),  # s_u8: unread
                 A_FMT=FMT_CODE[fmt], B_FMT=FMT_CODE[b_fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=not data.is_cuda,
                 HW_CVT=hw, PTX=hw or ptx_pairs(data),  # sm89 (hw) implies sm80
-                num_warps=4,
+                SKIP_EMPTY=offs is not None, num_warps=4,
             )  # fmt: skip
     return (a_out, b_out) if more else a_out

@@ -294,14 +294,15 @@ def launch(
 
 
 def _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out) -> torch.Tensor:
-    """Both operands dequantised to bf16 in memory (``_mx_dequant.dequantize``), then the bf16 grouped GEMM on them.
-    Alive during the call: a bf16 copy of x and of every group's weights."""
+    """Both operands dequantised to bf16 in memory (``_mx_dequant.dequantize``; weights of empty groups skipped),
+    then the bf16 grouped GEMM on them. Alive during the call: a bf16 copy of x and of every group's weights."""
     e, n = w.shape[0], w.shape[1]
     w2, ws2 = w.reshape(e * n, w.shape[2]), w_scale.reshape(e * n, w_scale.shape[2])
     if x_fmt is None:
         xb, wb = x.to(torch.bfloat16), dequantize(w2, ws2, w_fmt)
     else:
-        xb, wb = dequantize(x, x_scale, x_fmt, w2, ws2, w_fmt)  # one launch for both
+        # one launch for both; weights of groups without rows are skipped (the GEMM never reads them)
+        xb, wb = dequantize(x, x_scale, x_fmt, w2, ws2, w_fmt, offs=offs if e else None)
     # the interpreter's fp32 values to bf16: exact, they came from bf16-representable MX values
     xb, wb = xb.to(torch.bfloat16), wb.to(torch.bfloat16).view(e, n, -1)
     return gk.launch(xb, wb.transpose(1, 2), offs, out)

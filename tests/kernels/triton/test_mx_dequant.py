@@ -129,3 +129,24 @@ def test_dequantize_two_operands_in_one_launch():
         dequantize(xd, xs, "mxfp8_e5m2", wd[:, :256], ws[:, :16], "mxfp4_e2m1")
     with pytest.raises(ValueError, match="does not match scales"):  # before any launch: no out-of-bounds read
         dequantize(xd[:, :512], xs, "mxfp8_e5m2")
+
+
+def test_dequantize_skips_groups_without_rows():
+    """With a grouped GEMM's end offsets, the weight rows of groups that get no rows (clamped as the GEMM clamps:
+    negative, repeated, past the rows, decreasing) are neither read nor written: they keep the poison (NaN); every
+    other group's rows, and the activations, equal their dequantisation."""
+    g = torch.Generator().manual_seed(0)
+    m, e, n = 20, 6, 24  # 24 rows per group: groups straddle the kernel's 16-row tiles
+    xd, xs = formats.to_mx(torch.randn(m, 512, generator=g), "mxfp8_e4m3")
+    wd, ws = formats.to_mx(torch.randn(e * n, 512, generator=g), "mxfp4_e2m1")
+    offs = torch.tensor([-3, 4, 4, 30, 7, 20], dtype=torch.int32)  # sizes after clamping to [0, 20]: 0 4 0 16 0 13
+    xh, wh = dequantize(xd, xs, "mxfp8_e4m3", wd, ws, "mxfp4_e2m1", offs=offs)
+    assert _same(xh, formats.from_mx(xd, xs, "mxfp8_e4m3"))
+    want = formats.from_mx(wd, ws, "mxfp4_e2m1").view(e, n, -1)
+    got = wh.view(e, n, -1)
+    for grp, live in enumerate((False, True, False, True, False, True)):
+        assert _same(got[grp], want[grp]) if live else got[grp].isnan().all(), grp
+    with pytest.raises(ValueError, match="multiple of the groups"):
+        dequantize(xd, xs, "mxfp8_e4m3", wd[:25], ws[:25], "mxfp4_e2m1", offs=offs)
+    with pytest.raises(ValueError, match="needs two operands"):
+        dequantize(wd, ws, "mxfp4_e2m1", offs=offs)

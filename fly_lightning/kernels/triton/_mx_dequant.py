@@ -277,9 +277,9 @@ def _dequant_tile(
     cols = cb * BC + tl.arange(0, BC)
     rmask = rows[:, None] < R
     if SKIP_EMPTY:  # rows of groups with no rows in the grouped GEMM: neither read nor written
-        g = rows // GROUP_ROWS
-        end = tl.minimum(tl.maximum(tl.load(OFFS + g, mask=rows < R, other=0), 0), M)
-        start = tl.minimum(tl.maximum(tl.load(OFFS + g - 1, mask=(g > 0) & (rows < R), other=0), 0), M)
+        grp = rows // GROUP_ROWS
+        end = tl.minimum(tl.maximum(tl.load(OFFS + grp, mask=rows < R, other=0), 0), M)
+        start = tl.minimum(tl.maximum(tl.load(OFFS + grp - 1, mask=(grp > 0) & (rows < R), other=0), 0), M)
         rmask = rmask & (end > start)[:, None]
     rows64 = rows.to(tl.int64)
     g = cb * (BC // 32) + tl.arange(0, BC // 32)
@@ -382,8 +382,9 @@ def dequantize(
     c = scale.shape[1] * 32
     dev = data.device
     dtype = torch.bfloat16 if data.is_cuda else torch.float32
-    # one allocation for both (host time); skipped groups' rows stay unwritten
-    out = outputs.empty(ra + rb, c, dtype=dtype, device=dev, written_in_full=offs is None)
+    # one allocation for both (host time); skipped groups' rows stay unwritten but are never read (their groups have
+    # no rows in the GEMM): no deterministic-mode fill for them either
+    out = outputs.empty(ra + rb, c, dtype=dtype, device=dev)
     a_out, b_out = (out[:ra], out[ra:]) if more else (out, out)
     tiles = (cdiv(ra, DEQUANT_ROWS) + cdiv(rb, DEQUANT_ROWS)) * cdiv(c, DEQUANT_COLS)
     if tiles:

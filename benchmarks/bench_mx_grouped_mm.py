@@ -160,6 +160,11 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
             out = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
             return mk.launch(xd, xs, fmt, wd, ws, fmt, o, out, config=cfg)
 
+        def prepass(x, w, o, mx, f=f, fmt=fmt):  # the bf16 prepass plan (dequantised in memory, bf16 grouped GEMM)
+            xd, xs, wd, ws = mx[f]
+            out = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
+            return mk.launch(xd, xs, fmt, wd, ws, fmt, o, out, config=mk.PREPASS)
+
         def swap(x, w, o, mx, f=f, fmt=fmt):  # x dequantised first, weights as the MMA's register operand
             xd, xs, wd, ws = mx[f]
             out = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
@@ -186,6 +191,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         fns |= {
             f: ours,
             f"{f}_loop": loop,
+            f"{f}_prepass": prepass,
             f"{f}_emul": emul,
             f"{f}_cast_x": lambda x, w, o, mx, fmt=fmt: fly_lightning.mx_cast(x, fmt),
             f"{f}_cast_w": lambda x, w, o, mx, fmt=fmt: _cast_w(w, fmt),
@@ -209,6 +215,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         row[f"{f}_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_ms']:.4g}")
         row[f"{f}_x_vs_emul"] = float(f"{row[f'{f}_emul_ms'] / row[f'{f}_ms']:.4g}")
         row[f"{f}_loop_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_loop_ms']:.4g}")
+        row[f"{f}_prepass_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_prepass_ms']:.4g}")
         if f"{f}_swap_ms" in row:
             row[f"{f}_swap_x_vs_bf16"] = float(f"{row['bf16_ms'] / row[f'{f}_swap_ms']:.4g}")
         row[f"{f}_incl_x_vs_emul_incl"] = float(f"{row[f'{f}_emul_incl_ms'] / row[f'{f}_incl_ms']:.4g}")
@@ -238,7 +245,8 @@ def _summarise(res: Results) -> None:
     for f in FORMATS:
         for key, goal in ((f"{f}_x_vs_bf16", GOAL_VS_BF16), (f"{f}_x_vs_emul", GOAL_VS_EMULATED),
                           (f"{f}_incl_x_vs_emul_incl", GOAL_VS_EMULATED), (f"{f}_incl_x_vs_bf16", None),
-                          (f"{f}_loop_x_vs_bf16", None), (f"{f}_swap_x_vs_bf16", None)):  # fmt: skip
+                          (f"{f}_loop_x_vs_bf16", None), (f"{f}_prepass_x_vs_bf16", None),
+                          (f"{f}_swap_x_vs_bf16", None)):  # fmt: skip
             vals = [r[key] for r in rows if key in r]
             g = round(geomean(vals), 3) if vals else None
             res.summary[f"geomean_{key}"] = g
@@ -256,8 +264,10 @@ def _summarise(res: Results) -> None:
         "(goal 1.5); <f>_incl_x_vs_emul_incl: both quantising activations and weights inside the timed call.",
         "emulated = torchao's formula (elements and scales cast to bf16 and multiplied), then torch._grouped_mm; "
         "<f>_emul_incl_impl names the included path (torchao's function where installed and the layout fits).",
-        "<f>_loop: the in-loop kernel alone (tiles dequantised in its main loop), timed beside ours, which takes "
-        "the prepass (operands dequantised to bf16 in memory, then the bf16 grouped GEMM) from 256 rows per group.",
+        "<f>_loop: the in-loop kernel alone (tiles dequantised in its main loop), timed beside ours; <f>_prepass: "
+        "the bf16 prepass plan (operands dequantised to bf16 in memory, then the bf16 grouped GEMM). From "
+        f"{mk.PREPASS_MIN_ROWS} rows per group ours takes the fp8 plan on Hopper (e4m3 / e2m1 operands re-expressed "
+        "with 1x128 scales, fp8 MMAs: _mx_fp8_grouped_kernel), else the bf16 prepass.",
         f"<f>_swap (cases of at most {SWAP_TIMED_MAX_ROWS} rows per group): timed beside ours (ours takes it up to "
         f"{mk.SWAP_MAX_ROWS} rows per group on Hopper): "
         "x dequantised to bf16 first, then swapped tiles (weights on the MMA's M side, its register operand) summing K "

@@ -8,13 +8,20 @@ GEMM (ours, on the dequantised operands) and the MX grouped plan, on grouped sui
   across K with a promotion to fp32 every 128 (``max_num_imprecise_acc``), both scales in the epilogue;
 - ``row_fast``: the same without promotion (the fp8 MMA's own accumulation across K).
 
-The re-expression is done beforehand (not timed): the GEMM forms alone, device time from CUDA-graph replays, side by
-side, after a check against the fp32 product of the dequantised operands. Prints; not a suite.
+- ``tma-<tiles>``: the product's fp8 grouped kernel (``_mx_fp8_grouped_kernel``: TMA loads of the codes and the
+  scales, 8 warps), the ``step`` sums, in tile configurations; ``tma-ptr-scales``: its scales by pointer loads.
 
-    python -m benchmarks.probe_mx_fp8_grouped
+The re-expression is done beforehand (not timed): the GEMM forms alone, device time from CUDA-graph replays, side by
+side, after a check against the fp32 product of the dequantised operands; ``plan`` (the public call: the planned
+re-expression included) and ``prepass`` (the bf16 prepass plan) beside them. Prints; not a suite.
+
+    python -m benchmarks.probe_mx_fp8_grouped             # the product kernel's configurations (tma-*), plan, prepass
+    python -m benchmarks.probe_mx_fp8_grouped --all       # and the probe's own forms (step, lagged, row, row_fast)
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import triton
@@ -24,13 +31,29 @@ import fly_lightning
 from benchmarks.grouped_mm_cases import cases, make_inputs
 from benchmarks.harness import probe_graph_ms
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+from fly_lightning.kernels.triton import _mx_fp8_grouped_kernel as fk
+from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle, _scan_start
 from fly_lightning.kernels.triton._mx_requant import requantize
 from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
 from fly_lightning.quant.formats import from_mx
 
-CASES = ("uniform-E8-m4096-K4096-N4096", "qwen3-30b-a3b-gate_up", "deepseek-v3-ep8-down", "mixtral-8x7b-down")
+CASES = (
+    "uniform-E8-m4096-K4096-N4096",
+    "qwen3-30b-a3b-gate_up",
+    "deepseek-v3-ep8-down",
+    "mixtral-8x7b-down",
+    "olmoe-1b-7b-down",
+    "uniform-E128-m64-K4096-N1024",
+)
+TILES = {  # block_m, block_n, group_m, stages, warps
+    "128x128-s4": (128, 128, 8, 4, 8),
+    "128x128-s3": (128, 128, 8, 3, 8),
+    "64x256-s4": (64, 256, 8, 4, 8),
+    "128x128-s4-g4": (128, 128, 4, 4, 8),
+}
 MODES = {"step": 0, "lagged": 1, "row": 2, "row_fast": 3}
+ALL = "--all" in sys.argv
 
 
 @triton.jit
@@ -131,7 +154,15 @@ def _case(fmt: str, case) -> None:
         "bf16": lambda: gk.launch(xb, wb.transpose(1, 2), offs, out),
         "plan": lambda: fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=xs, x_fmt=fmt),
     }
-    for mode, code in MODES.items():
+    qx8, sx8, qw8, sw8 = requantize(xd, xs, fmt, wd, ws, fmt, align=4)
+    qw8 = qw8.view(e, n, k)
+    for name, t in TILES.items():
+        fns[f"tma-{name}"] = lambda t=t: fk.launch(qx8, sx8, qw8, sw8, offs, out, fk.FP8GroupedConfig(*t))
+    ptr_scales = fk.FP8GroupedConfig(tma_scales=False)
+    fns["tma-ptr-scales"] = lambda: fk.launch(qx8, sx8, qw8, sw8, offs, out, ptr_scales)
+    fns["prepass"] = lambda: mk.launch(*args[:6], offs, out, config=mk.PREPASS)
+    fns["fp8-plan"] = lambda: mk.launch(*args[:6], offs, out, config=mk.FP8)
+    for mode, code in MODES.items() if ALL else ():
         for bm, bn, warps, stages in ((64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3)):
             if code < 2 and (bm, bn) != (64, 256):
                 continue  # the per-step forms spill in larger tiles

@@ -49,12 +49,15 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+from fly_lightning.kernels.triton import _mx_fp8_grouped_kernel as fk
 from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
 from fly_lightning.kernels.triton._fragment_k import to_fragment_order
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle, _scan_start
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequantize, hopper, load_operand, ptx_pairs
+from fly_lightning.kernels.triton._mx_requant import FORMATS as FP8_FORMATS
+from fly_lightning.kernels.triton._mx_requant import requantize
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
 
@@ -170,10 +173,13 @@ class MXGroupedMMConfig:
     swap: bool = False  # weights on the MMA's M side (its register operand), the group's rows on its N side
     fragment_k: bool = False  # swapped, high-precision x: K in the register fragment's order (``_fragment_k``)
     x_prepass: bool = False  # MX x dequantised to bf16 in memory first (small), then the high-precision x kernel
+    fp8: bool = False  # operands re-expressed as e4m3 with 1x128 scales, then fp8 MMAs (``_mx_fp8_grouped_kernel``)
 
     def label(self) -> str:
         if self.prepass:
             return "prepass-bf16-grouped"
+        if self.fp8:
+            return f"fp8-1x128_{self.block_m}x{self.block_n}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
         persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
         flags = ("_swap" if self.swap else "") + ("_fragk" if self.fragment_k else "")
         return (
@@ -196,6 +202,12 @@ WEIGHT_ONLY = MXGroupedMMConfig(256, 128, 64, 8, 3, 8)
 # for fp8) costs less than converting it in every row tile's main loop; the bf16 grouped GEMM then runs at its rate.
 PREPASS_MIN_ROWS = 256
 PREPASS = MXGroupedMMConfig(prepass=True)
+FP8 = MXGroupedMMConfig(128, 128, 128, 8, 4, 8, fp8=True)
+FP8_GROUPED = True
+"""Whether the plan takes ``FP8`` where the prepass would run, for e4m3 / e2m1 operands and a bf16 output on
+Hopper: the dense GEMM's fp8 re-expression (``_mx_requant``; e2m1 exact while a 128-group's non-zero block scales
+span <= 14, e4m3 within 2^-17 of the group's largest element) and fp8 MMAs whose sums are promoted to fp32 every
+128 K. fp32 outputs keep the bf16 prepass (exact sums)."""
 SWAP_MAX_ROWS = 64
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
@@ -204,7 +216,13 @@ INTERPRETER_PROGRAMS = 3
 
 
 def choose_config(
-    m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt: str = "", sm90: bool = False
+    m: int,
+    e: int,
+    on_cpu: bool,
+    x_fmt: str | None = None,
+    w_fmt: str = "",
+    sm90: bool = False,
+    out_dtype: torch.dtype = torch.bfloat16,
 ) -> MXGroupedMMConfig:
     """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats (``sm90``: the GPU is a
     Hopper, whose wgmma register fragment ``SWAPPED`` is laid out for and where it was timed)."""
@@ -212,7 +230,8 @@ def choose_config(
         return INTERPRETER_CONFIG
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
     if x_fmt is not None and m / max(1, e) >= PREPASS_MIN_ROWS:
-        return PREPASS
+        fp8 = FP8_GROUPED and sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16
+        return FP8 if fp8 else PREPASS
     if x_fmt is not None and sm90 and m / max(1, e) <= SWAP_MAX_ROWS:
         return SWAPPED
     return loop_config(m, e, x_fmt, w_fmt)
@@ -260,9 +279,11 @@ def launch(
     if k == 0:
         return out.zero_()  # rows past the last offset too: the product over an empty K is zero everywhere
     interp = x.device.type == "cpu"
-    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, hopper(x))
+    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, hopper(x), out.dtype)
     if cfg.prepass:
         return _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out)
+    if cfg.fp8:
+        return _fp8(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out, cfg)
     if k % cfg.block_k:
         raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
     if cfg.x_prepass and x_fmt is None:
@@ -308,3 +329,16 @@ def _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out) -> torch.Tensor:
     # the interpreter's fp32 values to bf16: exact, they came from bf16-representable MX values
     xb, wb = xb.to(torch.bfloat16), wb.to(torch.bfloat16).view(e, n, -1)
     return gk.launch(xb, wb.transpose(1, 2), offs, out)
+
+
+def _fp8(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out, cfg: MXGroupedMMConfig) -> torch.Tensor:
+    """Both operands re-expressed as e4m3 with one fp32 scale per 128 values along K (one launch), then the fp8
+    grouped kernel. Alive during the call: an e4m3 copy of x and of every group's weights, and their scales."""
+    if x_fmt not in FP8_FORMATS or w_fmt not in FP8_FORMATS:
+        raise ValueError(f"mx_grouped_mm kernel: {cfg.label()} takes {FP8_FORMATS} operands, not {x_fmt}, {w_fmt}")
+    e, n = w.shape[0], w.shape[1]
+    w2, ws2 = w.reshape(e * n, w.shape[2]), w_scale.reshape(e * n, w_scale.shape[2])
+    qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w2, ws2, w_fmt, align=4)  # 16-byte scale rows: TMA loads
+    tiles = fk.FP8GroupedConfig(cfg.block_m, cfg.block_n, cfg.group_m, cfg.num_stages, cfg.num_warps,
+                                cfg.programs_per_sm or 1)  # fmt: skip
+    return fk.launch(qx, sx, qw.view(e, n, -1), sw, offs, out, tiles)

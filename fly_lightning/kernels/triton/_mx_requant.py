@@ -103,7 +103,7 @@ def _e4m3_codes(q):
 
 @triton.jit
 def _requant_tile(
-    DATA, SCALE, Q, QS, R, C, stride_d, stride_s, stride_q, tile, n_col_tiles,
+    DATA, SCALE, Q, QS, R, C, stride_d, stride_s, stride_q, stride_qs, tile, n_col_tiles,
     FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
     G: tl.constexpr = BC // 128
@@ -134,17 +134,17 @@ def _requant_tile(
         codes = _e4m3_codes(tl.reshape(v3 * f[:, :, None], (BR, BC))).to(tl.uint8)
     cols = cb * BC + tl.arange(0, BC)
     tl.store(Q + rows64[:, None] * stride_q + cols[None, :], codes, mask=rmask & (cols[None, :] < C))
-    # group scales, outer-dim-major ([C / 128, R]): 2^(g - 127); g = 0 is 2^-127, an fp32 subnormal
+    # group scales, outer-dim-major ([C / 128, R], rows stride_qs apart): 2^(g - 127); g = 0 is 2^-127 (subnormal)
     gbits = tl.where(g > 0, g << 23, 0x00400000).to(tl.float32, bitcast=True)
     i = tl.arange(0, BR * G)
     r = (tile // n_col_tiles) * BR + i // G
     gi = cb * G + i % G
-    tl.store(QS + gi.to(tl.int64) * R + r, gbits, mask=(r < R) & (gi < C // 128))
+    tl.store(QS + gi.to(tl.int64) * stride_qs + r, gbits, mask=(r < R) & (gi < C // 128))
 
 
 @triton.jit
 def _requant_kernel(
-    A, A_SCALE, A_Q, A_QS, RA, stride_a, stride_as,
+    A, A_SCALE, A_Q, A_QS, RA, stride_a, stride_as, stride_aqs,
     B, B_SCALE, B_Q, B_QS, RB, stride_b, stride_bs, C,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr,
 ):  # fmt: skip
@@ -153,9 +153,11 @@ def _requant_kernel(
     tiles_a = tl.cdiv(RA, BR) * n_col_tiles
     pid = tl.program_id(0)
     if pid < tiles_a:
-        _requant_tile(A, A_SCALE, A_Q, A_QS, RA, C, stride_a, stride_as, C, pid, n_col_tiles, A_FMT, BR, BC, HW_CVT)
+        _requant_tile(
+            A, A_SCALE, A_Q, A_QS, RA, C, stride_a, stride_as, C, stride_aqs, pid, n_col_tiles, A_FMT, BR, BC, HW_CVT
+        )
     else:
-        _requant_tile(B, B_SCALE, B_Q, B_QS, RB, C, stride_b, stride_bs, C, pid - tiles_a, n_col_tiles,
+        _requant_tile(B, B_SCALE, B_Q, B_QS, RB, C, stride_b, stride_bs, C, RB, pid - tiles_a, n_col_tiles,
                       B_FMT, BR, BC, HW_CVT)  # fmt: skip
 
 
@@ -190,11 +192,20 @@ def reference(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> tuple[torch.
 
 
 def requantize(
-    a: torch.Tensor, a_scale: torch.Tensor, a_fmt: str, b: torch.Tensor, b_scale: torch.Tensor, b_fmt: str
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    a_fmt: str,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_fmt: str,
+    *,
+    align: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """MX ``a`` ``[M, K / per_byte]`` and ``b`` ``[N, ...]`` (formats in ``FORMATS``; K % 128; last dims contiguous)
     to ``(qa [M, K], sa [M, K / 128], qb [N, K], sb [K / 128, N])``: e4m3 elements and fp32 group scales laid out
-    as ``torch._scaled_mm(qa, qb.t(), sa, sb)`` takes them (``sa`` outer-dim-major)."""
+    as ``torch._scaled_mm(qa, qb.t(), sa, sb)`` takes them (``sa`` outer-dim-major). ``align``: ``sa``'s column
+    stride rounded up to a multiple of it (``sb`` starting that many elements on): 4 gives both scale tensors
+    16-byte aligned starts and ``sa`` a 16-byte stride (TMA descriptors)."""
     for fmt in (a_fmt, b_fmt):
         if fmt not in FORMATS:
             raise ValueError(f"requantize: {fmt} is not one of {FORMATS}")
@@ -202,11 +213,12 @@ def requantize(
     if k % GROUP or b_scale.shape[1] * 32 != k:
         raise ValueError(f"requantize: K={k} (a) and {b_scale.shape[1] * 32} (b) must agree and divide by {GROUP}")
     groups = k // GROUP
+    mp = m if align == 1 else -(-m // align) * align
     # one allocation each, the operands' parts as views (host time: each allocation, view or slice costs it)
     q = outputs.empty(m + n, k, dtype=torch.float8_e4m3fn, device=a.device)
-    qs = outputs.empty((m + n) * groups, dtype=torch.float32, device=a.device)
+    qs = outputs.empty((mp + n) * groups, dtype=torch.float32, device=a.device)
     qa, qb = q[:m], q[m:]
-    sa, sb = qs.as_strided((m, groups), (1, m)), qs.as_strided((groups, n), (n, 1), m * groups)
+    sa, sb = qs.as_strided((m, groups), (1, mp)), qs.as_strided((groups, n), (n, 1), mp * groups)
     tiles = (cdiv(m, ROWS) + cdiv(n, ROWS)) * cdiv(k, COLS)
     if tiles:
         # e4m3 data goes as it is, e2m1 pairs are bytes already; E8M0 scales cannot be kernel arguments: bytes
@@ -215,7 +227,7 @@ def requantize(
         with on_device(a):
             _REQUANT(
                 (tiles,),
-                (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0),
+                (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0), mp,
                  b, b_scale.view(torch.uint8), out_b, sb, n, b.stride(0), b_scale.stride(0), k),
                 A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=hw, num_warps=4,
             )  # fmt: skip

@@ -49,6 +49,7 @@ CONFIGS = {
     "block_n64_k32": replace(mk.INTERPRETER_CONFIG, block_n=64, block_k=32, group_m=4),
     "prepass": mk.PREPASS,  # dequantised to bf16 in memory, then the bf16 grouped kernel
     "swapped": mk.SWAPPED,  # the plan for few rows per group on sm90: x dequantised first, weights swapped
+    "fp8": mk.FP8,  # re-expressed as e4m3 with 1x128 scales, then the fp8 grouped kernel
 }
 
 
@@ -63,14 +64,19 @@ def test_launch_configurations(name):
 
 @pytest.mark.parametrize("x_fmt", ["mxfp8_e4m3", "mxfp4_e2m1", None])
 def test_plans_by_rows_per_group(x_fmt):
-    """MX x: swapped tiles up to SWAP_MAX_ROWS rows per group on sm90 only, in-loop tiles between, the prepass from
-    PREPASS_MIN_ROWS; weight-only never swapped (untimed) nor dequantised in memory; the interpreter its own plan."""
+    """MX x: swapped tiles up to SWAP_MAX_ROWS rows per group on sm90 only, in-loop tiles between, from
+    PREPASS_MIN_ROWS the fp8 plan on sm90 (e4m3 / e2m1, bf16 output), else the bf16 prepass; weight-only never
+    swapped (untimed) nor converted in memory; the interpreter its own plan."""
     w_fmt = "mxfp4_e2m1"
     plans = {rows: mk.choose_config(rows * 128, 128, False, x_fmt, w_fmt, sm90=True) for rows in (1, 64, 65, 255, 256)}
     mx = x_fmt is not None
     assert plans[1] == plans[64] == (mk.SWAPPED if mx else mk.SMALL_GROUPS)
     assert plans[65] == mk.SMALL_GROUPS and plans[255] == mk.loop_config(255 * 128, 128, x_fmt, w_fmt)
-    assert plans[256] == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
+    assert plans[256] == (mk.FP8 if mx else mk.WEIGHT_ONLY)
+    if mx:  # exact sums for fp32 outputs, e5m2 does not fit e4m3, other GPUs untimed: the bf16 prepass
+        assert mk.choose_config(256 * 128, 128, False, x_fmt, w_fmt, True, torch.float32) == mk.PREPASS
+        assert mk.choose_config(256 * 128, 128, False, "mxfp8_e5m2", w_fmt, sm90=True) == mk.PREPASS
+        assert mk.choose_config(256 * 128, 128, False, x_fmt, w_fmt, sm90=False) == mk.PREPASS
     assert mk.choose_config(64 * 128, 128, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS  # sm80: not timed
     assert mk.choose_config(64 * 128, 128, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 
@@ -122,6 +128,8 @@ def test_swapped_tiles(x_fmt, w_fmt, fragment_k):
         (None, replace(SWAPPED, swap=False, fragment_k=True), "fragment_k is for swapped tiles"),
         (None, replace(SWAPPED, block_k=64, fragment_k=True), "fragment_k is for swapped tiles"),
         (None, replace(SWAPPED, x_prepass=True), "x_prepass needs MX x"),
+        (None, mk.FP8, "takes .* operands"),  # weight-only
+        ("mxfp8_e5m2", mk.FP8, "takes .* operands"),  # e5m2's range does not fit e4m3's
     ],
 )
 def test_launch_rejects_fragment_k_and_x_prepass_off_their_forms(x_fmt, cfg, match):
@@ -147,14 +155,15 @@ def test_dispatched_call_takes_triton():
     _check(y, args)
 
 
-def test_nan_scale_gives_a_nan_row():
+@pytest.mark.parametrize("config", [None, mk.FP8])
+def test_nan_scale_gives_a_nan_row(config):
     args = _problem("mxfp8_e4m3", "mxfp8_e4m3", counts=[10, 10])
     args[1].view(torch.uint8)[12, 2] = 255  # row 12 (group 1): one NaN block
-    out = mx_grouped_mm_triton(*args, torch.float32)
+    out = mk.launch(*args, torch.zeros(25, 40), config=config)
     assert out[:20].isnan().any(1).nonzero().flatten().tolist() == [12] and out[12].isnan().all()
 
 
-@pytest.mark.parametrize("config", [None, mk.PREPASS])
+@pytest.mark.parametrize("config", [None, mk.PREPASS, mk.FP8])
 def test_invalid_device_offsets_are_clamped(config):
     # the host never reads device offsets; the kernel clamps them to [0, M] and makes the groups non-negative (the
     # prepass skips the weights of groups 0 and 2 as the GEMM, which never reads them, counts them: empty)

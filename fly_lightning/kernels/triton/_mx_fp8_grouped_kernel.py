@@ -1,0 +1,186 @@
+"""Grouped GEMM on fp8 tensor cores with one fp32 scale per 128 values along K on both operands (1x128 x 1x128, the
+layout ``_mx_requant.requantize`` writes): the MX grouped GEMM's ``fp8`` plan on Hopper, where cuBLAS's blockwise fp8
+GEMM has no grouped form.
+
+Per 128-wide K step an fp8 MMA into a fresh fp32 tile, then that tile times the outer product of the step's row and
+column scales added to the accumulator (the sums promoted to fp32 every 128 K, as cuBLAS's blockwise kernel does).
+The scaling sits on the MMA's critical path within a warp group; with 8 warps two warp groups share the SM and one
+scales while the other's MMA runs.
+
+Schedule as the other grouped kernels (``_grouped_mm_kernel``'s ``scan``): a grid from shapes only, the int32 end
+offsets read and clamped on the device. Operands through device-side TMA descriptors (``[M, K]`` and ``[E, N, K]``
+e4m3, K contiguous); a tile's rows past its group end come from the next group (or TMA's zero fill) and are never
+stored. Under the interpreter (no fp8 there) the codes are bytes, decoded to fp32 and multiplied in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
+from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle, _scan_start
+from fly_lightning.kernels.triton._launch import FastLaunch
+from fly_lightning.kernels.triton._math import cdiv, next_pow2
+from fly_lightning.kernels.triton._mx_elements import decode
+from fly_lightning.kernels.triton._support import num_sms, on_device
+
+GROUP = 128  # K values per scale (``_mx_requant.GROUP``), the kernel's BLOCK_K
+
+
+@dataclass(frozen=True)
+class FP8GroupedConfig:
+    """Tile sizes, warps, pipeline stages, programs per SM (persistent)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    group_m: int = 8
+    num_stages: int = 4
+    num_warps: int = 8
+    programs_per_sm: int = 1
+
+
+# 128x128 tiles over 8 warps (two warp groups of 64 rows), 4 stages: 212 registers, no spills (sm90, Triton 3.6);
+# 128x256 spills 128 bytes or more at 2-3 stages
+DEFAULT = FP8GroupedConfig()
+INTERPRETER_CONFIG = FP8GroupedConfig(32, 32, 2, 1, 4)
+INTERPRETER_PROGRAMS = 3
+
+
+@triton.jit
+def _codes(ptrs):
+    """Interpreter: e4m3 codes (bytes) as fp32 values, NaN for the NaN codes (``decode`` reads them as finite)."""
+    c = tl.load(ptrs)
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), decode(c, 4, 3, 7))
+
+
+# fmt: off
+@triton.jit
+def _fp8_tile(
+    tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, xs_desc, ws_desc, N, EN, K,
+    stride_om, stride_xs, num_n, k_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr, TMA_S: tl.constexpr,
+):
+    pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
+    row0 = g_start + pid_m * BLOCK_M
+    n0 = pid_n * BLOCK_N
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < g_start + g_size
+    cols = n0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    xs_ptrs = XS + tl.where(row_ok, rows, 0)  # scales [K / 128, M] and [K / 128, E * N]: a step's are contiguous
+    ws_ptrs = WS + g * N + tl.where(col_ok, cols, 0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if INTERPRET:
+        ks = tl.arange(0, 128)
+        x_ptrs = X + tl.where(row_ok, rows, 0).to(tl.int64)[:, None] * K + ks[None, :]
+        w_ptrs = W + (g.to(tl.int64) * N + tl.where(col_ok, cols, 0))[:, None] * K + ks[None, :]
+        kk = 0
+        while kk < k_tiles:
+            p = tl.dot(_codes(x_ptrs + kk * 128), tl.trans(_codes(w_ptrs + kk * 128)))
+            acc += p * (tl.load(xs_ptrs + kk * stride_xs)[:, None] * tl.load(ws_ptrs + kk * EN)[None, :])
+            kk += 1
+    else:
+        for kk in range(0, k_tiles):
+            a = x_desc.load([row0, kk * 128])
+            b = w_desc.load([g, n0, kk * 128]).reshape(BLOCK_N, 128)
+            p = tl.dot(a, b.T)
+            if TMA_S:
+                sa = xs_desc.load([kk, row0]).reshape(BLOCK_M)
+                sb = ws_desc.load([kk, g * N + n0]).reshape(BLOCK_N)
+            else:
+                sa = tl.load(xs_ptrs + kk * stride_xs)
+                sb = tl.load(ws_ptrs + kk * EN)
+            acc += p * (sa[:, None] * sb[None, :])
+    o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _fp8_grouped_kernel(
+    X, XS, W, WS, OUT, OFFS, M, N, K, E, stride_om, stride_xs, NUM_PROGS,
+    E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    INTERPRET: tl.constexpr, TMA_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = K // 128
+    x_desc = X  # placeholders under the interpreter (pointer loads there)
+    w_desc = W
+    if not INTERPRET:
+        x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, 128])
+        w_desc = tl.make_tensor_descriptor(W, shape=[E, N, K], strides=[N * K, K, 1], block_shape=[1, BLOCK_N, 128])
+    xs_desc = XS
+    ws_desc = WS
+    if TMA_S:
+        xs_desc = tl.make_tensor_descriptor(XS, shape=[K // 128, M], strides=[stride_xs, 1], block_shape=[1, BLOCK_M])
+        ws_desc = tl.make_tensor_descriptor(WS, shape=[K // 128, E * N], strides=[E * N, 1], block_shape=[1, BLOCK_N])
+    total, g, g_first, g_start, g_end, g_size, g_tiles = _scan_start(pid, OFFS, M, E, num_n, BLOCK_M, E_POW2)
+    if INTERPRET:
+        tile = pid
+        while tile < total:
+            g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+                tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+            _fp8_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, xs_desc, ws_desc, N,
+                      E * N, K, stride_om, stride_xs, num_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, INTERPRET, TMA_S)
+            tile += NUM_PROGS
+    else:
+        for tile in range(pid, total, NUM_PROGS):
+            g, g_first, g_start, g_end, g_size, g_tiles = _advance(
+                tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
+            _fp8_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, xs_desc, ws_desc, N,
+                      E * N, K, stride_om, stride_xs, num_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, INTERPRET, TMA_S)
+# fmt: on
+
+
+_FP8_GROUPED = FastLaunch(_fp8_grouped_kernel)
+
+
+def launch(
+    qx: torch.Tensor,
+    sx: torch.Tensor,
+    qw: torch.Tensor,
+    sw: torch.Tensor,
+    offs: torch.Tensor,
+    out: torch.Tensor,
+    config: FP8GroupedConfig | None = None,
+) -> torch.Tensor:
+    """``out[rows of e] = (qx * sx)[rows of e] @ (qw[e] * sw[e]).T`` per group, each scale over its 128 values along
+    K; rows past ``offs[-1]`` untouched.
+
+    ``qx`` ``[M, K]`` e4m3 (uint8 codes under the interpreter) and ``qw`` ``[E, N, K]`` likewise, both contiguous;
+    ``sx`` fp32 ``[M, K / 128]`` with stride ``(1, s)``, ``s >= M``; ``sw`` fp32 ``[K / 128, E * N]`` contiguous:
+    ``_mx_requant.requantize``'s layouts for ``qx`` and ``qw.view(E * N, K)``. K % 128."""
+    e, n, k = qw.shape
+    m = qx.shape[0]
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    interp = qx.device.type == "cpu"
+    cfg = INTERPRETER_CONFIG if interp else (config or DEFAULT)
+    upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
+    progs = min(INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms(qx.device.index or 0), upper)
+    # the scales through TMA too where their rows and starts are 16-byte aligned (else one load per thread and value)
+    tma_s = (
+        not interp
+        and sx.stride(1) % 4 == 0
+        and sx.data_ptr() % 16 == 0
+        and sw.data_ptr() % 16 == 0
+        and (e * n) % 4 == 0
+    )
+    if interp:  # the interpreter has no fp8: the codes as bytes
+        qx, qw = qx.view(torch.uint8), qw.view(torch.uint8)
+    else:
+        triton.set_allocator(gk._tma_allocator)  # device-side descriptors' scratch (a context variable: per call)
+    with on_device(qx):
+        _FP8_GROUPED(
+            (progs,),
+            (qx, sx, qw, sw, out, offs, m, n, k, e, out.stride(0), sx.stride(1), progs),
+            E_POW2=max(1024, next_pow2(e)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+            INTERPRET=interp, TMA_S=tma_s, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
+    return out

@@ -338,7 +338,8 @@ def _fp8(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out, cfg: MXGroupedMMConfig
         raise ValueError(f"mx_grouped_mm kernel: {cfg.label()} takes {FP8_FORMATS} operands, not {x_fmt}, {w_fmt}")
     e, n = w.shape[0], w.shape[1]
     w2, ws2 = w.reshape(e * n, w.shape[2]), w_scale.reshape(e * n, w_scale.shape[2])
-    qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w2, ws2, w_fmt, align=4)  # 16-byte scale rows: TMA loads
+    # 16-byte scale rows (TMA loads); weights of groups without rows skipped (the GEMM never reads them)
+    qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w2, ws2, w_fmt, align=4, offs=offs if e else None)
     tiles = fk.FP8GroupedConfig(cfg.block_m, cfg.block_n, cfg.group_m, cfg.num_stages, cfg.num_warps,
                                 cfg.programs_per_sm or 1)  # fmt: skip
     return fk.launch(qx, sx, qw.view(e, n, -1), sw, offs, out, tiles)

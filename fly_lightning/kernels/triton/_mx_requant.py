@@ -102,14 +102,26 @@ def _e4m3_codes(q):
 
 
 @triton.jit
+def _group_has_rows(OFFS, grp, valid, M):
+    """Whether groups ``grp`` have rows, their end offsets clamped to [0, M] as the grouped GEMM clamps them."""
+    end = tl.minimum(tl.maximum(tl.load(OFFS + grp, mask=valid, other=0), 0), M)
+    start = tl.minimum(tl.maximum(tl.load(OFFS + grp - 1, mask=(grp > 0) & valid, other=0), 0), M)
+    return end > start
+
+
+@triton.jit
 def _requant_tile(
     DATA, SCALE, Q, QS, R, C, stride_d, stride_s, stride_q, stride_qs, tile, n_col_tiles,
     FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr,
+    OFFS=None, GROUP_ROWS=1, M=0, SKIP_EMPTY: tl.constexpr = False,
 ):  # fmt: skip
     G: tl.constexpr = BC // 128
     rows = (tile // n_col_tiles) * BR + tl.arange(0, BR)
     cb = tile % n_col_tiles
-    rmask = rows[:, None] < R
+    live_rows = rows < R
+    if SKIP_EMPTY:  # rows of groups with no rows in the grouped GEMM (offsets clamped as it clamps them): skipped
+        live_rows = live_rows & _group_has_rows(OFFS, rows // GROUP_ROWS, live_rows, M)
+    rmask = live_rows[:, None]
     rows64 = rows.to(tl.int64)
     sb = cb * (BC // 32) + tl.arange(0, BC // 32)
     s = tl.load(SCALE + rows64[:, None] * stride_s + sb[None, :], mask=rmask & (sb[None, :] < C // 32), other=127)
@@ -139,16 +151,20 @@ def _requant_tile(
     i = tl.arange(0, BR * G)
     r = (tile // n_col_tiles) * BR + i // G
     gi = cb * G + i % G
-    tl.store(QS + gi.to(tl.int64) * stride_qs + r, gbits, mask=(r < R) & (gi < C // 128))
+    r_live = tl.reshape(tl.broadcast_to(live_rows[:, None], (BR, G)), (BR * G,))  # r's row: rows[i // G]
+    tl.store(QS + gi.to(tl.int64) * stride_qs + r, gbits, mask=r_live & (gi < C // 128))
 
 
 @triton.jit
 def _requant_kernel(
     A, A_SCALE, A_Q, A_QS, RA, stride_a, stride_as, stride_aqs,
-    B, B_SCALE, B_Q, B_QS, RB, stride_b, stride_bs, C,
+    B, B_SCALE, B_Q, B_QS, RB, stride_b, stride_bs, C, OFFS, GROUP_ROWS,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr,
+    SKIP_EMPTY: tl.constexpr = False,
 ):  # fmt: skip
-    """Both operands in one launch: the first ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's."""
+    """Both operands in one launch: the first ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's.
+    ``SKIP_EMPTY``: B holds ``GROUP_ROWS`` rows per group and A the grouped GEMM's rows, ``OFFS`` its int32 end
+    offsets: B's rows of groups without rows are neither read nor written."""
     n_col_tiles = tl.cdiv(C, BC)
     tiles_a = tl.cdiv(RA, BR) * n_col_tiles
     pid = tl.program_id(0)
@@ -158,7 +174,7 @@ def _requant_kernel(
         )
     else:
         _requant_tile(B, B_SCALE, B_Q, B_QS, RB, C, stride_b, stride_bs, C, RB, pid - tiles_a, n_col_tiles,
-                      B_FMT, BR, BC, HW_CVT)  # fmt: skip
+                      B_FMT, BR, BC, HW_CVT, OFFS, GROUP_ROWS, RA, SKIP_EMPTY)  # fmt: skip
 
 
 _REQUANT = FastLaunch(_requant_kernel)
@@ -200,18 +216,23 @@ def requantize(
     b_fmt: str,
     *,
     align: int = 1,
+    offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """MX ``a`` ``[M, K / per_byte]`` and ``b`` ``[N, ...]`` (formats in ``FORMATS``; K % 128; last dims contiguous)
     to ``(qa [M, K], sa [M, K / 128], qb [N, K], sb [K / 128, N])``: e4m3 elements and fp32 group scales laid out
     as ``torch._scaled_mm(qa, qb.t(), sa, sb)`` takes them (``sa`` outer-dim-major). ``align``: ``sa``'s column
     stride rounded up to a multiple of it (``sb`` starting that many elements on): 4 gives both scale tensors
-    16-byte aligned starts and ``sa`` a 16-byte stride (TMA descriptors)."""
+    16-byte aligned starts and ``sa`` a 16-byte stride (TMA descriptors). ``offs``: a grouped GEMM's int32 end
+    offsets (``[E]``, contiguous) over ``a``'s rows, ``b`` holding E groups of equal rows (its weights): rows of
+    ``b``'s groups that have no rows of ``a`` are left unwritten (codes and scales; the GEMM never reads them)."""
     for fmt in (a_fmt, b_fmt):
         if fmt not in FORMATS:
             raise ValueError(f"requantize: {fmt} is not one of {FORMATS}")
     m, n, k = a_scale.shape[0], b_scale.shape[0], a_scale.shape[1] * 32
     if k % GROUP or b_scale.shape[1] * 32 != k:
         raise ValueError(f"requantize: K={k} (a) and {b_scale.shape[1] * 32} (b) must agree and divide by {GROUP}")
+    if offs is not None and (offs.numel() == 0 or n % offs.numel()):
+        raise ValueError(f"requantize: offs over {offs.numel()} groups does not divide b's {n} rows")
     groups = k // GROUP
     mp = m if align == 1 else -(-m // align) * align
     # one allocation each, the operands' parts as views (host time: each allocation, view or slice costs it)
@@ -228,7 +249,9 @@ def requantize(
             _REQUANT(
                 (tiles,),
                 (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0), mp,
-                 b, b_scale.view(torch.uint8), out_b, sb, n, b.stride(0), b_scale.stride(0), k),
-                A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=hw, num_warps=4,
+                 b, b_scale.view(torch.uint8), out_b, sb, n, b.stride(0), b_scale.stride(0), k,
+                 sa if offs is None else offs, 1 if offs is None else n // offs.numel()),  # sa: a placeholder, unread
+                A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=hw,
+                SKIP_EMPTY=offs is not None, num_warps=4,
             )  # fmt: skip
     return qa, sa, qb, sb

@@ -8,14 +8,15 @@ GEMM (ours, on the dequantised operands) and the MX grouped plan, on grouped sui
   across K with a promotion to fp32 every 128 (``max_num_imprecise_acc``), both scales in the epilogue;
 - ``row_fast``: the same without promotion (the fp8 MMA's own accumulation across K).
 
-- ``tma-<tiles>``: the product's fp8 grouped kernel (``_mx_fp8_grouped_kernel``: TMA loads of the codes and the
-  scales, 8 warps), the ``step`` sums, in tile configurations; ``tma-ptr-scales``: its scales by pointer loads.
+- ``k-<tiles>``: the product's fp8 grouped kernel (``_mx_fp8_grouped_kernel``: TMA loads of the codes, pointer
+  loads of the scales), the ``step`` sums, in tile configurations and programs per SM.
 
 The re-expression is done beforehand (not timed): the GEMM forms alone, device time from CUDA-graph replays, side by
-side, after a check against the fp32 product of the dequantised operands; ``plan`` (the public call: the planned
-re-expression included) and ``prepass`` (the bf16 prepass plan) beside them. Prints; not a suite.
+side, after a check against the fp32 product of the dequantised operands; beside them ``plan`` (the public call),
+``prepass`` (the bf16 prepass plan) and ``fp8-plan-<tiles>`` (the fp8 plan, its re-expression included).
+Prints; not a suite.
 
-    python -m benchmarks.probe_mx_fp8_grouped             # the product kernel's configurations (tma-*), plan, prepass
+    python -m benchmarks.probe_mx_fp8_grouped             # the product kernel's configurations (k-*), the plans
     python -m benchmarks.probe_mx_fp8_grouped --all       # and the probe's own forms (step, lagged, row, row_fast)
 """
 
@@ -39,18 +40,22 @@ from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
 from fly_lightning.quant.formats import from_mx
 
 CASES = (
-    "uniform-E8-m4096-K4096-N4096",
+    "uniform-E128-m64-K4096-N1024",
+    "uniform-E128-m128-K2048-N1536",
+    "uniform-E64-m256-K2048-N2048",
+    "uniform-E32-m512-K2048-N4096",
     "qwen3-30b-a3b-gate_up",
+    "olmoe-1b-7b-down",
     "deepseek-v3-ep8-down",
     "mixtral-8x7b-down",
-    "olmoe-1b-7b-down",
-    "uniform-E128-m64-K4096-N1024",
+    "uniform-E8-m4096-K4096-N4096",
 )
-TILES = {  # block_m, block_n, group_m, stages, warps
-    "128x128-s4": (128, 128, 8, 4, 8),
-    "128x128-s3": (128, 128, 8, 3, 8),
-    "64x256-s4": (64, 256, 8, 4, 8),
-    "128x128-s4-g4": (128, 128, 4, 4, 8),
+TILES = {  # block_m, block_n, group_m, stages, warps, programs per SM
+    "128x128-w8-p1": (128, 128, 8, 4, 8, 1),
+    "64x128-w4-p2-s3": (64, 128, 8, 3, 4, 2),
+    "64x128-w4-p2-s4": (64, 128, 8, 4, 4, 2),
+    "64x256-w8-p1-s3": (64, 256, 8, 3, 8, 1),
+    "128x64-w4-p2-s3": (128, 64, 8, 3, 4, 2),
 }
 MODES = {"step": 0, "lagged": 1, "row": 2, "row_fast": 3}
 ALL = "--all" in sys.argv
@@ -157,11 +162,11 @@ def _case(fmt: str, case) -> None:
     qx8, sx8, qw8, sw8 = requantize(xd, xs, fmt, wd, ws, fmt, align=4)
     qw8 = qw8.view(e, n, k)
     for name, t in TILES.items():
-        fns[f"tma-{name}"] = lambda t=t: fk.launch(qx8, sx8, qw8, sw8, offs, out, fk.FP8GroupedConfig(*t))
-    ptr_scales = fk.FP8GroupedConfig(tma_scales=False)
-    fns["tma-ptr-scales"] = lambda: fk.launch(qx8, sx8, qw8, sw8, offs, out, ptr_scales)
+        fns[f"k-{name}"] = lambda t=t: fk.launch(qx8, sx8, qw8, sw8, offs, out, fk.FP8GroupedConfig(*t))
     fns["prepass"] = lambda: mk.launch(*args[:6], offs, out, config=mk.PREPASS)
-    fns["fp8-plan"] = lambda: mk.launch(*args[:6], offs, out, config=mk.FP8)
+    for name, t in (("64x128-w4-p2-s3", (64, 128, 128, 8, 3, 4, 2)), ("128x128-w8-p1", (128, 128, 128, 8, 4, 8, 1))):
+        cfg = mk.MXGroupedMMConfig(*t, fp8=True)
+        fns[f"fp8-plan-{name}"] = lambda cfg=cfg: mk.launch(*args[:6], offs, out, config=cfg)
     for mode, code in MODES.items() if ALL else ():
         for bm, bn, warps, stages in ((64, 256, 8, 3), (128, 128, 8, 3), (128, 256, 8, 3)):
             if code < 2 and (bm, bn) != (64, 256):

@@ -4,11 +4,16 @@ GEMM has no grouped form.
 
 Per 128-wide K step an fp8 MMA into a fresh fp32 tile, then that tile times the outer product of the step's row and
 column scales added to the accumulator (the sums promoted to fp32 every 128 K, as cuBLAS's blockwise kernel does).
-The scaling sits on the MMA's critical path within a warp group; with 8 warps two warp groups share the SM and one
-scales while the other's MMA runs.
+Within a program the scaling waits for its MMA; 64x128 tiles on 4 warps leave room for two programs per SM, and one
+scales while the other's MMA runs. Measured (graph replays, H100, f4e9eba, ``probe_mx_fp8_grouped``), the kernel
+alone on operands already re-expressed, against the bf16 grouped GEMM: 0.77-0.96x on the compute-bound cases
+(K >= 1024, >= 512 rows per group), 1.0x at 256 rows per group, 1.5-1.7x at 64-128; 128x128 tiles on 8 warps (one
+program per SM) ran 0.59-0.78x and 1.2-1.3x. Scales loaded by pointers (the pipeliner stages them through shared
+memory); loading them through TMA descriptors too made every form slower (0.43-0.53x at 128x128) and faulted
+(illegal instruction) where a group's first row left the scale row's start off 16 bytes.
 
 Schedule as the other grouped kernels (``_grouped_mm_kernel``'s ``scan``): a grid from shapes only, the int32 end
-offsets read and clamped on the device. Operands through device-side TMA descriptors (``[M, K]`` and ``[E, N, K]``
+offsets read and clamped on the device. Codes through device-side TMA descriptors (``[M, K]`` and ``[E, N, K]``
 e4m3, K contiguous); a tile's rows past its group end come from the next group (or TMA's zero fill) and are never
 stored. Under the interpreter (no fp8 there) the codes are bytes, decoded to fp32 and multiplied in fp32.
 """
@@ -35,18 +40,17 @@ GROUP = 128  # K values per scale (``_mx_requant.GROUP``), the kernel's BLOCK_K
 class FP8GroupedConfig:
     """Tile sizes, warps, pipeline stages, programs per SM (persistent)."""
 
-    block_m: int = 128
+    block_m: int = 64
     block_n: int = 128
     group_m: int = 8
-    num_stages: int = 4
-    num_warps: int = 8
-    programs_per_sm: int = 1
+    num_stages: int = 3
+    num_warps: int = 4
+    programs_per_sm: int = 2
 
 
-# 128x128 tiles over 8 warps (two warp groups of 64 rows), 4 stages: 212 registers, no spills (sm90, Triton 3.6);
-# 128x256 spills 128 bytes or more at 2-3 stages
+# 64x128 on 4 warps, 3 stages: 224 registers, 74 KB of shared memory, no spills (sm90, Triton 3.6): two per SM
 DEFAULT = FP8GroupedConfig()
-INTERPRETER_CONFIG = FP8GroupedConfig(32, 32, 2, 1, 4)
+INTERPRETER_CONFIG = FP8GroupedConfig(32, 32, 2, 1, 4, 1)
 INTERPRETER_PROGRAMS = 3
 
 
@@ -60,9 +64,9 @@ def _codes(ptrs):
 # fmt: off
 @triton.jit
 def _fp8_tile(
-    tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, xs_desc, ws_desc, N, EN, K,
+    tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, N, EN, K,
     stride_om, stride_xs, num_n, k_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr, TMA_S: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
     row0 = g_start + pid_m * BLOCK_M
@@ -88,13 +92,7 @@ def _fp8_tile(
             a = x_desc.load([row0, kk * 128])
             b = w_desc.load([g, n0, kk * 128]).reshape(BLOCK_N, 128)
             p = tl.dot(a, b.T)
-            if TMA_S:
-                sa = xs_desc.load([kk, row0]).reshape(BLOCK_M)
-                sb = ws_desc.load([kk, g * N + n0]).reshape(BLOCK_N)
-            else:
-                sa = tl.load(xs_ptrs + kk * stride_xs)
-                sb = tl.load(ws_ptrs + kk * EN)
-            acc += p * (sa[:, None] * sb[None, :])
+            acc += p * (tl.load(xs_ptrs + kk * stride_xs)[:, None] * tl.load(ws_ptrs + kk * EN)[None, :])
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
@@ -103,7 +101,7 @@ def _fp8_tile(
 def _fp8_grouped_kernel(
     X, XS, W, WS, OUT, OFFS, M, N, K, E, stride_om, stride_xs, NUM_PROGS,
     E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
-    INTERPRET: tl.constexpr, TMA_S: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -113,26 +111,21 @@ def _fp8_grouped_kernel(
     if not INTERPRET:
         x_desc = tl.make_tensor_descriptor(X, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, 128])
         w_desc = tl.make_tensor_descriptor(W, shape=[E, N, K], strides=[N * K, K, 1], block_shape=[1, BLOCK_N, 128])
-    xs_desc = XS
-    ws_desc = WS
-    if TMA_S:
-        xs_desc = tl.make_tensor_descriptor(XS, shape=[K // 128, M], strides=[stride_xs, 1], block_shape=[1, BLOCK_M])
-        ws_desc = tl.make_tensor_descriptor(WS, shape=[K // 128, E * N], strides=[E * N, 1], block_shape=[1, BLOCK_N])
     total, g, g_first, g_start, g_end, g_size, g_tiles = _scan_start(pid, OFFS, M, E, num_n, BLOCK_M, E_POW2)
     if INTERPRET:
         tile = pid
         while tile < total:
             g, g_first, g_start, g_end, g_size, g_tiles = _advance(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
-            _fp8_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, xs_desc, ws_desc, N,
-                      E * N, K, stride_om, stride_xs, num_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, INTERPRET, TMA_S)
+            _fp8_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, N, E * N, K,
+                      stride_om, stride_xs, num_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, INTERPRET)
             tile += NUM_PROGS
     else:
         for tile in range(pid, total, NUM_PROGS):
             g, g_first, g_start, g_end, g_size, g_tiles = _advance(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
-            _fp8_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, xs_desc, ws_desc, N,
-                      E * N, K, stride_om, stride_xs, num_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, INTERPRET, TMA_S)
+            _fp8_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, x_desc, w_desc, N, E * N, K,
+                      stride_om, stride_xs, num_n, k_tiles, BLOCK_M, BLOCK_N, GROUP_M, INTERPRET)
 # fmt: on
 
 
@@ -164,14 +157,6 @@ def launch(
     cfg = INTERPRETER_CONFIG if interp else (config or DEFAULT)
     upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
     progs = min(INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms(qx.device.index or 0), upper)
-    # the scales through TMA too where their rows and starts are 16-byte aligned (else one load per thread and value)
-    tma_s = (
-        not interp
-        and sx.stride(1) % 4 == 0
-        and sx.data_ptr() % 16 == 0
-        and sw.data_ptr() % 16 == 0
-        and (e * n) % 4 == 0
-    )
     if interp:  # the interpreter has no fp8: the codes as bytes
         qx, qw = qx.view(torch.uint8), qw.view(torch.uint8)
     else:
@@ -181,6 +166,6 @@ def launch(
             (progs,),
             (qx, sx, qw, sw, out, offs, m, n, k, e, out.stride(0), sx.stride(1), progs),
             E_POW2=max(1024, next_pow2(e)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            INTERPRET=interp, TMA_S=tma_s, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

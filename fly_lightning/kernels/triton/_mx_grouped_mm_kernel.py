@@ -12,11 +12,13 @@ Design:
 - The weights are ``[E, N, K / per_byte]``: each output column's K run is contiguous, read as ``[BLOCK_N, BLOCK_K]``
   and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
 - ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
-- MX activations with >= ``PREPASS_MIN_ROWS`` rows per group skip this kernel: both operands are dequantised once
-  into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element converted once, not once
-  per tile); the weights of groups without rows are skipped (mx_grouped_mm suite, H100, 87d5121: 1.21-1.22x faster
-  with half or all but one of the groups empty, 1.08x with a quarter). Weight-only never does: frozen MX experts
-  exist to save memory, and that would hold all groups in bf16.
+- MX activations with >= ``PREPASS_MIN_ROWS`` rows per group skip this kernel. On Hopper, e4m3 / e2m1 operands with a
+  bf16 output below ``FP8_MAX_ROWS`` rows per group are re-expressed as e4m3 with 1x128 scales and multiplied on fp8
+  tensor cores (``_fp8``, ``_mx_fp8_grouped_kernel``); otherwise both operands are dequantised once into bf16
+  tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element converted once, not once per tile).
+  Either way the weights of groups without rows are skipped (mx_grouped_mm suite, H100, 87d5121, bf16 prepass:
+  1.21-1.22x faster with half or all but one of the groups empty, 1.08x with a quarter). Weight-only never does:
+  frozen MX experts exist to save memory, and that would hold all groups in bf16.
 - The interpreter's bf16 ``tl.dot`` and bf16 arithmetic are wrong: there the operands are dequantised to fp32 and
   stay fp32 (``UPCAST``).
 - Groups of few rows, where each weight tile feeds one or two row tiles and the kernel is bound by converting
@@ -29,15 +31,14 @@ Design:
   and 0.456 against 0.540 MXFP4 at 64 rows per group (128 experts, K 4096, N 1024; the suite's one case that small,
   same-format pairs); at 128 rows it was slower (0.542 against 0.444 MXFP8), and from 256 the prepass wins.
   Weight-only swapped tiles are untimed: not planned.
-- Not kept: fp8 MMAs on operands re-expressed as e4m3 with 1x128 scales (as the dense GEMM's fp8 plan, whose cuBLAS
-  kernel has no grouped form on sm90), each 128-wide K step's product scaled into the fp32 accumulator: 0.46x / 0.48x
-  of the bf16 grouped GEMM in geomean (mx_grouped_mm suite, every case, H100, 8620c77); each step waits for its
-  product, so no MMA is in flight during the scaling, and scaling one step later is slower still. With one scale per
-  row over all of K instead (less exact: a row's small blocks round against its largest), the fp8 GEMM alone, before
-  any re-expression, ran 0.82-1.02x the bf16 grouped GEMM with fp32 promotion every 128 K (128x128 tiles; 128x256
-  spills) and 0.96-1.15x without it (128x256), but that raised MXFP8's bf16-output error from 1.66e-3 to up to
-  3.3e-3 at K = 14336 (``probe_mx_fp8_grouped``, H100, 59ae67b): no form beats this prepass by enough to pay its own
-  re-expression at the same precision.
+- fp8 MMAs (``FP8``): the first form, one program per SM with every 128-wide K step's product scaled into the
+  accumulator right away, ran 0.46x / 0.48x of the bf16 grouped GEMM in geomean (mx_grouped_mm suite, H100, 8620c77):
+  each step waits for its product, and the warp groups of a program wait for each other; two programs of 64x128 on
+  4 warps per SM overlap one's scaling with the other's MMA (``_mx_fp8_grouped_kernel``). With one scale per row over
+  all of K instead (less exact: a row's small blocks round against its largest), the fp8 GEMM alone ran 0.82-1.02x
+  the bf16 grouped GEMM with fp32 promotion every 128 K (128x128 tiles; 128x256 spills) and 0.96-1.15x without it
+  (128x256), but that raised MXFP8's bf16-output error from 1.66e-3 to up to 3.3e-3 at K = 14336
+  (``probe_mx_fp8_grouped``, H100, 59ae67b): not kept.
 """
 
 from __future__ import annotations
@@ -202,12 +203,16 @@ WEIGHT_ONLY = MXGroupedMMConfig(256, 128, 64, 8, 3, 8)
 # for fp8) costs less than converting it in every row tile's main loop; the bf16 grouped GEMM then runs at its rate.
 PREPASS_MIN_ROWS = 256
 PREPASS = MXGroupedMMConfig(prepass=True)
-FP8 = MXGroupedMMConfig(128, 128, 128, 8, 4, 8, fp8=True)
-FP8_GROUPED = True
-"""Whether the plan takes ``FP8`` where the prepass would run, for e4m3 / e2m1 operands and a bf16 output on
-Hopper: the dense GEMM's fp8 re-expression (``_mx_requant``; e2m1 exact while a 128-group's non-zero block scales
-span <= 14, e4m3 within 2^-17 of the group's largest element) and fp8 MMAs whose sums are promoted to fp32 every
-128 K. fp32 outputs keep the bf16 prepass (exact sums)."""
+FP8 = MXGroupedMMConfig(64, 128, 128, 8, 3, 4, programs_per_sm=2, fp8=True)
+FP8_MAX_ROWS = 1024
+"""``FP8`` takes e4m3 / e2m1 operands with a bf16 output on Hopper from ``PREPASS_MIN_ROWS`` up to (not including)
+this many rows per group, the bf16 prepass the rest: the dense GEMM's fp8 re-expression (``_mx_requant``; e2m1 exact
+while a 128-group's non-zero block scales span <= 14, e4m3 within 2^-17 of the group's largest element) and fp8 MMAs
+whose sums are promoted to fp32 every 128 K; fp32 outputs keep the bf16 prepass (exact sums). The re-expression
+reads and writes every weight element on each call, as the prepass's dequantisation does: by device time (graph
+replays, H100, f4e9eba, ``probe_mx_fp8_grouped``, MXFP8) against the bf16 prepass, 1.21x at 256 rows per group
+(0.464 against 0.564 ms), 1.06-1.08x at 512, 0.90-0.99x at 1024 (0.665 against 0.601 ms, K 1024), 0.96-1.0x from
+2048; at 64-128 rows 1.2-1.4x slower than the in-loop and swapped plans there, whose weights stay MX."""
 SWAP_MAX_ROWS = 64
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
@@ -230,8 +235,8 @@ def choose_config(
         return INTERPRETER_CONFIG
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
     if x_fmt is not None and m / max(1, e) >= PREPASS_MIN_ROWS:
-        fp8 = FP8_GROUPED and sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16
-        return FP8 if fp8 else PREPASS
+        fp8 = sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16
+        return FP8 if fp8 and m / max(1, e) < FP8_MAX_ROWS else PREPASS
     if x_fmt is not None and sm90 and m / max(1, e) <= SWAP_MAX_ROWS:
         return SWAPPED
     return loop_config(m, e, x_fmt, w_fmt)
@@ -338,8 +343,8 @@ def _fp8(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out, cfg: MXGroupedMMConfig
         raise ValueError(f"mx_grouped_mm kernel: {cfg.label()} takes {FP8_FORMATS} operands, not {x_fmt}, {w_fmt}")
     e, n = w.shape[0], w.shape[1]
     w2, ws2 = w.reshape(e * n, w.shape[2]), w_scale.reshape(e * n, w_scale.shape[2])
-    # 16-byte scale rows (TMA loads); weights of groups without rows skipped (the GEMM never reads them)
-    qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w2, ws2, w_fmt, align=4, offs=offs if e else None)
+    # weights of groups without rows skipped (the GEMM never reads them)
+    qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w2, ws2, w_fmt, offs=offs if e else None)
     tiles = fk.FP8GroupedConfig(cfg.block_m, cfg.block_n, cfg.group_m, cfg.num_stages, cfg.num_warps,
                                 cfg.programs_per_sm or 1)  # fmt: skip
     return fk.launch(qx, sx, qw.view(e, n, -1), sw, offs, out, tiles)

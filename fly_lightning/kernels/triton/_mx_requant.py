@@ -215,16 +215,14 @@ def requantize(
     b_scale: torch.Tensor,
     b_fmt: str,
     *,
-    align: int = 1,
     offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """MX ``a`` ``[M, K / per_byte]`` and ``b`` ``[N, ...]`` (formats in ``FORMATS``; K % 128; last dims contiguous)
     to ``(qa [M, K], sa [M, K / 128], qb [N, K], sb [K / 128, N])``: e4m3 elements and fp32 group scales laid out
-    as ``torch._scaled_mm(qa, qb.t(), sa, sb)`` takes them (``sa`` outer-dim-major). ``align``: ``sa``'s column
-    stride rounded up to a multiple of it (``sb`` starting that many elements on): 4 gives both scale tensors
-    16-byte aligned starts and ``sa`` a 16-byte stride (TMA descriptors). ``offs``: a grouped GEMM's int32 end
-    offsets (``[E]``, contiguous) over ``a``'s rows, ``b`` holding E groups of equal rows (its weights): rows of
-    ``b``'s groups that have no rows of ``a`` are left unwritten (codes and scales; the GEMM never reads them)."""
+    as ``torch._scaled_mm(qa, qb.t(), sa, sb)`` takes them (``sa`` outer-dim-major). ``offs``: a grouped GEMM's
+    int32 end offsets (``[E]``, contiguous) over ``a``'s rows, ``b`` holding E groups of equal rows (its weights):
+    rows of ``b``'s groups that have no rows of ``a`` are left unwritten (codes and scales; the GEMM never reads
+    them)."""
     for fmt in (a_fmt, b_fmt):
         if fmt not in FORMATS:
             raise ValueError(f"requantize: {fmt} is not one of {FORMATS}")
@@ -234,12 +232,11 @@ def requantize(
     if offs is not None and (offs.numel() == 0 or n % offs.numel()):
         raise ValueError(f"requantize: offs over {offs.numel()} groups does not divide b's {n} rows")
     groups = k // GROUP
-    mp = m if align == 1 else -(-m // align) * align
     # one allocation each, the operands' parts as views (host time: each allocation, view or slice costs it)
     q = outputs.empty(m + n, k, dtype=torch.float8_e4m3fn, device=a.device)
-    qs = outputs.empty((mp + n) * groups, dtype=torch.float32, device=a.device)
+    qs = outputs.empty((m + n) * groups, dtype=torch.float32, device=a.device)
     qa, qb = q[:m], q[m:]
-    sa, sb = qs.as_strided((m, groups), (1, mp)), qs.as_strided((groups, n), (n, 1), mp * groups)
+    sa, sb = qs.as_strided((m, groups), (1, m)), qs.as_strided((groups, n), (n, 1), m * groups)
     tiles = (cdiv(m, ROWS) + cdiv(n, ROWS)) * cdiv(k, COLS)
     if tiles:
         # e4m3 data goes as it is, e2m1 pairs are bytes already; E8M0 scales cannot be kernel arguments: bytes
@@ -248,7 +245,7 @@ def requantize(
         with on_device(a):
             _REQUANT(
                 (tiles,),
-                (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0), mp,
+                (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0), m,
                  b, b_scale.view(torch.uint8), out_b, sb, n, b.stride(0), b_scale.stride(0), k,
                  sa if offs is None else offs, 1 if offs is None else n // offs.numel()),  # sa: a placeholder, unread
                 A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=hw,

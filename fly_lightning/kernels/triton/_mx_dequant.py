@@ -262,6 +262,15 @@ def load_operand(
 # Prepass dequantisation: a whole MX operand to bf16 in memory, for the GEMM plans that then run a bf16 GEMM
 # (cuBLAS, or the bf16 grouped kernel). Hopper has no MX tensor cores: at many rows per weight, writing the bf16
 # operand once and running the bf16 GEMM at its full rate beats converting every tile in the GEMM's main loop.
+@triton.jit
+def group_has_rows(OFFS, grp, valid, M):
+    """Whether groups ``grp`` have rows in a grouped GEMM, its int32 end offsets ``OFFS`` clamped to [0, M] as it
+    clamps them (``valid``: which lanes may read)."""
+    end = tl.minimum(tl.maximum(tl.load(OFFS + grp, mask=valid, other=0), 0), M)
+    start = tl.minimum(tl.maximum(tl.load(OFFS + grp - 1, mask=(grp > 0) & valid, other=0), 0), M)
+    return end > start
+
+
 DEQUANT_ROWS = 16  # rows x 512 elements per program: 8K elements, enough bytes in flight per program
 DEQUANT_COLS = 512
 
@@ -277,10 +286,7 @@ def _dequant_tile(
     cols = cb * BC + tl.arange(0, BC)
     rmask = rows[:, None] < R
     if SKIP_EMPTY:  # rows of groups with no rows in the grouped GEMM: neither read nor written
-        grp = rows // GROUP_ROWS
-        end = tl.minimum(tl.maximum(tl.load(OFFS + grp, mask=rows < R, other=0), 0), M)
-        start = tl.minimum(tl.maximum(tl.load(OFFS + grp - 1, mask=(grp > 0) & (rows < R), other=0), 0), M)
-        rmask = rmask & (end > start)[:, None]
+        rmask = rmask & group_has_rows(OFFS, rows // GROUP_ROWS, rows < R, M)[:, None]
     rows64 = rows.to(tl.int64)
     g = cb * (BC // 32) + tl.arange(0, BC // 32)
     s = tl.load(SCALE + rows64[:, None] * stride_s + g[None, :], mask=rmask & (g[None, :] < C // 32), other=127)

@@ -9,8 +9,8 @@ scales while the other's MMA runs. Measured (graph replays, H100, f4e9eba, ``pro
 alone on operands already re-expressed, against the bf16 grouped GEMM: 0.77-0.96x on the compute-bound cases
 (K >= 1024, >= 512 rows per group), 1.0x at 256 rows per group, 1.5-1.7x at 64-128; 128x128 tiles on 8 warps (one
 program per SM) ran 0.59-0.78x and 1.2-1.3x. Scales loaded by pointers (the pipeliner stages them through shared
-memory); loading them through TMA descriptors too made every form slower (0.43-0.53x at 128x128) and faulted
-(illegal instruction) where a group's first row left the scale row's start off 16 bytes.
+memory); loading them through TMA descriptors too was slower (0.43-0.53x at 128x128 from 256 rows per group) and
+faulted (illegal instruction) where a group's first row put the scales' box start off 16 bytes.
 
 Schedule as the other grouped kernels (``_grouped_mm_kernel``'s ``scan``): a grid from shapes only, the int32 end
 offsets read and clamped on the device. Codes through device-side TMA descriptors (``[M, K]`` and ``[E, N, K]``
@@ -32,8 +32,6 @@ from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_elements import decode
 from fly_lightning.kernels.triton._support import num_sms, on_device
-
-GROUP = 128  # K values per scale (``_mx_requant.GROUP``), the kernel's BLOCK_K
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv
-from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, _nvidia_capability
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, _nvidia_capability, group_has_rows
 from fly_lightning.kernels.triton._support import interpreting, on_device
 from fly_lightning.quant import formats
 
@@ -102,16 +102,8 @@ def _e4m3_codes(q):
 
 
 @triton.jit
-def _group_has_rows(OFFS, grp, valid, M):
-    """Whether groups ``grp`` have rows, their end offsets clamped to [0, M] as the grouped GEMM clamps them."""
-    end = tl.minimum(tl.maximum(tl.load(OFFS + grp, mask=valid, other=0), 0), M)
-    start = tl.minimum(tl.maximum(tl.load(OFFS + grp - 1, mask=(grp > 0) & valid, other=0), 0), M)
-    return end > start
-
-
-@triton.jit
 def _requant_tile(
-    DATA, SCALE, Q, QS, R, C, stride_d, stride_s, stride_q, stride_qs, tile, n_col_tiles,
+    DATA, SCALE, Q, QS, R, C, stride_d, stride_s, stride_q, tile, n_col_tiles,
     FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr,
     OFFS=None, GROUP_ROWS=1, M=0, SKIP_EMPTY: tl.constexpr = False,
 ):  # fmt: skip
@@ -120,7 +112,7 @@ def _requant_tile(
     cb = tile % n_col_tiles
     live_rows = rows < R
     if SKIP_EMPTY:  # rows of groups with no rows in the grouped GEMM (offsets clamped as it clamps them): skipped
-        live_rows = live_rows & _group_has_rows(OFFS, rows // GROUP_ROWS, live_rows, M)
+        live_rows = live_rows & group_has_rows(OFFS, rows // GROUP_ROWS, live_rows, M)
     rmask = live_rows[:, None]
     rows64 = rows.to(tl.int64)
     sb = cb * (BC // 32) + tl.arange(0, BC // 32)
@@ -146,18 +138,18 @@ def _requant_tile(
         codes = _e4m3_codes(tl.reshape(v3 * f[:, :, None], (BR, BC))).to(tl.uint8)
     cols = cb * BC + tl.arange(0, BC)
     tl.store(Q + rows64[:, None] * stride_q + cols[None, :], codes, mask=rmask & (cols[None, :] < C))
-    # group scales, outer-dim-major ([C / 128, R], rows stride_qs apart): 2^(g - 127); g = 0 is 2^-127 (subnormal)
+    # group scales, outer-dim-major ([C / 128, R]): 2^(g - 127); g = 0 is 2^-127, an fp32 subnormal
     gbits = tl.where(g > 0, g << 23, 0x00400000).to(tl.float32, bitcast=True)
     i = tl.arange(0, BR * G)
     r = (tile // n_col_tiles) * BR + i // G
     gi = cb * G + i % G
     r_live = tl.reshape(tl.broadcast_to(live_rows[:, None], (BR, G)), (BR * G,))  # r's row: rows[i // G]
-    tl.store(QS + gi.to(tl.int64) * stride_qs + r, gbits, mask=r_live & (gi < C // 128))
+    tl.store(QS + gi.to(tl.int64) * R + r, gbits, mask=r_live & (gi < C // 128))
 
 
 @triton.jit
 def _requant_kernel(
-    A, A_SCALE, A_Q, A_QS, RA, stride_a, stride_as, stride_aqs,
+    A, A_SCALE, A_Q, A_QS, RA, stride_a, stride_as,
     B, B_SCALE, B_Q, B_QS, RB, stride_b, stride_bs, C, OFFS, GROUP_ROWS,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr,
     SKIP_EMPTY: tl.constexpr = False,
@@ -169,11 +161,9 @@ def _requant_kernel(
     tiles_a = tl.cdiv(RA, BR) * n_col_tiles
     pid = tl.program_id(0)
     if pid < tiles_a:
-        _requant_tile(
-            A, A_SCALE, A_Q, A_QS, RA, C, stride_a, stride_as, C, stride_aqs, pid, n_col_tiles, A_FMT, BR, BC, HW_CVT
-        )
+        _requant_tile(A, A_SCALE, A_Q, A_QS, RA, C, stride_a, stride_as, C, pid, n_col_tiles, A_FMT, BR, BC, HW_CVT)
     else:
-        _requant_tile(B, B_SCALE, B_Q, B_QS, RB, C, stride_b, stride_bs, C, RB, pid - tiles_a, n_col_tiles,
+        _requant_tile(B, B_SCALE, B_Q, B_QS, RB, C, stride_b, stride_bs, C, pid - tiles_a, n_col_tiles,
                       B_FMT, BR, BC, HW_CVT, OFFS, GROUP_ROWS, RA, SKIP_EMPTY)  # fmt: skip
 
 
@@ -245,7 +235,7 @@ def requantize(
         with on_device(a):
             _REQUANT(
                 (tiles,),
-                (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0), m,
+                (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0),
                  b, b_scale.view(torch.uint8), out_b, sb, n, b.stride(0), b_scale.stride(0), k,
                  sa if offs is None else offs, 1 if offs is None else n // offs.numel()),  # sa: a placeholder, unread
                 A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=hw,

@@ -159,10 +159,12 @@ def _case(fmt: str, case) -> None:
         "bf16": lambda: gk.launch(xb, wb.transpose(1, 2), offs, out),
         "plan": lambda: fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=xs, x_fmt=fmt),
     }
-    qx8, sx8, qw8, sw8 = requantize(xd, xs, fmt, wd, ws, fmt, align=4)
+    qx8, sx8, qw8, sw8 = requantize(xd, xs, fmt, wd, ws, fmt)
     qw8 = qw8.view(e, n, k)
     for name, t in TILES.items():
-        fns[f"k-{name}"] = lambda t=t: fk.launch(qx8, sx8, qw8, sw8, offs, out, fk.FP8GroupedConfig(*t))
+        bm, bn, gm, stages, warps, progs = t
+        cfg = mk.MXGroupedMMConfig(bm, bn, 128, gm, stages, warps, programs_per_sm=progs, fp8=True)
+        fns[f"k-{name}"] = lambda cfg=cfg: fk.launch(qx8, sx8, qw8, sw8, offs, out, cfg)
     fns["prepass"] = lambda: mk.launch(*args[:6], offs, out, config=mk.PREPASS)
     for name, t in (("64x128-w4-p2-s3", (64, 128, 128, 8, 3, 4, 2)), ("128x128-w8-p1", (128, 128, 128, 8, 4, 8, 1))):
         cfg = mk.MXGroupedMMConfig(*t, fp8=True)

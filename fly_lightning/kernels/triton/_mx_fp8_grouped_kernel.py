@@ -20,7 +20,7 @@ stored. Under the interpreter (no fp8 there) the codes are bytes, decoded to fp3
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -33,23 +33,22 @@ from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_elements import decode
 from fly_lightning.kernels.triton._support import num_sms, on_device
 
-
-@dataclass(frozen=True)
-class FP8GroupedConfig:
-    """Tile sizes, warps, pipeline stages, programs per SM (persistent)."""
-
-    block_m: int = 64
-    block_n: int = 128
-    group_m: int = 8
-    num_stages: int = 3
-    num_warps: int = 4
-    programs_per_sm: int = 2
+BLOCK_K = 128  # the K step: one scale per 128 values of each operand
 
 
-# 64x128 on 4 warps, 3 stages: 224 registers, 74 KB of shared memory, no spills (sm90, Triton 3.6): two per SM
-DEFAULT = FP8GroupedConfig()
-INTERPRETER_CONFIG = FP8GroupedConfig(32, 32, 2, 1, 4, 1)
-INTERPRETER_PROGRAMS = 3
+class Tiles(Protocol):
+    """A launch's tiles (``_mx_grouped_mm_kernel.MXGroupedMMConfig`` has them): persistent, ``programs_per_sm``."""
+
+    block_m: int
+    block_n: int
+    group_m: int
+    num_stages: int
+    num_warps: int
+    programs_per_sm: int
+
+
+# the interpreter runs programs one after another: small tiles, few programs (block_m, block_n, group_m, programs)
+INTERPRETER_TILES = (32, 32, 2, 3)
 
 
 @triton.jit
@@ -137,14 +136,15 @@ def launch(
     sw: torch.Tensor,
     offs: torch.Tensor,
     out: torch.Tensor,
-    config: FP8GroupedConfig | None = None,
+    tiles: Tiles,
 ) -> torch.Tensor:
     """``out[rows of e] = (qx * sx)[rows of e] @ (qw[e] * sw[e]).T`` per group, each scale over its 128 values along
     K; rows past ``offs[-1]`` untouched.
 
     ``qx`` ``[M, K]`` e4m3 (uint8 codes under the interpreter) and ``qw`` ``[E, N, K]`` likewise, both contiguous;
     ``sx`` fp32 ``[M, K / 128]`` with stride ``(1, s)``, ``s >= M``; ``sw`` fp32 ``[K / 128, E * N]`` contiguous:
-    ``_mx_requant.requantize``'s layouts for ``qx`` and ``qw.view(E * N, K)``. K % 128."""
+    ``_mx_requant.requantize``'s layouts for ``qx`` and ``qw.view(E * N, K)``. K % 128. ``tiles``: on the GPU (the
+    interpreter takes its own)."""
     e, n, k = qw.shape
     m = qx.shape[0]
     if m == 0 or n == 0:
@@ -152,18 +152,20 @@ def launch(
     if k == 0:
         return out.zero_()
     interp = qx.device.type == "cpu"
-    cfg = INTERPRETER_CONFIG if interp else (config or DEFAULT)
-    upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
-    progs = min(INTERPRETER_PROGRAMS if interp else cfg.programs_per_sm * num_sms(qx.device.index or 0), upper)
     if interp:  # the interpreter has no fp8: the codes as bytes
+        bm, bn, gm, progs = INTERPRETER_TILES
+        stages, warps = 1, 4
         qx, qw = qx.view(torch.uint8), qw.view(torch.uint8)
     else:
+        bm, bn, gm, stages, warps = tiles.block_m, tiles.block_n, tiles.group_m, tiles.num_stages, tiles.num_warps
+        progs = tiles.programs_per_sm * num_sms(qx.device.index or 0)
         triton.set_allocator(gk._tma_allocator)  # device-side descriptors' scratch (a context variable: per call)
+    progs = min(progs, (cdiv(m, bm) + e) * cdiv(n, bn))
     with on_device(qx):
         _FP8_GROUPED(
             (progs,),
             (qx, sx, qw, sw, out, offs, m, n, k, e, out.stride(0), sx.stride(1), progs),
-            E_POW2=max(1024, next_pow2(e)), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
-            INTERPRET=interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            E_POW2=max(1024, next_pow2(e)), BLOCK_M=bm, BLOCK_N=bn, GROUP_M=gm, INTERPRET=interp,
+            num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out

@@ -1,14 +1,12 @@
-"""Compile the fp8 grouped kernel for sm_90 without a GPU, in its default tiles and the one-program-per-SM form
-(128x128 on 8 warps); report each variant as JSON (registers, spills, shared memory, fp8 wgmmas, TMA loads)."""
+"""Compile the fp8 grouped kernel for sm_90 without a GPU, in the plan's tiles (``FP8``) and the one-program-per-SM
+form (128x128 on 8 warps); report each variant as JSON (registers, spills, shared memory, fp8 wgmmas, TMA loads)."""
 
 from _sm90 import compile_sm90, report
 
-from fly_lightning.kernels.triton._mx_fp8_grouped_kernel import DEFAULT, _fp8_grouped_kernel
+from fly_lightning.kernels.triton._mx_fp8_grouped_kernel import _fp8_grouped_kernel
+from fly_lightning.kernels.triton._mx_grouped_mm_kernel import FP8
 
-TILES = {
-    "default": (DEFAULT.block_m, DEFAULT.block_n, DEFAULT.num_warps, DEFAULT.num_stages),
-    "128x128": (128, 128, 8, 4),
-}
+TILES = {"default": (FP8.block_m, FP8.block_n, FP8.num_warps, FP8.num_stages), "128x128": (128, 128, 8, 4)}
 
 
 def variant(tiles: str) -> dict:

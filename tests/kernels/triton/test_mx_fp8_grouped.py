@@ -8,6 +8,7 @@ import torch
 
 import fly_lightning
 from fly_lightning.kernels.triton import _mx_fp8_grouped_kernel as fk
+from fly_lightning.kernels.triton._mx_grouped_mm_kernel import FP8
 from fly_lightning.kernels.triton._mx_requant import requantize
 
 COUNTS = [0, 3, 70, 0, 17, 1]
@@ -42,7 +43,7 @@ def _reference(qx, sx, qw, sw, offs) -> torch.Tensor:
 def test_matches_the_product_of_the_reexpressed_operands(x_fmt, w_fmt):
     qx, sx, qw, sw, offs = _operands(x_fmt, w_fmt)
     out = torch.full((qx.shape[0], qw.shape[1]), float("nan"))
-    fk.launch(qx, sx, qw, sw, offs, out)
+    fk.launch(qx, sx, qw, sw, offs, out, FP8)
     end = int(offs[-1])
     ref = _reference(qx, sx, qw, sw, offs)[:end]
     assert ((out[:end].double() - ref).norm() / ref.norm()).item() < 1e-6  # fp32 sums of exact products
@@ -52,13 +53,13 @@ def test_matches_the_product_of_the_reexpressed_operands(x_fmt, w_fmt):
 def test_nan_codes_give_nan_rows():
     qx, sx, qw, sw, offs = _operands("mxfp8_e4m3", "mxfp8_e4m3")
     qx.view(torch.uint8)[10, 7] = 0x7F  # an e4m3 NaN code: row 10 (group 2)
-    out = fk.launch(qx, sx, qw, sw, offs, torch.zeros(qx.shape[0], qw.shape[1]))
+    out = fk.launch(qx, sx, qw, sw, offs, torch.zeros(qx.shape[0], qw.shape[1]), FP8)
     assert out.isnan().any(1).nonzero().flatten().tolist() == [10] and out[10].isnan().all()
 
 
 def test_invalid_device_offsets_are_clamped():
     qx, sx, qw, sw, offs = _operands("mxfp8_e4m3", "mxfp8_e4m3", counts=[6, 6, 6], tail=0)
-    out = fk.launch(qx, sx, qw, sw, torch.tensor([-3, 500, 2], dtype=torch.int32), torch.zeros(18, 40))
+    out = fk.launch(qx, sx, qw, sw, torch.tensor([-3, 500, 2], dtype=torch.int32), torch.zeros(18, 40), FP8)
     good = torch.tensor([0, 18, 18], dtype=torch.int32)  # what the kernel reads them as
     ref = _reference(qx, sx, qw, sw, good)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
@@ -67,4 +68,4 @@ def test_invalid_device_offsets_are_clamped():
 def test_empty_shapes():
     qx, sx, qw, sw, offs = _operands("mxfp8_e4m3", "mxfp8_e4m3")
     out = torch.full((qx.shape[0], 0), 1.0)
-    assert fk.launch(qx, sx, qw[:, :0], sw[:, :0], offs, out) is out
+    assert fk.launch(qx, sx, qw[:, :0], sw[:, :0], offs, out, FP8) is out

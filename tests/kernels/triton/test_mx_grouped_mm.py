@@ -132,6 +132,8 @@ def test_swapped_tiles(x_fmt, w_fmt, fragment_k):
         (None, replace(SWAPPED, x_prepass=True), "x_prepass needs MX x"),
         (None, mk.FP8, "takes .* operands"),  # weight-only
         ("mxfp8_e5m2", mk.FP8, "takes .* operands"),  # e5m2's range does not fit e4m3's
+        ("mxfp8_e4m3", replace(mk.FP8, programs_per_sm=0), "is persistent"),
+        ("mxfp8_e4m3", replace(mk.FP8, block_k=64), "block_k 128"),
     ],
 )
 def test_launch_rejects_fragment_k_and_x_prepass_off_their_forms(x_fmt, cfg, match):

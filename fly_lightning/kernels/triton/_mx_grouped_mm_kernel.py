@@ -322,16 +322,23 @@ def launch(
     return out
 
 
+def _rows_of_groups(w, w_scale, offs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The weights and their scales as ``[E * N, ...]`` rows for the conversion passes, and the offsets that let them
+    skip the rows of groups without rows (None without groups)."""
+    e, n = w.shape[0], w.shape[1]
+    return w.reshape(e * n, w.shape[2]), w_scale.reshape(e * n, w_scale.shape[2]), offs if e else None
+
+
 def _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out) -> torch.Tensor:
     """Both operands dequantised to bf16 in memory (``_mx_dequant.dequantize``; weights of empty groups skipped),
     then the bf16 grouped GEMM on them. Alive during the call: a bf16 copy of x and of every group's weights."""
     e, n = w.shape[0], w.shape[1]
-    w2, ws2 = w.reshape(e * n, w.shape[2]), w_scale.reshape(e * n, w_scale.shape[2])
+    w2, ws2, skip = _rows_of_groups(w, w_scale, offs)
     if x_fmt is None:
         xb, wb = x.to(torch.bfloat16), dequantize(w2, ws2, w_fmt)
     else:
         # one launch for both; weights of groups without rows are skipped (the GEMM never reads them)
-        xb, wb = dequantize(x, x_scale, x_fmt, w2, ws2, w_fmt, offs=offs if e else None)
+        xb, wb = dequantize(x, x_scale, x_fmt, w2, ws2, w_fmt, offs=skip)
     # the interpreter's fp32 values to bf16: exact, they came from bf16-representable MX values
     xb, wb = xb.to(torch.bfloat16), wb.to(torch.bfloat16).view(e, n, -1)
     return gk.launch(xb, wb.transpose(1, 2), offs, out)
@@ -344,8 +351,6 @@ def _fp8(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out, cfg: MXGroupedMMConfig
         raise ValueError(f"mx_grouped_mm kernel: {cfg.label()} takes {FP8_FORMATS} operands, not {x_fmt}, {w_fmt}")
     if cfg.programs_per_sm < 1 or cfg.block_k != fk.BLOCK_K:
         raise ValueError(f"mx_grouped_mm kernel: {cfg.label()} is persistent, block_k {fk.BLOCK_K}")
-    e, n = w.shape[0], w.shape[1]
-    w2, ws2 = w.reshape(e * n, w.shape[2]), w_scale.reshape(e * n, w_scale.shape[2])
-    # weights of groups without rows skipped (the GEMM never reads them)
-    qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w2, ws2, w_fmt, offs=offs if e else None)
-    return fk.launch(qx, sx, qw.view(e, n, -1), sw, offs, out, cfg)
+    w2, ws2, skip = _rows_of_groups(w, w_scale, offs)  # weights of groups without rows skipped (never read)
+    qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w2, ws2, w_fmt, offs=skip)
+    return fk.launch(qx, sx, qw.view(w.shape[0], w.shape[1], -1), sw, offs, out, cfg)

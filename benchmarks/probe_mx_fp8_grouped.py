@@ -18,6 +18,11 @@ Prints; not a suite.
 
     python -m benchmarks.probe_mx_fp8_grouped             # the product kernel's configurations (k-*), the plans
     python -m benchmarks.probe_mx_fp8_grouped --all       # and the probe's own forms (step, lagged, row, row_fast)
+    python -m benchmarks.probe_mx_fp8_grouped --band      # the plans alone over K and rows per group (the band)
+
+``--band`` times the plans alone (bf16 GEMM on dequantised operands, the bf16 prepass plan and the fp8 plan) on
+uniform loads of 256 to 768 rows per group over K 768 to 2048, and on half the groups empty: where the fp8 plan's
+band should start and end in K and in rows per group.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import triton
 import triton.language as tl
 
 import fly_lightning
-from benchmarks.grouped_mm_cases import cases, make_inputs
+from benchmarks.grouped_mm_cases import Case, cases, empty_counts, make_inputs, uniform_counts
 from benchmarks.harness import probe_graph_ms
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton import _mx_fp8_grouped_kernel as fk
@@ -59,6 +64,10 @@ TILES = {  # block_m, block_n, group_m, stages, warps, programs per SM
 }
 MODES = {"step": 0, "lagged": 1, "row": 2, "row_fast": 3}
 ALL = "--all" in sys.argv
+BAND = "--band" in sys.argv
+BAND_ROWS = (256, 512, 768)
+BAND_K = (768, 1024, 1536, 2048)
+BAND_E, BAND_N = 128, 2048
 
 
 @triton.jit
@@ -183,11 +192,49 @@ def _case(fmt: str, case) -> None:
               f"  err {errs.get(k_, 0):.2e}", flush=True)  # fmt: skip
 
 
+def _band_cases() -> list[Case]:
+    out = []
+    for rows in BAND_ROWS:
+        for k in BAND_K:
+            m = BAND_E * rows
+            out.append(Case(f"E{BAND_E}-m{rows}-K{k}", "band", BAND_E, k, BAND_N, uniform_counts(m, BAND_E)))
+            if rows == 512:  # the same rows over half the groups: 1024 rows in each group that has any
+                out.append(Case(f"E{BAND_E}-m{rows}-K{k}-half-empty", "band", BAND_E, k, BAND_N,
+                                empty_counts(m, BAND_E, 0.5, seed=4), load="half-empty"))  # fmt: skip
+    return out
+
+
+def _band_case(fmt: str, case: Case) -> None:
+    x, w, offs = make_inputs(case)
+    e, n, k = case.e, case.n, case.k
+    xd, xs = fly_lightning.mx_cast(x, fmt)
+    wd, ws = fly_lightning.mx_cast(w.transpose(1, 2).reshape(-1, k), fmt)  # [E * N, K]
+    xb, wb = from_mx(xd, xs, fmt, torch.bfloat16), from_mx(wd, ws, fmt, torch.bfloat16).view(e, n, k)
+    args = (xd, xs, fmt, wd.view(e, n, -1), ws.view(e, n, -1), fmt, offs)
+    ref = mx_grouped_mm_reference(*args, torch.float32)
+    out = torch.empty(case.m, n, device="cuda", dtype=torch.bfloat16)
+    fns = {
+        "bf16": lambda: gk.launch(xb, wb.transpose(1, 2), offs, out),
+        "prepass": lambda: mk.launch(*args[:6], offs, out, config=mk.PREPASS),
+        "fp8-plan": lambda: mk.launch(*args[:6], offs, out, config=mk.FP8),
+    }
+    ms, errs = probe_graph_ms({k_: (lambda *_, f=f: f()) for k_, f in fns.items()}, [()], ref, f"{fmt} {case.name}")
+    print(f"{fmt} {case.name:28s} bf16 {ms['bf16'] * 1e3:7.1f} us  prepass {ms['prepass'] * 1e3:7.1f}"
+          f"  fp8 {ms['fp8-plan'] * 1e3:7.1f}  fp8/prepass speed {ms['prepass'] / ms['fp8-plan']:5.2f}"
+          f"  err {max(errs.values(), default=0):.2e}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     by_name = {c.name: c for c in cases()}
     for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
-        for name in CASES:
+        for case in _band_cases() if BAND else ():
+            try:
+                _band_case(fmt, case)
+            except Exception as exc:  # noqa: BLE001 (report and go on)
+                print(f"{fmt} {case.name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            torch.cuda.empty_cache()
+        for name in () if BAND else CASES:
             try:
                 _case(fmt, by_name[name])
             except Exception as exc:  # noqa: BLE001 (report and go on)

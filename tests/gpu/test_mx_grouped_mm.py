@@ -191,8 +191,9 @@ def test_fp8_plan_matches_the_dequantised_product(x_fmt, w_fmt):
     out = torch.full((args[0].shape[0], 640), float("nan"), device="cuda")
     mk.launch(*args, out, config=mk.FP8)
     assert _err(out, args) < 1e-3 and out[int(args[-1][-1]) :].isnan().all()
-    rows = list(_problem([300, 0, 512], 512, 256, x_fmt, w_fmt))  # >= PREPASS_MIN_ROWS per group: the planned form
-    assert mk.choose_config(812, 3, False, x_fmt, w_fmt, sm90=True) == mk.FP8
+    # >= PREPASS_MIN_ROWS per group, K >= FP8_MIN_K: the planned form
+    rows = list(_problem([300, 0, 512], mk.FP8_MIN_K, 256, x_fmt, w_fmt))
+    assert mk.choose_config(812, 3, mk.FP8_MIN_K, False, x_fmt, w_fmt, sm90=True) == mk.FP8
     y = fly_lightning.mx_grouped_mm(rows[0], *rows[3:7], x_scale=rows[1], x_fmt=x_fmt)
     assert y.dtype == torch.bfloat16 and _err(y, rows) < 1e-2
 

@@ -13,9 +13,10 @@ Design:
   and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
 - ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
 - MX activations with >= ``PREPASS_MIN_ROWS`` rows per group skip this kernel. On Hopper, e4m3 / e2m1 operands with a
-  bf16 output below ``FP8_MAX_ROWS`` rows per group are re-expressed as e4m3 with 1x128 scales and multiplied on fp8
-  tensor cores (``_fp8``, ``_mx_fp8_grouped_kernel``); otherwise both operands are dequantised once into bf16
-  tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element converted once, not once per tile).
+  bf16 output below ``FP8_MAX_ROWS`` rows per group and K >= ``FP8_MIN_K`` are re-expressed as e4m3 with 1x128 scales
+  and multiplied on fp8 tensor cores (``_fp8``, ``_mx_fp8_grouped_kernel``); otherwise both operands are dequantised
+  once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element converted once, not once
+  per tile).
   Either way the weights of groups without rows are skipped (mx_grouped_mm suite, H100, 87d5121, bf16 prepass:
   1.21-1.22x faster with half or all but one of the groups empty, 1.08x with a quarter). Weight-only never does:
   frozen MX experts exist to save memory, and that would hold all groups in bf16.
@@ -214,6 +215,10 @@ reads and writes every weight element on each call, as the prepass's dequantisat
 replays, H100, f4e9eba, ``probe_mx_fp8_grouped``, MXFP8) against the bf16 prepass, 1.21x at 256 rows per group
 (0.464 against 0.564 ms), 1.06-1.08x at 512, 0.90-0.99x at 1024 (0.665 against 0.601 ms, K 1024), 0.96-1.0x from
 2048; at 64-128 rows 1.2-1.4x slower than the in-loop and swapped plans there, whose weights stay MX."""
+FP8_MIN_K = 1024
+"""K from which ``FP8`` is planned: at K 768 (6 steps of 128 per tile) MXFP8 ran 0.98x and 0.81x the bf16 prepass on
+the suite's two such cases (qwen3-30b-a3b-down, uniform and half-empty; MXFP4 0.94x and 0.77x; mx_grouped_mm, H100,
+592c2cd), at K 2048 1.07-1.19x on the other four cases of its band."""
 SWAP_MAX_ROWS = 64
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
@@ -224,19 +229,20 @@ INTERPRETER_PROGRAMS = 3
 def choose_config(
     m: int,
     e: int,
+    k: int,
     on_cpu: bool,
     x_fmt: str | None = None,
     w_fmt: str = "",
     sm90: bool = False,
     out_dtype: torch.dtype = torch.bfloat16,
 ) -> MXGroupedMMConfig:
-    """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats (``sm90``: the GPU is a
-    Hopper, whose wgmma register fragment ``SWAPPED`` is laid out for and where it was timed)."""
+    """The table's configuration for ``m`` rows over ``e`` groups, depth ``k`` and the operands' formats (``sm90``: the
+    GPU is a Hopper, whose wgmma register fragment ``SWAPPED`` is laid out for and where it was timed)."""
     if on_cpu:
         return INTERPRETER_CONFIG
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
     if x_fmt is not None and m / max(1, e) >= PREPASS_MIN_ROWS:
-        fp8 = sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16
+        fp8 = sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16 and k >= FP8_MIN_K
         return FP8 if fp8 and m / max(1, e) < FP8_MAX_ROWS else PREPASS
     if x_fmt is not None and sm90 and m / max(1, e) <= SWAP_MAX_ROWS:
         return SWAPPED
@@ -285,7 +291,7 @@ def launch(
     if k == 0:
         return out.zero_()  # rows past the last offset too: the product over an empty K is zero everywhere
     interp = x.device.type == "cpu"
-    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, hopper(x), out.dtype)
+    cfg = config or choose_config(m, e, k, interp, x_fmt, w_fmt, hopper(x), out.dtype)
     if cfg.prepass:
         return _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out)
     if cfg.fp8:

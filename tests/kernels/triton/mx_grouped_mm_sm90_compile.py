@@ -37,7 +37,7 @@ def variant(pair: str, plan: str, out: str = "bf16") -> dict:
     if plan.startswith("swap"):
         cfg = replace(SWAPPED, fragment_k=plan == "swap-fragk")
     else:
-        cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt, sm90=True)
+        cfg = choose_config(ROWS[plan] * 8, 8, 2048, False, x_fmt, w_fmt, sm90=True)
         x_fmt = None if cfg.x_prepass else x_fmt  # the kernel then reads x dequantised to bf16
     fn = _mx_grouped_mm_kernel
     sig = {a: "i32" for a in fn.arg_names}

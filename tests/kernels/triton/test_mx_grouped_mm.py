@@ -65,22 +65,26 @@ def test_launch_configurations(name):
 @pytest.mark.parametrize("x_fmt", ["mxfp8_e4m3", "mxfp4_e2m1", None])
 def test_plans_by_rows_per_group(x_fmt):
     """MX x: swapped tiles up to SWAP_MAX_ROWS rows per group on sm90 only, in-loop tiles between, from
-    PREPASS_MIN_ROWS up to FP8_MAX_ROWS the fp8 plan on sm90 (e4m3 / e2m1, bf16 output), else the bf16 prepass;
+    PREPASS_MIN_ROWS up to FP8_MAX_ROWS the fp8 plan on sm90 (e4m3 / e2m1, bf16 output, K >= FP8_MIN_K), else the
+    bf16 prepass;
     weight-only never swapped (untimed) nor converted in memory; the interpreter its own plan."""
     w_fmt = "mxfp4_e2m1"
     rows_per_group = (1, 64, 65, 255, 256, 1023, 1024)
-    plans = {rows: mk.choose_config(rows * 128, 128, False, x_fmt, w_fmt, sm90=True) for rows in rows_per_group}
+    plans = {rows: mk.choose_config(rows * 128, 128, 2048, False, x_fmt, w_fmt, sm90=True) for rows in rows_per_group}
     mx = x_fmt is not None
     assert plans[1] == plans[64] == (mk.SWAPPED if mx else mk.SMALL_GROUPS)
     assert plans[65] == mk.SMALL_GROUPS and plans[255] == mk.loop_config(255 * 128, 128, x_fmt, w_fmt)
     assert plans[256] == plans[1023] == (mk.FP8 if mx else mk.WEIGHT_ONLY)
     assert plans[1024] == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
     if mx:  # exact sums for fp32 outputs, e5m2 does not fit e4m3, other GPUs untimed: the bf16 prepass
-        assert mk.choose_config(256 * 128, 128, False, x_fmt, w_fmt, True, torch.float32) == mk.PREPASS
-        assert mk.choose_config(256 * 128, 128, False, "mxfp8_e5m2", w_fmt, sm90=True) == mk.PREPASS
-        assert mk.choose_config(256 * 128, 128, False, x_fmt, w_fmt, sm90=False) == mk.PREPASS
-    assert mk.choose_config(64 * 128, 128, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS  # sm80: not timed
-    assert mk.choose_config(64 * 128, 128, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
+        assert mk.choose_config(256 * 128, 128, 2048, False, x_fmt, w_fmt, True, torch.float32) == mk.PREPASS
+        assert mk.choose_config(256 * 128, 128, 2048, False, "mxfp8_e5m2", w_fmt, sm90=True) == mk.PREPASS
+        assert mk.choose_config(256 * 128, 128, 2048, False, x_fmt, w_fmt, sm90=False) == mk.PREPASS
+        # K below FP8_MIN_K: few steps of 128 per tile, the fp8 plan slower than the prepass there
+        assert mk.choose_config(256 * 128, 128, mk.FP8_MIN_K - 128, False, x_fmt, w_fmt, sm90=True) == mk.PREPASS
+        assert mk.choose_config(256 * 128, 128, mk.FP8_MIN_K, False, x_fmt, w_fmt, sm90=True) == mk.FP8
+    assert mk.choose_config(64 * 128, 128, 2048, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS  # sm80: not timed
+    assert mk.choose_config(64 * 128, 128, 2048, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 
 
 @pytest.mark.parametrize("capability, planned", [((9, 0), True), ((8, 0), False), ((10, 0), False), ((12, 0), False)])

@@ -13,13 +13,13 @@ Design:
   and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
 - ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
 - MX activations with >= ``PREPASS_MIN_ROWS`` rows per group skip this kernel. On Hopper, e4m3 / e2m1 operands with a
-  bf16 output below ``FP8_MAX_ROWS`` rows per group and K >= ``FP8_MIN_K`` are re-expressed as e4m3 with 1x128 scales
-  and multiplied on fp8 tensor cores (``_fp8``, ``_mx_fp8_grouped_kernel``); otherwise both operands are dequantised
-  once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element converted once, not once
-  per tile).
-  Either way the weights of groups without rows are skipped (mx_grouped_mm suite, H100, 87d5121, bf16 prepass:
-  1.21-1.22x faster with half or all but one of the groups empty, 1.08x with a quarter). Weight-only never does:
-  frozen MX experts exist to save memory, and that would hold all groups in bf16.
+  bf16 output below ``FP8_MAX_ROWS`` rows per group (from ``FP8_MIN_K_ROWS`` only with K >= ``FP8_MIN_K``) are
+  re-expressed as e4m3 with 1x128 scales and multiplied on fp8 tensor cores (``_fp8``, ``_mx_fp8_grouped_kernel``);
+  otherwise both operands are dequantised once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on
+  them (each element converted once, not once per tile). Either way the weights of groups without rows are skipped
+  (mx_grouped_mm suite, H100, 87d5121, bf16 prepass: 1.21-1.22x faster with half or all but one of the groups empty,
+  1.08x with a quarter). Weight-only never does: frozen MX experts exist to save memory, and that would hold all
+  groups in bf16.
 - The interpreter's bf16 ``tl.dot`` and bf16 arithmetic are wrong: there the operands are dequantised to fp32 and
   stay fp32 (``UPCAST``).
 - Groups of few rows, where each weight tile feeds one or two row tiles and the kernel is bound by converting
@@ -216,9 +216,14 @@ replays, H100, f4e9eba, ``probe_mx_fp8_grouped``, MXFP8) against the bf16 prepas
 (0.464 against 0.564 ms), 1.06-1.08x at 512, 0.90-0.99x at 1024 (0.665 against 0.601 ms, K 1024), 0.96-1.0x from
 2048; at 64-128 rows 1.2-1.4x slower than the in-loop and swapped plans there, whose weights stay MX."""
 FP8_MIN_K = 1024
-"""K from which ``FP8`` is planned: at K 768 (6 steps of 128 per tile) MXFP8 ran 0.98x and 0.81x the bf16 prepass on
-the suite's two such cases (qwen3-30b-a3b-down, uniform and half-empty; MXFP4 0.94x and 0.77x; mx_grouped_mm, H100,
-592c2cd), at K 2048 1.07-1.19x on the other four cases of its band."""
+FP8_MIN_K_ROWS = 512
+"""From ``FP8_MIN_K_ROWS`` rows per group ``FP8`` is planned only from K ``FP8_MIN_K``: with few 128-wide steps per
+tile it loses to the bf16 prepass there. By device time (``probe_mx_fp8_grouped --band``, 128 experts, N 2048, H100,
+7e0b673), the fp8 plan's speed over the prepass, MXFP8 (MXFP4 alike, within 0.04): at 256 rows 1.16 / 1.22 / 1.19 /
+1.21x for K 768 / 1024 / 1536 / 2048; at 512 rows 0.98 / 1.00 / 1.13 / 1.12x; at 768 rows 0.95 / 1.02 / 1.07 /
+1.09x. At K 1024 the two tie, and the fp8 form holds e4m3 copies where the prepass holds bf16 ones. With half the
+groups empty (1024 rows in each group that has any, which the plan cannot see without reading the offsets) it lost
+at every K (0.81-0.97x)."""
 SWAP_MAX_ROWS = 64
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
@@ -242,8 +247,10 @@ def choose_config(
         return INTERPRETER_CONFIG
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
     if x_fmt is not None and m / max(1, e) >= PREPASS_MIN_ROWS:
-        fp8 = sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16 and k >= FP8_MIN_K
-        return FP8 if fp8 and m / max(1, e) < FP8_MAX_ROWS else PREPASS
+        rows = m / max(1, e)
+        fp8 = sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16
+        fp8 = fp8 and rows < FP8_MAX_ROWS and (k >= FP8_MIN_K or rows < FP8_MIN_K_ROWS)
+        return FP8 if fp8 else PREPASS
     if x_fmt is not None and sm90 and m / max(1, e) <= SWAP_MAX_ROWS:
         return SWAPPED
     return loop_config(m, e, x_fmt, w_fmt)

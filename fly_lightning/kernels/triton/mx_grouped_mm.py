@@ -48,8 +48,8 @@ def _supports(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> bool | s
     supports=_supports,
     constraints="x [M, K] MX (e4m3, e5m2, e2m1) or bf16/fp32 (rounded to bf16) x MX w [E, N, K] (blocks along K), "
     "int32 end offsets, E <= 4096, K % 128 == 0, last dims contiguous, sm80+; MX tiles dequantised to bf16 in "
-    "registers, bf16 dot, fp32 accumulation; MX x with >= 256 rows per group: on Hopper, below 1024 and from "
-    "K 1024, e4m3 / e2m1 with a bf16 output re-expressed as e4m3 with one scale per 128 along K (e4m3 copies "
+    "registers, bf16 dot, fp32 accumulation; MX x with >= 256 rows per group: on Hopper, below 1024 (from 512 only "
+    "with K >= 1024), e4m3 / e2m1 with a bf16 output re-expressed as e4m3 with one scale per 128 along K (e4m3 copies "
     "during the call), then fp8 MMAs with sums promoted every 128 K; otherwise dequantised to bf16 in a prepass "
     "(a bf16 copy of x and w during the call), then the bf16 grouped GEMM; with <= 64 (Hopper): x alone "
     "dequantised first, weights converted as the MMA's register operand; not on ROCm",

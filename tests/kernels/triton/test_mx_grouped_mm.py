@@ -65,8 +65,8 @@ def test_launch_configurations(name):
 @pytest.mark.parametrize("x_fmt", ["mxfp8_e4m3", "mxfp4_e2m1", None])
 def test_plans_by_rows_per_group(x_fmt):
     """MX x: swapped tiles up to SWAP_MAX_ROWS rows per group on sm90 only, in-loop tiles between, from
-    PREPASS_MIN_ROWS up to FP8_MAX_ROWS the fp8 plan on sm90 (e4m3 / e2m1, bf16 output, K >= FP8_MIN_K), else the
-    bf16 prepass;
+    PREPASS_MIN_ROWS up to FP8_MAX_ROWS the fp8 plan on sm90 (e4m3 / e2m1, bf16 output; from FP8_MIN_K_ROWS only with
+    K >= FP8_MIN_K), else the bf16 prepass;
     weight-only never swapped (untimed) nor converted in memory; the interpreter its own plan."""
     w_fmt = "mxfp4_e2m1"
     rows_per_group = (1, 64, 65, 255, 256, 1023, 1024)
@@ -80,9 +80,11 @@ def test_plans_by_rows_per_group(x_fmt):
         assert mk.choose_config(256 * 128, 128, 2048, False, x_fmt, w_fmt, True, torch.float32) == mk.PREPASS
         assert mk.choose_config(256 * 128, 128, 2048, False, "mxfp8_e5m2", w_fmt, sm90=True) == mk.PREPASS
         assert mk.choose_config(256 * 128, 128, 2048, False, x_fmt, w_fmt, sm90=False) == mk.PREPASS
-        # K below FP8_MIN_K: few steps of 128 per tile, the fp8 plan slower than the prepass there
-        assert mk.choose_config(256 * 128, 128, mk.FP8_MIN_K - 128, False, x_fmt, w_fmt, sm90=True) == mk.PREPASS
-        assert mk.choose_config(256 * 128, 128, mk.FP8_MIN_K, False, x_fmt, w_fmt, sm90=True) == mk.FP8
+        # from FP8_MIN_K_ROWS, K below FP8_MIN_K (few steps of 128 per tile): the fp8 plan slower than the prepass
+        lo_rows, lo_k = mk.FP8_MIN_K_ROWS, mk.FP8_MIN_K
+        for rows, k, plan in ((lo_rows, lo_k - 128, mk.PREPASS), (lo_rows, lo_k, mk.FP8), (lo_rows - 1, 128, mk.FP8),
+                              (1023, lo_k - 128, mk.PREPASS)):  # fmt: skip
+            assert mk.choose_config(rows * 128, 128, k, False, x_fmt, w_fmt, sm90=True) == plan, (rows, k)
     assert mk.choose_config(64 * 128, 128, 2048, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS  # sm80: not timed
     assert mk.choose_config(64 * 128, 128, 2048, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 

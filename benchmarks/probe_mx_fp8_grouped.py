@@ -152,20 +152,32 @@ def _launch(qx, sx, qw, sw, offs, out, mode, bm, bn, warps, stages):
     return out
 
 
-def _case(fmt: str, case) -> None:
+def _operands(fmt: str, case: Case):
+    """The case's operands cast to ``fmt`` (weights as ``[E * N, K]`` rows), the launcher's MX arguments, the bf16
+    GEMM on the dequantised operands (the ratios' base), the fp32 reference and a bf16 output."""
     x, w, offs = make_inputs(case)
     e, n, k = case.e, case.n, case.k
     xd, xs = fly_lightning.mx_cast(x, fmt)
-    wd, ws = fly_lightning.mx_cast(w.transpose(1, 2).reshape(-1, k), fmt)  # [E * N, K]
+    wd, ws = fly_lightning.mx_cast(w.transpose(1, 2).reshape(-1, k), fmt)
+    xb, wb = from_mx(xd, xs, fmt, torch.bfloat16), from_mx(wd, ws, fmt, torch.bfloat16).view(e, n, k)
+    args = (xd, xs, fmt, wd.view(e, n, -1), ws.view(e, n, -1), fmt, offs)
+    out = torch.empty(case.m, n, device="cuda", dtype=torch.bfloat16)
+
+    def bf16() -> torch.Tensor:
+        return gk.launch(xb, wb.transpose(1, 2), offs, out)
+
+    return xd, xs, wd, ws, args, bf16, mx_grouped_mm_reference(*args, torch.float32), out
+
+
+def _case(fmt: str, case) -> None:
+    e, n, k = case.e, case.n, case.k
+    xd, xs, wd, ws, args, bf16, ref, out = _operands(fmt, case)
+    offs = args[-1]
     qx, sxb, qw, swb = requantize(xd, xs, fmt, wd, ws, fmt)
     rx, rsx = _rowwise(xd, xs, fmt)
     rw, rsw = _rowwise(wd, ws, fmt)
-    xb, wb = from_mx(xd, xs, fmt, torch.bfloat16), from_mx(wd, ws, fmt, torch.bfloat16).view(e, n, k)
-    args = (xd, xs, fmt, wd.view(e, n, -1), ws.view(e, n, -1), fmt, offs)
-    ref = mx_grouped_mm_reference(*args, torch.float32)
-    out = torch.empty(case.m, n, device="cuda", dtype=torch.bfloat16)
     fns = {
-        "bf16": lambda: gk.launch(xb, wb.transpose(1, 2), offs, out),
+        "bf16": bf16,
         "plan": lambda: fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=xs, x_fmt=fmt),
     }
     qx8, sx8, qw8, sw8 = requantize(xd, xs, fmt, wd, ws, fmt)
@@ -205,16 +217,10 @@ def _band_cases() -> list[Case]:
 
 
 def _band_case(fmt: str, case: Case) -> None:
-    x, w, offs = make_inputs(case)
-    e, n, k = case.e, case.n, case.k
-    xd, xs = fly_lightning.mx_cast(x, fmt)
-    wd, ws = fly_lightning.mx_cast(w.transpose(1, 2).reshape(-1, k), fmt)  # [E * N, K]
-    xb, wb = from_mx(xd, xs, fmt, torch.bfloat16), from_mx(wd, ws, fmt, torch.bfloat16).view(e, n, k)
-    args = (xd, xs, fmt, wd.view(e, n, -1), ws.view(e, n, -1), fmt, offs)
-    ref = mx_grouped_mm_reference(*args, torch.float32)
-    out = torch.empty(case.m, n, device="cuda", dtype=torch.bfloat16)
+    *_, args, bf16, ref, out = _operands(fmt, case)
+    offs = args[-1]
     fns = {
-        "bf16": lambda: gk.launch(xb, wb.transpose(1, 2), offs, out),
+        "bf16": bf16,
         "prepass": lambda: mk.launch(*args[:6], offs, out, config=mk.PREPASS),
         "fp8-plan": lambda: mk.launch(*args[:6], offs, out, config=mk.FP8),
     }

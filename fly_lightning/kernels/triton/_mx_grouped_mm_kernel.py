@@ -219,7 +219,7 @@ FP8_MIN_K = 1024
 FP8_MIN_K_ROWS = 512
 """From ``FP8_MIN_K_ROWS`` rows per group ``FP8`` is planned only from K ``FP8_MIN_K``: with few 128-wide steps per
 tile it loses to the bf16 prepass there. By device time (``probe_mx_fp8_grouped --band``, 128 experts, N 2048, H100,
-7e0b673), the fp8 plan's speed over the prepass, MXFP8 (MXFP4 alike, within 0.04): at 256 rows 1.16 / 1.22 / 1.19 /
+7e0b673), the fp8 plan's speed over the prepass, MXFP8 (MXFP4 alike, within 0.05): at 256 rows 1.16 / 1.22 / 1.19 /
 1.21x for K 768 / 1024 / 1536 / 2048; at 512 rows 0.98 / 1.00 / 1.13 / 1.12x; at 768 rows 0.95 / 1.02 / 1.07 /
 1.09x. At K 1024 the two tie, and the fp8 form holds e4m3 copies where the prepass holds bf16 ones. With half the
 groups empty (1024 rows in each group that has any, which the plan cannot see without reading the offsets) it lost

@@ -268,7 +268,7 @@ def _summarise(res: Results) -> None:
         "the bf16 prepass plan (operands dequantised to bf16 in memory, then the bf16 grouped GEMM). From "
         f"{mk.PREPASS_MIN_ROWS} up to {mk.FP8_MAX_ROWS - 1} rows per group (from {mk.FP8_MIN_K_ROWS} only with K >= "
         f"{mk.FP8_MIN_K}) ours takes the fp8 plan on Hopper (e4m3 / e2m1 operands re-expressed with 1x128 scales, "
-        "fp8 MMAs: _mx_fp8_grouped_kernel), elsewhere from there the bf16 prepass.",
+        "fp8 MMAs: _mx_fp8_grouped_kernel), otherwise from that many rows the bf16 prepass.",
         f"<f>_swap (cases of at most {SWAP_TIMED_MAX_ROWS} rows per group): timed beside ours (ours takes it up to "
         f"{mk.SWAP_MAX_ROWS} rows per group on Hopper): "
         "x dequantised to bf16 first, then swapped tiles (weights on the MMA's M side, its register operand) summing K "

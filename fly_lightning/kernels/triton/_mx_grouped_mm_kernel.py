@@ -245,13 +245,13 @@ def choose_config(
     GPU is a Hopper, whose wgmma register fragment ``SWAPPED`` is laid out for and where it was timed)."""
     if on_cpu:
         return INTERPRETER_CONFIG
+    rows = m / max(1, e)
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
-    if x_fmt is not None and m / max(1, e) >= PREPASS_MIN_ROWS:
-        rows = m / max(1, e)
+    if x_fmt is not None and rows >= PREPASS_MIN_ROWS:
         fp8 = sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16
         fp8 = fp8 and rows < FP8_MAX_ROWS and (k >= FP8_MIN_K or rows < FP8_MIN_K_ROWS)
         return FP8 if fp8 else PREPASS
-    if x_fmt is not None and sm90 and m / max(1, e) <= SWAP_MAX_ROWS:
+    if x_fmt is not None and sm90 and rows <= SWAP_MAX_ROWS:
         return SWAPPED
     return loop_config(m, e, x_fmt, w_fmt)
 

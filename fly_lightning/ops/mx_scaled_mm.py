@@ -174,9 +174,10 @@ def emulated_form(
     GEMMs convert first (Triton's prepass from 128 rows, ATen's fallback) or in their main loop, and the ``mx_linear``
     suite (event-timed ``FlyMXLinear``) measured the emulated form faster for bf16: on the H100 with Triton's fp8
     prepass (cadc36d), forward 1.22x MXFP8 / 1.24x MXFP4 from 128 rows (geomeans; 0.77-0.89x on the two largest
-    shapes), 1.37x / 1.23x below, forward+backward 1.14x / 1.17x and 1.09x / 1.09x; on the H200 with the bf16 prepass
-    (2984bba), 1.22x / 1.27x forward from 128 rows. fp32 models take the MX GEMM form where Triton takes it (the
-    emulated form's fp32 passes cost 0.83x there, H100)."""
+    shapes), 1.37x / 1.23x below, forward+backward 1.14x / 1.17x and 1.09x / 1.09x (again at 37d9692: 1.23x / 1.17x,
+    1.10x / 1.20x; 1.14x / 1.17x, 1.01x / 1.13x); on the H200 with the bf16 prepass (2984bba), 1.22x / 1.27x forward
+    from 128 rows. fp32 models take the MX GEMM form where Triton takes it (the emulated form's fp32 passes cost 0.83x
+    there, H100)."""
     if preference != "auto":
         return preference == "emulated"
     if dtensor:

@@ -7,12 +7,13 @@ module's ``launch`` with the plan's pick and with ``PREPASS`` named (the suite's
 GEMM. Per layer also the caching allocator's device allocations and retries over its timed calls (a fresh
 ``cudaMalloc`` of the 1.9 GB bf16 weights per call would cost about what is missing). Prints; not a suite.
 
-Printed on the H100 (582b1ad), ms, public / dispatcher / Triton function / launch (plan) / launch (PREPASS): gate_up
+Printed on the H100 (5d3b7b1), ms, public / dispatcher / Triton function / launch (plan) / launch (PREPASS): gate_up
 MXFP8 6.66 / 6.51 / 6.15 / 6.00 / 5.96 (bf16 4.93), MXFP4 5.82 / 5.75 / 5.64 / 5.62 / 5.66; gate_up zipf1.2 MXFP8
 6.40 / 6.73 / 6.49 / 6.25 / 6.29; down MXFP8 3.16 / 3.18 / 3.15 / 3.18 / 3.18. Every layer runs the same plan (the
-bf16 prepass) and adds host microseconds only; over four calls per layer the allocator made one device allocation (the
-first layer's first call) and no retries. So the gap is in the timing of these 6 ms calls with their 1.9 GB temporaries (up to 11%
-between layers that queue the same device work), not in the public path; its cause is not found.
+bf16 prepass) and adds host microseconds only; over four calls per layer the allocator made one device allocation
+(the first layer's first call) and no retries. So the gap is in the timing of these 6 ms calls with their 1.9 GB
+temporaries (up to 12% between layers that queue the same device work), not in the public path; its cause is not
+found.
 
     python -m benchmarks.probe_mx_grouped_gap [--only mixtral-8x7b]
 """

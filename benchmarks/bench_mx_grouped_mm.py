@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 import fly_lightning
-from benchmarks.grouped_mm_cases import Case, cases, make_inputs, uniform_counts, zipf_counts
+from benchmarks.grouped_mm_cases import Case, cases, make_inputs, mx_weights, uniform_counts, zipf_counts
 from benchmarks.harness import Results, backend_of, first_call_s, geomean, interleaved_ms, rotation_count, time_ms
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
@@ -47,13 +47,6 @@ SMOKE_CASES = [
     Case("smoke-uniform", "uniform", 3, 128, 48, uniform_counts(40, 3), k_major=False),
     Case("smoke-uneven", "uneven", 4, 128, 32, zipf_counts(30, 4, 1.5, 0.25, seed=1), load="zipf"),
 ]
-
-
-def _cast_w(w_EKN: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights ``[E, K, N]`` cast along K: data ``[E, N, K / per_byte]``, scales ``[E, N, K / 32]``."""
-    e, k, n = w_EKN.shape
-    data, scale = fly_lightning.mx_cast(w_EKN.transpose(1, 2).reshape(e * n, k), fmt)
-    return data.view(e, n, -1), scale.view(e, n, -1)
 
 
 def _dequant_bf16(data: torch.Tensor, scale: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -129,7 +122,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         mx = {}
         for f, fmt in FORMATS.items():
             xd, xs = fly_lightning.mx_cast(x_, fmt)
-            wd, ws = _cast_w(w_, fmt)
+            wd, ws = mx_weights(w_, fmt)
             mx[f] = (xd, xs, wd, ws)
         timed_sets.append((x_, w_, o_, mx))
     for f, fmt in FORMATS.items():
@@ -175,7 +168,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
 
         def incl(x, w, o, mx, fmt=fmt):
             xd, xs = fly_lightning.mx_cast(x, fmt)
-            wd, ws = _cast_w(w, fmt)
+            wd, ws = mx_weights(w, fmt)
             return fly_lightning.mx_grouped_mm(xd, wd, ws, fmt, o, x_scale=xs, x_fmt=fmt)
 
         def emul(x, w, o, mx, f=f, fmt=fmt):
@@ -186,7 +179,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
             if fmt == "mxfp8_e4m3" and torchao_fp8 is not None and w.stride(1) == 1:  # its per-group column-major w
                 return torchao_fp8(x, w, o)
             xd, xs = fly_lightning.mx_cast(x, fmt)
-            return emulated(xd, xs, *_cast_w(w, fmt), o, fmt)
+            return emulated(xd, xs, *mx_weights(w, fmt), o, fmt)
 
         fns |= {
             f: ours,
@@ -194,7 +187,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
             f"{f}_prepass": prepass,
             f"{f}_emul": emul,
             f"{f}_cast_x": lambda x, w, o, mx, fmt=fmt: fly_lightning.mx_cast(x, fmt),
-            f"{f}_cast_w": lambda x, w, o, mx, fmt=fmt: _cast_w(w, fmt),
+            f"{f}_cast_w": lambda x, w, o, mx, fmt=fmt: mx_weights(w, fmt),
             f"{f}_incl": incl,
             f"{f}_emul_incl": emul_incl,
         }

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from fly_lightning import mx_cast
+
 # (name, hidden H, expert intermediate I, experts E, top-k, tokens T): M = T * k rows per projection
 MODELS = {
     "mixtral-8x7b": (4096, 14336, 8, 2, 8192),
@@ -129,3 +131,11 @@ def make_inputs(case: Case, device: str = "cuda", dtype: torch.dtype = torch.bfl
         w = w.transpose(1, 2)
     offs = torch.tensor(case.counts, device=device).cumsum(0).to(torch.int32)
     return x, w, offs
+
+
+def mx_weights(w_EKN: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``make_inputs``' weights ``[E, K, N]`` cast to MX ``fmt`` along K, as the MX grouped GEMM takes them: data
+    ``[E, N, K / per_byte]``, scales ``[E, N, K / 32]``."""
+    e, k, n = w_EKN.shape
+    data, scale = mx_cast(w_EKN.transpose(1, 2).reshape(e * n, k), fmt)
+    return data.view(e, n, -1), scale.view(e, n, -1)

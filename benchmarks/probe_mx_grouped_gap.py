@@ -25,20 +25,13 @@ import argparse
 import torch
 
 import fly_lightning
-from benchmarks.grouped_mm_cases import cases, make_inputs
+from benchmarks.grouped_mm_cases import cases, make_inputs, mx_weights
 from benchmarks.harness import interleaved_ms
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton.mx_grouped_mm import mx_grouped_mm_triton
 
 FORMATS = {"fp8": "mxfp8_e4m3", "fp4": "mxfp4_e2m1"}
 REPS, ROUNDS = 12, 4  # as the suite times its columns
-
-
-def _cast_w(w_EKN: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weights ``[E, K, N]`` cast along K, as the suite casts them: ``[E, N, K / per_byte]``, ``[E, N, K / 32]``."""
-    e, k, n = w_EKN.shape
-    data, scale = fly_lightning.mx_cast(w_EKN.transpose(1, 2).reshape(e * n, k), fmt)
-    return data.view(e, n, -1), scale.view(e, n, -1)
 
 
 def _layers(xd, xs, wd, ws, offs, fmt: str) -> dict:
@@ -78,7 +71,7 @@ def main() -> None:
         fns = {"bf16": lambda x=x, w=w, offs=offs: fly_lightning.grouped_mm(x, w, offs)}
         for f, fmt in FORMATS.items():
             xd, xs = fly_lightning.mx_cast(x, fmt)
-            wd, ws = _cast_w(w, fmt)
+            wd, ws = mx_weights(w, fmt)
             print(f"{case.name} {f}: plan {mk.choose_config(case.m, case.e, case.k, False, fmt, fmt, True).label()}")
             for name, fn in _layers(xd, xs, wd, ws, offs, fmt).items():
                 fns[f"{f} {name}"] = fn

@@ -3,25 +3,12 @@
 ``import fly_lightning`` registers the operators and their kernels.
 """
 
+from fly_lightning import ops
 from fly_lightning.backends import BACKENDS
 from fly_lightning.dispatch_log import DISPATCH_LOG
 from fly_lightning.kernels import load_kernels
 from fly_lightning.modules import FlyMoE, FlyRMSNorm
-from fly_lightning.ops import (
-    grouped_mm,
-    moe_combine,
-    moe_dispatch,
-    moe_grouped_mm,
-    moe_route,
-    mx_cast,
-    mx_dequantize,
-    mx_fake_quantize,
-    mx_grouped_mm,
-    mx_scaled_mm,
-    rms_norm,
-    swiglu,
-    topk,
-)
+from fly_lightning.ops import *  # noqa: F403  (the public operators, named once: ops.__all__)
 from fly_lightning.policy import DispatchConfig, dispatch_config, get_dispatch_config, set_dispatch_config
 from fly_lightning.quant.config import FlyMXConfig, mx_filter
 from fly_lightning.registry import OPS, get_op
@@ -56,19 +43,7 @@ __all__ = [
     "dispatch_config",
     "get_dispatch_config",
     "get_op",
-    "grouped_mm",
-    "moe_combine",
-    "moe_dispatch",
-    "moe_grouped_mm",
-    "moe_route",
-    "mx_cast",
-    "mx_dequantize",
-    "mx_fake_quantize",
-    "mx_grouped_mm",
-    "mx_scaled_mm",
-    "rms_norm",
     "set_dispatch_config",
-    "swiglu",
-    "topk",
     "transform",
 ]
+__all__ += ops.__all__

@@ -35,6 +35,8 @@ def test_public_ops_are_registered_ops():
     assert sorted(fly_lightning.ops.__all__) == sorted(OPS)
     for name in OPS:
         assert callable(getattr(fly_lightning.ops, name)), name
+        # the package's top level exports each of them, as the same function
+        assert name in fly_lightning.__all__ and getattr(fly_lightning, name) is getattr(fly_lightning.ops, name), name
 
 
 def test_scratch_op_dispatch_roundtrip():

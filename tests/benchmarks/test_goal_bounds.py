@@ -137,6 +137,27 @@ def test_w4_bounds_place_weight_only_against_its_memory_roof():
     assert out[0]["ceiling_x"] == round(0.02 / roof, 3) and out[0]["ours_of_roof"] == round(roof / 0.01, 3)
     assert s["goal_needs_of_roof"] == round(2.5 / (0.02 / roof), 3)
     assert w4_bounds(rows[1:], 4000.0) == ([], {})  # nothing to bound: no geomean of nothing
+    assert "event_ceiling_x" not in out[0] and "event_ceiling_x" not in s  # no launch floor measured: not placed
+
+
+def test_w4_event_ceiling_takes_the_larger_of_the_launch_floor_and_the_roof():
+    """Event-timed, a call costs at least the host's launch floor: the goal is past it when even a kernel at the
+    roof with only that host cost stays under 2.5x."""
+    rows = [
+        dict(case="host-bound", kind="w4", m=16, n=4096, k=4096, bf16_ms=0.04, bf16_graph_ms=0.016,
+             ours_graph_ms=0.01, launch_floor_ms=0.02),
+        dict(case="device-bound", kind="w4", m=16, n=28672, k=4096, bf16_ms=0.08, bf16_graph_ms=0.079,
+             ours_graph_ms=0.045, launch_floor_ms=0.02),
+    ]  # fmt: skip
+    out, s = w4_bounds(rows, 3000.0)
+    roof_big = (28672 * 4096 * (0.5 + 1 / 32) + 2 * (16 * 4096 + 16 * 28672)) / 3000e6
+    assert roof_big > 0.02 and out[0]["roof_ms"] < 0.02  # one case under the floor, one over it
+    assert out[0]["event_ceiling_x"] == round(0.04 / 0.02, 3)
+    assert out[1]["event_ceiling_x"] == round(0.08 / roof_big, 3)
+    assert s["event_ceiling_x"] == round(((0.04 / 0.02) * (0.08 / roof_big)) ** 0.5, 2)
+    assert s["event_goal_past_floor"] is (s["event_ceiling_x"] < 2.5)
+    rows[1] = {k: v for k, v in rows[1].items() if k != "launch_floor_ms"}
+    assert "event_ceiling_x" not in w4_bounds(rows, 3000.0)[1]  # a case without the floor: no geomean over part
 
 
 def test_moe_roof_counts_three_passes_of_the_expert_gemms_per_layer():

@@ -151,7 +151,7 @@ class _FlyStrategyMixin:
         from torchao.quantization import quantize_
 
         from fly_lightning.dtensor import is_dtensor
-        from fly_lightning.quant.config import FlyMXConfig, mx_filter
+        from fly_lightning.quant.config import LEFT_ATTR, FlyMXConfig, mx_filter
 
         user_filter = self.fly_quantization_filter
         # ours: Linears and MoE experts, head and routers kept; another config: torchao's own default filter
@@ -180,20 +180,28 @@ class _FlyStrategyMixin:
             return True
 
         quantize_(model, self.fly_quantization, filter_fn=wanted)
+        # what the handler selected but left (already quantized by torchao, dims off the MX blocks, ...), with its why
+        handler_left = [
+            (fqn, type(m).__name__, f"quantization: {m.__dict__.pop(LEFT_ATTR)}")
+            for fqn, m in model.named_modules()
+            if LEFT_ATTR in m.__dict__
+        ]
         # swapped MoE blocks hold their experts as stacked [E, ...] tensors: no nn.Linear for quantize_ to reach
         from fly_lightning.modules.moe import FlyMoE
 
+        reported = {fqn for fqn, _, _ in handler_left}
         experts = [
             (fqn, "FlyMoE", "quantization: experts are stacked [E, ...] tensors, not nn.Linear; this config does not "
              "reach them (they run unquantized; FlyMXConfig does)" if not ours else
-             "quantization: experts not selected by the filter, or their dims are not multiples of 32")
+             "quantization: experts not selected by the filter")
             for fqn, m in model.named_modules()
             if isinstance(m, FlyMoE) and not getattr(m, "_fly_quantize_seen", False) and m.mx is None
+            and fqn not in reported
         ]  # fmt: skip
         for m in model.modules():
             if id(m) not in deferred:
                 m._fly_quantize_seen = True
-        self._fly_quantization_left += sharded + experts
+        self._fly_quantization_left += sharded + handler_left + experts
         if self._fly_shards_parameters:  # FSDP2 shards parameters only: frozen MX weights must be some
             from fly_lightning.quant.frozen import frozen_as_parameters
 

@@ -113,9 +113,20 @@ _NEVER_CALLED = (nn.modules.linear.NonDynamicallyQuantizableLinear,)
 would never run there, and a frozen one would take away the weight the owner reads."""
 
 
+LEFT_ATTR = "_fly_quantize_left"
+"""Set on a module the handler left unconverted, to why: the strategies report it (``transform_summary.left``)."""
+
+
 def _left(module: nn.Module, why: str, left: str = "left as it is") -> nn.Module:
+    setattr(module, LEFT_ATTR, why)
     warnings.warn(f"FlyMXConfig: Linear({module.in_features}, {module.out_features}) {left}: {why}", stacklevel=3)
     return module
+
+
+def _experts_left(moe: FlyMoE, left: str, why: str) -> FlyMoE:
+    setattr(moe, LEFT_ATTR, f"experts {left}: {why}")
+    warnings.warn(f"FlyMXConfig: MoE experts {left}: {why}", stacklevel=3)
+    return moe
 
 
 @register_quantize_module_handler(FlyMXConfig)
@@ -173,27 +184,16 @@ def _mx_experts(moe: FlyMoE, config: FlyMXConfig) -> FlyMoE:
             _swap_children(shared, attr, config)
     bad = [f"{n} {d}" for n, d in (("hidden", moe.hidden_size), ("intermediate", moe.intermediate_size)) if d % 32]
     if bad:
-        warnings.warn(
-            f"FlyMXConfig: MoE experts left in high precision: {' and '.join(bad)} not a multiple of "
-            f"{formats.BLOCK} (MX blocks)",
-            stacklevel=2,
-        )
-        return moe
+        why = f"{' and '.join(bad)} not a multiple of {formats.BLOCK} (MX blocks)"
+        return _experts_left(moe, "left in high precision", why)
     spec = config.spec
     owners = {type(p).__name__ for p in moe.experts.parameters() if type(p).__module__.startswith("torchao.")}
     if owners:  # torchao's MoE training config wraps the expert weights: their GEMMs are quantized already
-        warnings.warn(
-            f"FlyMXConfig: MoE experts left as they are: already quantized by torchao ({', '.join(sorted(owners))})",
-            stacklevel=2,
-        )
-        return moe
+        return _experts_left(moe, "left as they are", f"already quantized by torchao ({', '.join(sorted(owners))})")
     if isinstance(moe.experts, FlyMXFrozenExperts):
         if not config.frozen or _stored(moe.experts.spec) != _stored(spec):
-            warnings.warn(
-                f"FlyMXConfig: MoE experts frozen in MX as {_stored(moe.experts.spec)} are left as they are (no "
-                "master to cast again from)",
-                stacklevel=2,
-            )
+            why = f"frozen in MX as {_stored(moe.experts.spec)} (no master to cast again from)"
+            return _experts_left(moe, "left as they are", why)
         return moe
     if config.frozen:
         moe.experts = FlyMXFrozenExperts.from_moe(moe, spec)  # the old container (the masters) goes

@@ -442,3 +442,27 @@ def test_left_reason_survives_the_pass_after_sharding(monkeypatch):
 def test_ops_given_as_a_string_is_an_error():
     with pytest.raises(TypeError, match=r"ops=\['rms_norm'\]"):
         fly_lightning.FlySingleDeviceStrategy(ops="rms_norm")
+
+
+def test_quantization_reports_what_the_mx_handler_left_with_its_reason():
+    """Layers ``FlyMXConfig`` selects but cannot convert are in ``transform_summary.left`` with the handler's reason
+    (torchao's own MX conversion recognised, not quantized twice; dims off the MX blocks), not only warned about."""
+    mx = pytest.importorskip("torchao.prototype.mx_formats")
+    from torchao.quantization import quantize_
+
+    from fly_lightning import FlyMoE
+
+    model = nn.Sequential(
+        nn.Linear(64, 64, dtype=torch.bfloat16), nn.Linear(64, 40), nn.Linear(40, 8), FlyMoE(48, 40, 4, 2)
+    )
+    quantize_(model, mx.MXDynamicActivationMXWeightConfig(), filter_fn=lambda m, fqn: fqn == "0")
+    strategy = fly_lightning.FlySingleDeviceStrategy(quantization=fly_lightning.FlyMXConfig(), report=False)
+    with pytest.warns(UserWarning, match="FlyMXConfig"):
+        strategy._fly_apply(model)
+    assert type(model[1]).__name__ == "FlyMXLinear" and type(model[2]) is nn.Linear and model[3].mx is None
+    left = {path: (cls, reason) for path, cls, reason in strategy.transform_summary.left}
+    assert left["0"] == ("Linear", "quantization: already quantized by torchao (MXTensor)")
+    assert left["2"] == ("Linear", "quantization: in_features is not a multiple of 32")
+    assert left["3"] == ("FlyMoE", "quantization: experts left in high precision: hidden 48 and intermediate 40 "
+                         "not a multiple of 32 (MX blocks)")  # fmt: skip
+    assert "1" not in left and not any(hasattr(m, "_fly_quantize_left") for m in model.modules())

@@ -18,18 +18,19 @@ from fly_lightning.quant import formats
 from fly_lightning.registry import tensor_key
 
 
-def validate_cast(x: Tensor, fmt: str, mode: str, axis: int) -> None:
-    """What a cast along ``axis`` takes (``mx_cast``, ``mx_fake_quantize``): named errors before any kernel."""
+def validate_cast(x: Tensor, fmt: str, mode: str, axis: int, op: str = "mx_cast") -> None:
+    """What a cast along ``axis`` takes (``mx_cast``, ``mx_fake_quantize``: ``op`` names it in the errors): named
+    errors before any kernel."""
     if not isinstance(x, Tensor):
-        raise ValueError(f"mx_cast: x must be a Tensor, got {type(x).__name__}")
+        raise ValueError(f"{op}: x must be a Tensor, got {type(x).__name__}")
     if x.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"mx_cast: x must be float32 or bfloat16, got {x.dtype}")
-    formats.op_format("mx_cast", fmt)
-    formats.as_mode(mode)
+        raise ValueError(f"{op}: x must be float32 or bfloat16, got {x.dtype}")
+    formats.op_format(op, fmt)
+    formats.op_mode(op, mode)
     if axis not in (-1, 0) or (axis == 0 and x.dim() != 2) or x.dim() < 1:
-        raise ValueError(f"mx_cast: axis must be -1, or 0 for a 2-D x; got axis={axis} for shape {list(x.shape)}")
+        raise ValueError(f"{op}: axis must be -1, or 0 for a 2-D x; got axis={axis!r} for shape {list(x.shape)}")
     if x.shape[axis] % formats.BLOCK:
-        raise ValueError(f"mx_cast: dim {axis} of {list(x.shape)} must be a multiple of {formats.BLOCK}")
+        raise ValueError(f"{op}: dim {axis} of {list(x.shape)} must be a multiple of {formats.BLOCK}")
 
 
 def mx_cast_reference(x: Tensor, fmt: str, mode: str, axis: int) -> tuple[Tensor, Tensor]:
@@ -86,7 +87,7 @@ def mx_cast(x: Tensor, fmt: str = "mxfp8_e4m3", mode: str = "floor", axis: int =
         fmt: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4_e2m1"``.
         mode: ``"floor"`` or ``"rceil"`` (torchao's ``ScaleCalculationMode`` values).
     """
-    mode = formats.as_mode(mode).value  # torchao's enum or ours: the op takes the string
+    mode = formats.op_mode("mx_cast", mode).value  # torchao's enum or ours: the op takes the string
     if isinstance(x, Tensor):
         x = x.detach()  # a cast has no gradient
     return _mx_cast_call(x, fmt, mode, axis)

@@ -30,11 +30,15 @@ def _signature(x: Tensor, fmt: str, mode: str, axis: int) -> tuple:
     return (tensor_key(x), fmt, mode, axis)
 
 
+def _validate(x: Tensor, fmt: str, mode: str, axis: int) -> None:
+    validate_cast(x, fmt, mode, axis, op="mx_fake_quantize")
+
+
 MX_FAKE_QUANTIZE = register_op(
     "mx_fake_quantize",
     reference=mx_fake_quantize_reference,
     signature=_signature,
-    validate=validate_cast,
+    validate=_validate,
     doc="MX cast and back along K: (x, fmt, mode, axis) -> x on the MX grid",
 )
 
@@ -47,7 +51,7 @@ def mx_fake_quantize_op(x: Tensor, fmt: str, mode: str, axis: int) -> Tensor:
 
 @mx_fake_quantize_op.register_fake
 def _(x: Tensor, fmt: str, mode: str, axis: int) -> Tensor:
-    validate_cast(x, fmt, mode, axis)
+    _validate(x, fmt, mode, axis)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -71,4 +75,4 @@ def mx_fake_quantize(x: Tensor, fmt: str = "mxfp8_e4m3", mode: str = "floor", ax
         fmt: ``"mxfp8_e4m3"``, ``"mxfp8_e5m2"`` or ``"mxfp4_e2m1"``.
         mode: ``"floor"`` or ``"rceil"`` (torchao's ``ScaleCalculationMode`` values).
     """
-    return _mx_fake_quantize_eager(x, fmt, formats.as_mode(mode).value, axis)
+    return _mx_fake_quantize_eager(x, fmt, formats.op_mode("mx_fake_quantize", mode).value, axis)

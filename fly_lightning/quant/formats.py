@@ -127,6 +127,14 @@ def as_mode(mode: ScaleMode | str | enum.Enum) -> ScaleMode:
         raise ValueError(f"unsupported MX scale mode {mode!r}; supported: floor, rceil") from None
 
 
+def op_mode(op: str, mode: ScaleMode | str | enum.Enum) -> ScaleMode:
+    """``as_mode`` for an operator's ``mode`` argument: the ``ValueError`` names ``op``."""
+    try:
+        return as_mode(mode)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
+
+
 def default_mode(*fmts: MXFormat | str | None) -> ScaleMode:
     """The quality default for casts to ``fmts`` (None entries: no cast): RCEIL when every format is MXFP8 (published
     MXFP8 training recipes: a block's largest value is never clipped), else FLOOR (the OCP MX rule, torchao's MXFP4

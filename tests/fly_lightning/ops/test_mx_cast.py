@@ -14,8 +14,10 @@ from fly_lightning.quant import formats
         ((torch.randn(4, 33),), "multiple of 32"),
         ((torch.randn(4, 32, dtype=torch.float16),), "float32 or bfloat16"),
         ((torch.randn(4, 32), "mxfp6"), "unknown MX format"),
-        ((torch.randn(4, 32), "mxfp8_e4m3", "even"), "unsupported MX scale mode"),
+        ((torch.randn(4, 32), "mxfp8_e4m3", "even"), "^mx_cast: unsupported MX scale mode 'even'"),
+        ((torch.randn(4, 32), "mxfp8_e4m3", None), "^mx_cast: unsupported MX scale mode None"),
         ((torch.randn(2, 4, 32), "mxfp8_e4m3", "floor", 0), "axis must be"),
+        ((torch.randn(4, 32), "mxfp8_e4m3", "floor", "0"), "got axis='0'"),  # a string is named as one
         ((torch.randn(4, 32), "mxfp8_e4m3", "floor", 1), "axis must be"),
         (("x",), "must be a Tensor"),
     ],

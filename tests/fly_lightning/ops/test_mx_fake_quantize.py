@@ -11,7 +11,12 @@ from fly_lightning.quant import formats
 
 @pytest.mark.parametrize(
     "args, match",  # the cast's validation (``validate_cast``, tested in full with ``mx_cast``)
-    [((torch.randn(4, 33),), "multiple of 32"), ((torch.randn(2, 4, 32), "mxfp8_e4m3", "floor", 0), "axis must be")],
+    [
+        ((torch.randn(4, 33),), "^mx_fake_quantize: dim -1 of .* multiple of 32"),  # named as itself, not mx_cast
+        ((torch.randn(2, 4, 32), "mxfp8_e4m3", "floor", 0), "^mx_fake_quantize: axis must be"),
+        ((torch.randn(4, 32), "mxfp8_e4m3", "even"), "^mx_fake_quantize: unsupported MX scale mode"),
+        ((torch.randn(4, 32), "mxfp6"), "^mx_fake_quantize: unknown MX format"),
+    ],
 )
 def test_invalid_arguments_raise_before_any_kernel(args, match):
     with pytest.raises(ValueError, match=match):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from fly_lightning.kernels.flydsl import _grouped_mm_kernel as kernel
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.ops.grouped_mm import GROUPED_MM
 
 
@@ -32,12 +33,12 @@ def layout_reason(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, out_dtyp
         return f"dtype {x.dtype} (kernel takes bfloat16/float16)"
     m, k = x.shape
     if m > 1 and k > 1 and x.stride() != (k, 1):
-        return "x not contiguous"
+        return copy_reason("x", x, "not contiguous")
     k_major = kernel.weight_layout(w)
     if k_major is None:
         return f"w strides {tuple(w.stride())}: neither N- nor K-contiguous dense experts"
     if offs.numel() > 1 and offs.stride(0) != 1:
-        return "offs not contiguous"
+        return copy_reason("offs", offs, "not contiguous")
     ok, reason = kernel.supports(k, w.shape[2], w.shape[0], x.dtype, out_dtype, k_major, m)
     return None if ok else reason
 

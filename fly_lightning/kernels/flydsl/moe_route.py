@@ -10,6 +10,7 @@ import torch
 
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.flydsl import _moe_route_kernel as kernel
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.ops.moe_route import MOE_ROUTE
 
 
@@ -21,7 +22,7 @@ def _supports(logits_TE, k, score, renormalize, bias_E, route_scale, n_groups, t
     if return_permutation:
         return "permutation not implemented"
     if logits_TE.shape[1] > 1 and logits_TE.stride(1) != 1:
-        return "last dim not contiguous"
+        return copy_reason("logits", logits_TE)
     ok, reason = kernel.supports(logits_TE.shape[-1], k, logits_TE.dtype, score)
     return True if ok else reason
 

@@ -11,6 +11,7 @@ import torch
 
 from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as kernel
 from fly_lightning.kernels.flydsl.mx_scaled_mm import alignment_reason, device_arch, run_or_fallback
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.ops.mx_grouped_mm import MX_GROUPED_MM
 
 
@@ -32,7 +33,7 @@ def layout_reason(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> str 
         return "x is high precision (weight-only MX): the scaled MFMA needs both operands in MX formats"
     for name, t in (("x", x), ("x_scale", x_scale), ("w", w), ("w_scale", w_scale), ("offs", offs)):
         if not t.is_contiguous():
-            return f"{name} not contiguous"
+            return copy_reason(name, t, "not contiguous")
     if (reason := _alignment(x, x_scale, w, w_scale, offs)) is not None:
         return reason
     k = w.shape[2] * 8 // kernel.FORMATS[w_fmt][0] if w_fmt in kernel.FORMATS else 0

@@ -11,6 +11,7 @@ import torch
 
 from fly_lightning.dispatch import record_fallback
 from fly_lightning.kernels.flydsl import _mx_scaled_mm_kernel as kernel
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.ops.mx_scaled_mm import MX_SCALED_MM
 
 
@@ -61,7 +62,7 @@ def layout_reason(
         return "a is high precision (weight-only MX): the scaled MFMA needs both operands in MX formats"
     for name, t in (("a", a), ("a_scale", a_scale), ("b", b), ("b_scale", b_scale)):
         if not t.is_contiguous():
-            return f"{name} not contiguous"
+            return copy_reason(name, t, "not contiguous")
     if reason := alignment_reason(("a", a, 16), ("a_scale", a_scale, 8), ("b", b, 16), ("b_scale", b_scale, 8)):
         return reason
     k = b.shape[1] * 8 // kernel.FORMATS[b_fmt][0] if b_fmt in kernel.FORMATS else 0

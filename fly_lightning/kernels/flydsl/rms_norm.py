@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fly_lightning.kernels.flydsl import _rms_norm_kernel as kernel
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.ops.rms_norm import RMS_NORM
 
 
@@ -16,7 +17,7 @@ def _supports(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: 
     if x.numel() == 0:
         return "empty input"
     if weight is not None and weight.numel() > 1 and weight.stride(0) != 1:
-        return "weight not contiguous"
+        return copy_reason("weight", weight, "not contiguous")
     try:
         x2 = x.view(-1, x.shape[-1])
     except RuntimeError:

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import hw_cvt, ptx_pairs
@@ -38,7 +39,7 @@ from fly_lightning.kernels.triton._mx_elements import (
     rceil_biased,
     widened,
 )
-from fly_lightning.kernels.triton._support import copy_reason, device_reason, on_device
+from fly_lightning.kernels.triton._support import device_reason, on_device
 from fly_lightning.ops.mx_cast import MX_CAST
 from fly_lightning.quant import formats
 

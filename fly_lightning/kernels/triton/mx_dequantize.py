@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.kernels.triton._mx_dequant import dequantize
-from fly_lightning.kernels.triton._support import ON_HIP, copy_reason, device_reason
+from fly_lightning.kernels.triton._support import ON_HIP, device_reason
 from fly_lightning.ops.mx_dequantize import MX_DEQUANTIZE
 from fly_lightning.quant import formats
 

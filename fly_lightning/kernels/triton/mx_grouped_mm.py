@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
-from fly_lightning.kernels.triton._support import ON_HIP, copy_reason, device_reason
+from fly_lightning.kernels.triton._support import ON_HIP, device_reason
 from fly_lightning.kernels.triton.grouped_mm import MAX_GROUPS  # each program loads all offsets as one vector
 from fly_lightning.ops.mx_grouped_mm import MX_GROUPED_MM
 from fly_lightning.quant import formats

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
+from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
 from fly_lightning.kernels.triton._fragment_k import to_fragment_order
 from fly_lightning.kernels.triton._launch import FastLaunch
@@ -49,7 +50,6 @@ from fly_lightning.kernels.triton._mx_requant import FORMATS as FP8_FORMATS
 from fly_lightning.kernels.triton._mx_requant import available, requantize
 from fly_lightning.kernels.triton._support import (
     ON_HIP,
-    copy_reason,
     device_reason,
     interpreting,
     num_sms,

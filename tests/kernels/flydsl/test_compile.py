@@ -288,12 +288,18 @@ class _RocmLogits:
     def stride(self, dim=None):
         return self._stride if dim is None else self._stride[dim]
 
+    def numel(self):
+        return self.shape.numel()
+
+    def element_size(self):
+        return torch.empty((), dtype=self.dtype).element_size()
+
 
 @pytest.mark.parametrize(
     "logits,kwargs,expect",
     [
         (_RocmLogits((16, 64), (64, 1)), {}, True),
-        (_RocmLogits((16, 64), (1, 16)), {}, "last dim not contiguous"),
+        (_RocmLogits((16, 64), (1, 16)), {}, "logits last dim not contiguous (a layout copy of 2048 bytes"),
         (_RocmLogits((16, 64), (64, 1)), {"return_permutation": True}, "permutation not implemented"),
         (_RocmLogits((16, 64), (64, 1)), {"n_groups": 8, "topk_groups": 4}, "selection bias / expert groups"),
         (_RocmLogits((16, 512), (512, 1)), {}, "E=512"),

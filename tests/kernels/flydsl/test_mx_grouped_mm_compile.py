@@ -115,7 +115,10 @@ def test_registered_support_predicate_names_a_layout_copy(monkeypatch):
 
     ops = list(_operands())
     ops[4] = torch.full((4, 256, 32), 127, dtype=torch.uint8)[:, :, ::2].view(torch.float8_e8m0fnu)
-    assert gfx950_verdict(monkeypatch, backend, tuple(ops)) == "w_scale not contiguous"
+    nbytes = ops[4].numel()  # E8M0: one byte each
+    assert gfx950_verdict(monkeypatch, backend, tuple(ops)) == (
+        f"w_scale not contiguous (a layout copy of {nbytes} bytes would fit it)"
+    )
 
 
 def test_registered_support_predicate_refuses_other_amd_arch(monkeypatch):

@@ -1,6 +1,7 @@
 """The Triton MX grouped GEMM kernel through the interpreter (tiny shapes): every format pair against the fp32 product
-of the dequantised operands on uneven groups (empty, single-row, spanning several tiles), launch configurations,
-rows past the last offset never written, NaN scales, clamped invalid offsets, and the inputs it leaves to ATen."""
+(and within fp32 sums of the fp64 product) of the dequantised operands on uneven groups (empty, single-row, spanning
+several tiles), launch configurations, rows past the last offset never written, NaN scales, clamped invalid offsets,
+and the inputs it leaves to ATen."""
 
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton import _support
 from fly_lightning.kernels.triton.mx_grouped_mm import _supports, mx_grouped_mm_triton
 from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
+from tests.kernels.triton._mx_fp64 import assert_within_fp32_sums, fp64_grouped_mm
 
 PAIRS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp8_e5m2", "mxfp8_e5m2"), ("mxfp4_e2m1", "mxfp4_e2m1"),
          ("mxfp8_e5m2", "mxfp8_e4m3"), (None, "mxfp8_e4m3"), (None, "mxfp4_e2m1")]  # fmt: skip
@@ -51,6 +53,21 @@ CONFIGS = {
     "swapped": mk.SWAPPED,  # the plan for few rows per group on sm90: x dequantised first, weights swapped
     "fp8": mk.FP8,  # re-expressed as e4m3 with 1x128 scales, then the fp8 grouped kernel
 }
+
+
+@pytest.mark.parametrize(
+    "x_fmt, w_fmt, config",  # the swapped plan dequantises MX x first: weight-only never takes it
+    [(x, w, c) for c in ("interpreter", "prepass", "swapped") for x, w in PAIRS if x is not None or c != "swapped"],
+)
+def test_within_fp32_sums_of_the_fp64_product(x_fmt, w_fmt, config):
+    """Against the fp64 product of the dequantised operands, fp32 and bf16 out. (The fp8 plan re-expresses operands
+    with coarser scales, a bounded precision change of its own: ``test_mx_fp8_grouped``.)"""
+    args = _problem(x_fmt, w_fmt, x_dtype=torch.bfloat16, seed=2)  # high-precision x in bf16: the MMAs take it as is
+    want, size = fp64_grouped_mm(*args)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        out = torch.full((args[0].shape[0], want.shape[1]), float("nan"), dtype=out_dtype)
+        mk.launch(*args, out, config=CONFIGS[config])
+        assert_within_fp32_sums(out, want, size, k=128)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

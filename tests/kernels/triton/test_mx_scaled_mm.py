@@ -1,7 +1,7 @@
-"""The Triton MX GEMM (interpreter): against the fp32 reference for every format pair and the weight-only form, in
-each launch plan (plain, swapped, split K, dequantising prepass), with rows and columns not multiples of the tile,
-zero and extreme scales and NaN blocks; every output element written (outputs are poisoned in tests); the inputs it
-leaves to ATen named."""
+"""The Triton MX GEMM (interpreter): against the fp32 reference (and within fp32 sums of the fp64 product of the
+dequantised operands) for every format pair and the weight-only form, in each launch plan (plain, swapped, split K,
+dequantising prepass), with rows and columns not multiples of the tile, zero and extreme scales and NaN blocks; every
+output element written (outputs are poisoned in tests); the inputs it leaves to ATen named."""
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from fly_lightning.kernels.triton.mx_scaled_mm import MXMMConfig, _supports, lau
 from fly_lightning.ops.mx_scaled_mm import mx_scaled_mm_reference
 from fly_lightning.policy import dispatch_config
 from fly_lightning.quant import formats
+from tests.kernels.triton._mx_fp64 import assert_within_fp32_sums, fp64_mm
 
 PAIRS = [
     ("mxfp8_e4m3", "mxfp8_e4m3"),
@@ -64,6 +65,17 @@ def test_matches_the_reference(a_fmt, b_fmt, plan_name):
     m, n, k = (37, 45, 256) if plan_name != "plain" else (21, 70, 384)
     a, a_s, b, bs = _operands(m, n, k, a_fmt, b_fmt)
     _check(a, a_s, a_fmt, b, bs, b_fmt, config=PLANS[plan_name])
+
+
+@pytest.mark.parametrize("plan_name", ["auto", "split", "prepass"])
+@pytest.mark.parametrize("a_fmt, b_fmt", PAIRS, ids=[f"{a}-{b}" for a, b in PAIRS])
+def test_within_fp32_sums_of_the_fp64_product(a_fmt, b_fmt, plan_name):
+    """Against the fp64 product of the dequantised operands (not only an fp32 GEMM of them), fp32 and bf16 out."""
+    m, n, k = 37, 45, 256
+    a, a_s, b, bs = _operands(m, n, k, a_fmt, b_fmt, seed=3)
+    want, size = fp64_mm(a, a_s, a_fmt, b, bs, b_fmt)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert_within_fp32_sums(launch(a, a_s, a_fmt, b, bs, b_fmt, out_dtype, PLANS[plan_name]), want, size, k)
 
 
 @pytest.mark.parametrize("plan_name", ["auto", "prepass"])

@@ -1,7 +1,7 @@
 """``FlyMXConfig`` on a swapped MoE block: the experts take MX forward numerics (``FlyMoE.mx``) through ``quantize_``,
-equal to a pure-torch oracle built on ``formats`` (torchao-exact casts) with straight-through gradients; the output
-head and routers stay in high precision under ``mx_filter``; blocks with dims that do not hold whole MX blocks are
-left with a warning."""
+equal to a pure-torch oracle built on ``formats`` (torchao-exact casts) with straight-through gradients, in every
+expert layout with SwiGLU and GeGLU; the output head and routers stay in high precision under ``mx_filter``; blocks
+with dims that do not hold whole MX blocks are left with a warning."""
 
 import dataclasses
 import logging
@@ -13,6 +13,7 @@ from torch import nn
 import fly_lightning
 from fly_lightning import FlyMXConfig, mx_filter
 from fly_lightning.modules.moe import FlyMoE
+from fly_lightning.modules.moe_layout import LAYOUTS
 from fly_lightning.ops.moe_route import moe_route_reference
 from fly_lightning.ops.swiglu import split_gate_up, swiglu_reference
 from fly_lightning.quant import formats
@@ -22,9 +23,9 @@ quantize_ = pytest.importorskip("torchao.quantization").quantize_
 H, INTER, E, K, T = 64, 32, 4, 2, 24
 
 
-def _moe(layout: str = "hf") -> FlyMoE:
+def _moe(layout: str = "hf", activation: str = "silu") -> FlyMoE:
     torch.manual_seed(0)
-    moe = FlyMoE(H, INTER, E, K, layout=layout)
+    moe = FlyMoE(H, INTER, E, K, layout=layout, activation=activation)
     with torch.no_grad():
         for p in moe.parameters():
             p.normal_(0, 0.3)
@@ -45,12 +46,13 @@ def _oracle(moe: FlyMoE, x: torch.Tensor, w_fmt: str, a_fmt: str | None, mode: s
     gate_up, up, down = moe.experts.projections()
     cast_w = lambda w: _through(w.transpose(1, 2), w_fmt, mode).transpose(1, 2)  # noqa: E731 - blocks along K
     gate_up, down = cast_w(gate_up), cast_w(down)
+    up = None if up is None else cast_w(up)  # layouts with separate gate and up weights
     xq = _through(x, a_fmt, mode)
     y = torch.zeros_like(x)
     for e in range(E):
         tok, slot = torch.where(ids == e)
-        gate, u = split_gate_up(xq[tok] @ gate_up[e], None)
-        h = _through(swiglu_reference(gate, u), a_fmt, mode)
+        gate, u = split_gate_up(xq[tok] @ gate_up[e], None if up is None else xq[tok] @ up[e])
+        h = _through(swiglu_reference(gate, u, moe.activation), a_fmt, mode)
         y = y.index_add(0, tok, (h @ down[e]) * weights[tok, slot].unsqueeze(1))
     return y
 
@@ -84,6 +86,27 @@ def test_experts_match_the_oracle_forward_and_backward(config, preference):
     torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
     for (name, p), p_ref in zip(moe.named_parameters(), ref.parameters(), strict=True):  # sums over tokens: 1e-4
         torch.testing.assert_close(p.grad, p_ref.grad, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("preference", ["auto", "mx_gemm"])
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_expert_layout_and_activation_matches_the_oracle(layout, activation, preference):
+    """Each family's expert storage (Hugging Face, Mixtral / Qwen per-expert lists, torchtitan K-major and legacy,
+    transposed, DBRX) with SwiGLU and GeGLU experts, through ``quantize_``: forward and input gradient as the oracle
+    on the block's own projections."""
+    moe, ref = _moe(layout, activation), _moe(layout, activation)
+    quantize_(moe, FlyMXConfig(kernel_preference=preference), filter_fn=mx_filter)
+    assert moe.mx is not None
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    y, y_ref = moe(x), _oracle(ref, xr, "mxfp8_e4m3", "mxfp8_e4m3", "rceil")
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=3e-5)  # fp32 sums in other orders
+    assert (y - ref(x.detach())).abs().max() > 1e-3  # the casts changed the numbers
+    g = torch.randn_like(y)
+    y.backward(g)
+    y_ref.backward(g)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-4, atol=1e-4)  # sums over experts and H
 
 
 @pytest.mark.parametrize("layout", ["torchtitan", "mixtral"])  # K-major [E, K, N] masters; separate gate and up

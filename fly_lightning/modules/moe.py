@@ -102,18 +102,28 @@ def experts_forward(
     """
     out_dtype = x_TH.dtype  # the input's (under autocast the MX casts below may take the autocast dtype)
     mx_gemm = mx is not None and mx.mx_gemm(x_TH, gate_up_EHN, down_EIH)
-    if mx is not None and not mx_gemm:  # emulated: cast to the autocast dtype first, as the MX GEMM form and Linears
+    emulated = mx is not None and not mx_gemm
+    if emulated:  # cast to the autocast dtype first, as the MX GEMM form and Linears
         x_TH, gate_up_EHN = autocast_operands(x_TH, gate_up_EHN)
         down_EIH = autocast_operands(x_TH, down_EIH)[1]
         up_EHI = None if up_EHI is None else autocast_operands(x_TH, up_EHI)[1]
-        x_TH, gate_up_EHN, down_EIH = mx.act(x_TH), mx.weight(gate_up_EHN), mx.weight(down_EIH)
-        up_EHI = None if up_EHI is None else mx.weight(up_EHI)
     k = weights_Tk.shape[1]
     inv = inverse_permutation(perm_M)  # slot -> expert-ordered row: the combine gathers through it
     if mx_gemm:  # the MX GEMM takes MX rows in expert order: the plain path's copy, then one cast for gate and up
         xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
         gate_up, *up = mx.project(xs, offs_E, *([gate_up_EHN] if up_EHI is None else [gate_up_EHN, up_EHI]))
         up = up[0] if up else None
+    elif emulated:  # the tokens cast once (no graph), shared by gate and up; gradients from the high-precision ones
+        with torch.no_grad():
+            x_q = mx.act(x_TH)
+        if fused:
+            project = lambda w: mx.emulated(x_TH, x_q, w, offs_E, perm_M, k)  # noqa: E731
+        else:
+            xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
+            xs_q = x_q.index_select(0, perm_M.long() // k)
+            project = lambda w: mx.emulated(xs, xs_q, w, offs_E)  # noqa: E731
+        gate_up = project(gate_up_EHN)
+        up = None if up_EHI is None else project(up_EHI)
     else:
         if fused:
             project = lambda w: moe_grouped_mm(x_TH, w, offs_E, perm_M, topk=k, gather=True)  # noqa: E731
@@ -130,8 +140,12 @@ def experts_forward(
     h = swiglu(gate_up, up, activation)
     if mx_gemm:
         (rows,) = mx.project(h, offs_E, down_EIH)
+    elif emulated:
+        with torch.no_grad():
+            h_q = mx.act(h)
+        rows = mx.emulated(h, h_q, down_EIH, offs_E)  # expert order
     else:
-        rows = grouped_mm(h if mx is None else mx.act(h), down_EIH, offs_E)  # expert order
+        rows = grouped_mm(h, down_EIH, offs_E)  # expert order
     return moe_combine(rows, weights_Tk, inv, out_dtype=out_dtype)
 
 

@@ -3,14 +3,15 @@
 
 - emulated: activations (token rows along H, the SwiGLU output along I) and weights (along their input dim, from the
   high-precision master every step) are cast to MX and back (``mx_fake_quantize``); the bf16 grouped GEMMs then run on
-  exactly the products an MX GEMM with fp32 accumulation computes (torchao's emulated path);
+  exactly the products an MX GEMM with fp32 accumulation computes (torchao's emulated path) (``EmulatedProjection``);
 - MX GEMM: each projection casts its rows and weights to MX bytes and scales (``mx_cast``) and runs ``mx_grouped_mm``
   (``MXGroupedProjection``), for backends that multiply MX natively (FlyDSL's scaled MFMAs on gfx950).
 
-Both pass gradients straight through the casts and compute them from the MX values (``grad_x = grad @ w_q^T``,
-``grad_w = x_q^T @ grad`` per expert), so the forms differ only in summation order. Hopper has no MX tensor cores:
-there ``mx_grouped_mm`` dequantises to bf16 before the bf16 GEMM (0.7-0.8x bf16 on the grouped suite), and
-``"auto"`` takes the emulated form.
+Both pass gradients straight through the casts as ``FlyMXLinear`` does: the bf16 grouped GEMMs' backward on the
+high-precision operands (``grad_x = grad @ w^T``, ``grad_w = x^T @ grad`` per expert, the master weights and the
+projection's input), so the forms differ only in summation order and keep no rounded copy of the weights for the
+backward. Hopper has no MX tensor cores: there ``mx_grouped_mm`` dequantises to bf16 before the bf16 GEMM (0.7-0.8x
+bf16 on the grouped suite), and ``"auto"`` takes the emulated form.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch
 from torch import Tensor
 
 from fly_lightning.dtensor import is_dtensor
-from fly_lightning.ops.grouped_mm import autocast_operands, grouped_mm_backward_call
+from fly_lightning.ops.grouped_mm import autocast_operands, grouped_mm, grouped_mm_backward_call
+from fly_lightning.ops.moe_grouped_mm import moe_grouped_mm, moe_grouped_mm_backward_call
 from fly_lightning.ops.mx_cast import mx_cast
-from fly_lightning.ops.mx_dequantize import mx_dequantize
 from fly_lightning.ops.mx_fake_quantize import mx_fake_quantize
 from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm
 from fly_lightning.ops.mx_scaled_mm import emulated_form
@@ -75,6 +76,14 @@ class MXExperts:
         rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # one row per output column (a view of [E, N, K] storage)
         return _fake_quantize(rows, self.weight_fmt, self.mode).reshape(e, n, k).transpose(1, 2)
 
+    def emulated(
+        self, x: Tensor, x_q: Tensor, w_EKN: Tensor, offs_E: Tensor, perm_M: Tensor | None = None, topk: int = 1
+    ) -> Tensor:
+        """The emulated form's projection of rows ``x`` (tokens gathered through ``perm_M`` when given, as
+        ``moe_grouped_mm``) by ``w_EKN``: the GEMM on ``x_q`` (``act(x)``, computed by the caller without a graph:
+        one cast shared by gate and up) and the weights on the MX grid; gradients from ``x`` and the master."""
+        return EmulatedProjection.apply(x, x_q.detach(), w_EKN, offs_E, perm_M, topk, self)
+
     def project(self, x_MK: Tensor, offs_E: Tensor, *weights_EKN: Tensor) -> tuple[Tensor, ...]:
         """``grouped_mm(x, w, offs)`` for each of ``weights_EKN`` on the MX values through ``mx_grouped_mm``
         (``mx_gemm``'s form): rows in expert order, high-precision ``x`` (cast once for all weights) and masters;
@@ -106,11 +115,38 @@ def _checked(w_EKN: Tensor) -> Tensor:
     return w_EKN
 
 
+class EmulatedProjection(torch.autograd.Function):
+    """``y = grouped_mm(x_q, w_q, offs)`` (gathering token rows through ``perm`` when given), ``w_q`` the weights on
+    the MX grid (``MXExperts.weight``); the backward is the bf16 one of ``grouped_mm(x, w, offs)``: only ``x`` and
+    the master are saved (no rounded weight copy held until the backward)."""
+
+    @staticmethod
+    def forward(ctx, x, x_q, w_EKN, offs_E, perm_M, topk: int, mx: MXExperts) -> Tensor:
+        w_q = mx.weight(w_EKN)
+        if perm_M is None:
+            y = grouped_mm(x_q, w_q, offs_E)
+        else:
+            y = moe_grouped_mm(x_q, w_q, offs_E, perm_M, topk=topk, gather=True)
+        ctx.save_for_backward(x, w_EKN, offs_E, perm_M)
+        ctx.topk = topk
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: Tensor):
+        x, w_EKN, offs_E, perm_M = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[2]
+        if perm_M is None:
+            dx, dw = grouped_mm_backward_call(grad, x, w_EKN, offs_E, need_x, need_w)
+        else:
+            dx, dw = moe_grouped_mm_backward_call(grad, x, w_EKN, offs_E, perm_M, ctx.topk, True, False, need_x, need_w)
+        return (dx if need_x else None), None, (dw if need_w else None), None, None, None, None
+
+
 class MXGroupedProjection(torch.autograd.Function):
     """``y_i = grouped_mm(x_q, w_q_i, offs)`` for each weight ``w_i``, computed as ``mx_grouped_mm`` of the MX casts
-    (the rows cast once, shared by separate gate and up weights), with the straight-through backward of the emulated
-    form: ``grad_x = sum_i grad_i @ w_q_i^T``, ``grad_w_i = x_q^T @ grad_i`` per expert, ``x_q`` / ``w_q_i``
-    dequantised from the saved MX bytes (``mx_dequantize``: half the bytes a bf16 copy would keep)."""
+    (the rows cast once, shared by separate gate and up weights); the backward is the bf16 one on the high-precision
+    operands, as the emulated form's: ``grad_x = sum_i grad_i @ w_i^T``, ``grad_w_i = x^T @ grad_i`` per expert."""
 
     @staticmethod
     def forward(ctx, x_MK: Tensor, offs_E: Tensor, mx: MXExperts, *weights_EKN: Tensor) -> tuple[Tensor, ...]:
@@ -118,51 +154,33 @@ class MXGroupedProjection(torch.autograd.Function):
             x_d, x_s = _castable(x_MK), None
         else:
             x_d, x_s = mx_cast(_castable(x_MK), mx.act_fmt, mx.mode)
-        outs, saved = [], []
+        outs = []
         for w_EKN in weights_EKN:
             e, k, n = _checked(w_EKN).shape
             rows = w_EKN.transpose(1, 2).reshape(e * n, k)  # [E, N, K] rows: a view of HF storage, else one copy
             w_d, w_s = mx_cast(_castable(rows), mx.weight_fmt, mx.mode)
-            w_d, w_s = w_d.reshape(e, n, -1), w_s.reshape(e, n, -1)
-            saved += [w_d, w_s]
             outs.append(
-                mx_grouped_mm(x_d, w_d, w_s, mx.weight_fmt, offs_E, x_scale=x_s, x_fmt=mx.act_fmt, out_dtype=x_MK.dtype)
-            )
-        x_saved = (x_MK,) if mx.act_fmt is None else (x_d, x_s)
-        ctx.save_for_backward(offs_E, *x_saved, *saved)
-        ctx.mx, ctx.dtype = mx, x_MK.dtype
-        # a contiguous [E, K, N] master (torchtitan): dW in that layout
-        ctx.n_major = [w.stride(2) == 1 and w.stride(1) != 1 for w in weights_EKN]
+                mx_grouped_mm(
+                    x_d, w_d.reshape(e, n, -1), w_s.reshape(e, n, -1), mx.weight_fmt, offs_E, x_scale=x_s,
+                    x_fmt=mx.act_fmt, out_dtype=x_MK.dtype,
+                )
+            )  # fmt: skip
+        ctx.save_for_backward(x_MK, offs_E, *weights_EKN)
         ctx.set_materialize_grads(False)  # an output nobody used gets no gradient work
         return tuple(outs)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads_MN: Tensor | None):
-        mx, dtype = ctx.mx, ctx.dtype
-        offs_E, *rest = ctx.saved_tensors
-        if mx.act_fmt is None:
-            x_q, *saved = rest
-        else:
-            x_d, x_s, *saved = rest
-            x_q = mx_dequantize(x_d, x_s, mx.act_fmt, dtype)
+        x_MK, offs_E, *weights_EKN = ctx.saved_tensors
         need_x = ctx.needs_input_grad[0]
         dx, dws = None, []
-        for i, grad_MN in enumerate(grads_MN):
+        for i, (grad_MN, w_EKN) in enumerate(zip(grads_MN, weights_EKN, strict=True)):
             need_w = ctx.needs_input_grad[3 + i]
             if grad_MN is None or not (need_x or need_w):
                 dws.append(None)
                 continue
-            w_d, w_s = saved[2 * i], saved[2 * i + 1]
-            e, n = w_d.shape[:2]
-            w_q = mx_dequantize(w_d.reshape(e * n, -1), w_s.reshape(e * n, -1), mx.weight_fmt, dtype)
-            w_q_EKN = w_q.reshape(e, n, -1).transpose(1, 2)  # [E, K, N], K-major like Hugging Face's storage
-            if need_w and ctx.n_major[i]:  # dW in the master's own layout (no copy by autograd): the layout is read
-                # off the third argument's strides, so an expanded scalar (strides 0) stands for an N-major [E, K, N]
-                like = w_q_EKN.new_empty(()).expand(w_q_EKN.shape)
-                dx_i, _ = grouped_mm_backward_call(grad_MN, x_q, w_q_EKN, offs_E, need_x, False)
-                _, dw = grouped_mm_backward_call(grad_MN, x_q, like, offs_E, False, True)
-            else:
-                dx_i, dw = grouped_mm_backward_call(grad_MN, x_q, w_q_EKN, offs_E, need_x, need_w)
+            dx_i, dw = grouped_mm_backward_call(grad_MN, x_MK, w_EKN, offs_E, need_x, need_w)
             if need_x:
                 dx = dx_i if dx is None else dx + dx_i
             dws.append(dw if need_w else None)

@@ -251,7 +251,8 @@ def _moe_grouped_mm_backward_impl(
 moe_grouped_mm_backward_op = torch.library.custom_op("fly::moe_grouped_mm_backward", mutates_args=())(
     _moe_grouped_mm_backward_impl
 )
-_moe_grouped_mm_backward_call = TracedOrDirect(moe_grouped_mm_backward_op, _moe_grouped_mm_backward_impl)
+moe_grouped_mm_backward_call = TracedOrDirect(moe_grouped_mm_backward_op, _moe_grouped_mm_backward_impl)
+"""The backward as a call: the custom op where something traces, else its implementation (no wrapper host cost)."""
 
 
 @moe_grouped_mm_backward_op.register_fake
@@ -292,7 +293,7 @@ def _backward(ctx, grad: Tensor):
             None,
             None,
         )
-    dx, dw = _moe_grouped_mm_backward_call(grad, x, w, offs, perm, ctx.topk, ctx.gather, ctx.scatter, need_x, need_w)
+    dx, dw = moe_grouped_mm_backward_call(grad, x, w, offs, perm, ctx.topk, ctx.gather, ctx.scatter, need_x, need_w)
     return (dx if need_x else None), (dw if need_w else None), None, None, None, None, None, None
 
 

@@ -32,28 +32,33 @@ def _moe(layout: str = "hf", activation: str = "silu") -> FlyMoE:
     return moe
 
 
-def _through(t: torch.Tensor, fmt: str | None, mode: str) -> torch.Tensor:
-    """Straight-through MX round trip along the last dim, on the reference casts (``formats``)."""
+def _rounded(t: torch.Tensor, fmt: str | None, mode: str) -> torch.Tensor:
+    """The MX round trip along the last dim on the reference casts (``formats``), outside the graph."""
     if fmt is None:
-        return t
-    q = formats.from_mx(*formats.to_mx(t.detach(), fmt, mode), fmt, dtype=t.dtype)
-    return t + (q - t).detach()
+        return t.detach()
+    return formats.from_mx(*formats.to_mx(t.detach(), fmt, mode), fmt, dtype=t.dtype)
+
+
+def _mx_product(a: torch.Tensor, w_KN: torch.Tensor, a_fmt: str | None, w_fmt: str, mode: str) -> torch.Tensor:
+    """``a @ w`` on the MX grid (both operands cast along K) whose gradients are the bf16 product's on ``a`` and the
+    master ``w``: straight through the casts, as ``FlyMXLinear``'s backward."""
+    exact = a @ w_KN
+    mx = _rounded(a, a_fmt, mode) @ _rounded(w_KN.t(), w_fmt, mode).t()
+    return exact + (mx - exact).detach()
 
 
 def _oracle(moe: FlyMoE, x: torch.Tensor, w_fmt: str, a_fmt: str | None, mode: str) -> torch.Tensor:
     """The block's math with every expert GEMM operand cast along its contraction dim, an expert loop in fp32."""
     weights, ids, *_ = moe_route_reference(moe.router_logits(x), K, moe.score_func, moe.norm_topk_prob, None, 1.0)
     gate_up, up, down = moe.experts.projections()
-    cast_w = lambda w: _through(w.transpose(1, 2), w_fmt, mode).transpose(1, 2)  # noqa: E731 - blocks along K
-    gate_up, down = cast_w(gate_up), cast_w(down)
-    up = None if up is None else cast_w(up)  # layouts with separate gate and up weights
-    xq = _through(x, a_fmt, mode)
     y = torch.zeros_like(x)
     for e in range(E):
         tok, slot = torch.where(ids == e)
-        gate, u = split_gate_up(xq[tok] @ gate_up[e], None if up is None else xq[tok] @ up[e])
-        h = _through(swiglu_reference(gate, u, moe.activation), a_fmt, mode)
-        y = y.index_add(0, tok, (h @ down[e]) * weights[tok, slot].unsqueeze(1))
+        xe = x[tok]
+        u = None if up is None else _mx_product(xe, up[e], a_fmt, w_fmt, mode)  # separate gate and up weights
+        gate, u = split_gate_up(_mx_product(xe, gate_up[e], a_fmt, w_fmt, mode), u)
+        h = swiglu_reference(gate, u, moe.activation)
+        y = y.index_add(0, tok, _mx_product(h, down[e], a_fmt, w_fmt, mode) * weights[tok, slot].unsqueeze(1))
     return y
 
 

@@ -1,5 +1,6 @@
-"""``modules.moe_mx``: the experts' MX GEMM form (``MXGroupedProjection``) against the emulated form on direct calls,
-both weight layouts and an empty group; which form ``MXExperts`` takes."""
+"""``modules.moe_mx``: the experts' two forms (``MXGroupedProjection``, ``EmulatedProjection``) on direct calls, both
+weight layouts and an empty group: the products of the MX values forward, the bf16 path's gradients backward; which
+form ``MXExperts`` takes."""
 
 import sys
 
@@ -21,27 +22,40 @@ def _operands(k_major: bool):
     return x, w, offs
 
 
+def _bf16_path(x, w, offs, g):
+    """The gradients of the unquantized ``grouped_mm``: what both forms' straight-through backward must give."""
+    xb, wb = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    grouped_mm(xb, wb, offs).backward(g)
+    return xb.grad, wb.grad
+
+
 @pytest.mark.parametrize("k_major", [False, True])
 @pytest.mark.parametrize("fmts", [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8_e4m3", None)])
-def test_projection_equals_the_emulated_form(k_major, fmts):
+def test_both_forms_multiply_the_mx_values_and_pass_the_bf16_gradients(k_major, fmts):
     mx = MXExperts(fmts[0], fmts[1], "floor", kernel_preference="mx_gemm")
     x, w, offs = _operands(k_major)
     xe, we = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
     (y,) = mx.project(x, offs, w)
-    y_e = grouped_mm(mx.act(xe), mx.weight(we), offs)
-    torch.testing.assert_close(y, y_e, rtol=1e-5, atol=1e-5)
+    y_e = mx.emulated(xe, mx.act(xe.detach()), we, offs)
+    on_grid = grouped_mm(mx.act(x.detach()), mx.weight(w.detach()), offs)  # the products of the MX values
+    torch.testing.assert_close(y, on_grid, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y_e, on_grid, rtol=1e-5, atol=1e-5)
+    assert (on_grid - grouped_mm(x.detach(), w.detach(), offs)).abs().max() > 1e-2  # the casts changed the numbers
     g = torch.randn_like(y)
     y.backward(g)
     y_e.backward(g)
-    torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(w.grad, we.grad, rtol=1e-5, atol=1e-5)
+    dx, dw = _bf16_path(x, w, offs, g)
+    for got in ((x.grad, w.grad), (xe.grad, we.grad)):
+        torch.testing.assert_close(got[0], dx, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], dw, rtol=1e-5, atol=1e-5)
+        assert got[1].stride() == w.stride()  # the master's own layout: no copy by autograd
     assert w.grad[1].abs().max() == 0  # the empty expert
 
 
 @pytest.mark.parametrize("fmts", [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", None)])
 def test_separate_weights_share_one_cast_of_the_rows(monkeypatch, fmts):
-    """Separate gate and up weights: the rows are cast once for both; each output and every gradient equals the
-    emulated form's, and an output left out of the loss adds nothing to the rows' gradient."""
+    """Separate gate and up weights: the rows are cast once for both; each output equals the products of the MX
+    values, every gradient the bf16 path's, and an output left out of the loss adds nothing to the rows' gradient."""
     moe_mx = sys.modules["fly_lightning.modules.moe_mx"]
     casts = []
     real_cast = moe_mx.mx_cast
@@ -49,23 +63,20 @@ def test_separate_weights_share_one_cast_of_the_rows(monkeypatch, fmts):
     mx = MXExperts(fmts[0], fmts[1], "floor", kernel_preference="mx_gemm")
     x, gate, offs = _operands(k_major=False)
     up = torch.randn(E, K, N).requires_grad_()  # the other layout for the second weight
-    ref = [t.detach().clone().requires_grad_() for t in (x, gate, up)]
     y_gate, y_up = mx.project(x, offs, gate, up)
     assert casts.count((M, K)) == (fmts[1] is not None)  # the rows once (weight-only: never)
-    y_ref = [grouped_mm(mx.act(ref[0]), mx.weight(w), offs) for w in ref[1:]]
-    torch.testing.assert_close(y_gate, y_ref[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(y_up, y_ref[1], rtol=1e-5, atol=1e-5)
+    for y, w in ((y_gate, gate), (y_up, up)):
+        torch.testing.assert_close(y, grouped_mm(mx.act(x.detach()), mx.weight(w.detach()), offs), rtol=1e-5, atol=1e-5)
     g = torch.randn_like(y_gate)
     (y_gate * g + y_up * g.flip(0)).sum().backward()
-    (y_ref[0] * g + y_ref[1] * g.flip(0)).sum().backward()
+    ref = [t.detach().clone().requires_grad_() for t in (x, gate, up)]
+    (grouped_mm(ref[0], ref[1], offs) * g + grouped_mm(ref[0], ref[2], offs) * g.flip(0)).sum().backward()
     for t, r in zip((x, gate, up), ref, strict=True):
         torch.testing.assert_close(t.grad, r.grad, rtol=1e-5, atol=1e-5)
     x.grad, up.grad = None, None
-    xe = ref[0].detach().clone().requires_grad_()
     y_gate, y_up = mx.project(x, offs, gate, up)
     (y_gate * g).sum().backward()  # only the gate output: the up weight gets no gradient, the rows the gate's alone
-    (grouped_mm(mx.act(xe), mx.weight(gate.detach()), offs) * g).sum().backward()
-    torch.testing.assert_close(x.grad, xe.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, _bf16_path(x, gate, offs, g)[0], rtol=1e-5, atol=1e-5)
     assert up.grad is None
 
 

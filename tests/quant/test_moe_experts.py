@@ -187,3 +187,35 @@ def test_blocks_without_whole_mx_blocks_are_left_with_a_warning():
     with pytest.warns(UserWarning, match="intermediate 24 not a multiple of 32"):
         quantize_(moe, FlyMXConfig(), filter_fn=mx_filter)
     assert moe.mx is None
+
+
+@pytest.mark.parametrize("preference", ["emulated", "mx_gemm"])
+def test_training_keeps_no_rounded_weight_copy_for_the_backward(preference):
+    """The backward reads the masters (parameters) and the projections' inputs: the tensors a quantized block saves
+    beside its parameters are the unquantized block's (the MX GEMM form: plus its expert-ordered rows, which the
+    fused gather of the other paths never materialises), not a rounded copy of every expert weight."""
+
+    def saved_bytes(moe: FlyMoE, x: torch.Tensor) -> int:
+        storages = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            moe(x)
+        params = {p.untyped_storage().data_ptr() for p in moe.parameters()}
+        return sum(n for ptr, n in storages.items() if ptr not in params)
+
+    def block() -> FlyMoE:  # experts far larger than the activations: a copy of their weights would show
+        torch.manual_seed(0)
+        return FlyMoE(H, 128, 16, K)
+
+    x = torch.randn(T, H, requires_grad=True)
+    plain = saved_bytes(block(), x)
+    moe = block()
+    quantize_(moe, FlyMXConfig(kernel_preference=preference), filter_fn=mx_filter)
+    rows = T * K * H * x.element_size() if preference == "mx_gemm" else 0
+    weights = sum(p.numel() * p.element_size() for p in moe.experts.parameters())
+    assert plain + rows < weights / 8
+    assert saved_bytes(moe, x) <= plain + rows

@@ -130,15 +130,20 @@ def test_the_mx_gemm_form_equals_the_emulated_one_in_other_expert_layouts(layout
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("preference", ["emulated", "mx_gemm"])
-def test_both_forms_under_torch_compile(preference):
+@pytest.mark.parametrize(
+    "preference, backend", [("emulated", "aot_eager"), ("mx_gemm", "aot_eager"), ("emulated", "inductor")]
+)
+def test_both_forms_under_torch_compile(preference, backend):
+    """Forward and input gradient as eager, through AOTAutograd and through Inductor's code (the custom ops opaque
+    to it, the glue around them generated)."""
+    torch._dynamo.reset()
     moe = _moe()
     quantize_(moe, FlyMXConfig(kernel_preference=preference), filter_fn=mx_filter)
     x = torch.randn(T, H, requires_grad=True)
     y = moe(x)
     g = torch.randn_like(y)
     (gx,) = torch.autograd.grad(y, x, g)
-    yc = torch.compile(moe, backend="aot_eager")(x)
+    yc = torch.compile(moe, backend=backend)(x)
     (gxc,) = torch.autograd.grad(yc, x, g)
     torch.testing.assert_close(yc, y, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(gxc, gx, rtol=1e-6, atol=1e-6)

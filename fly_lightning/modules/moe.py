@@ -113,23 +113,21 @@ def experts_forward(
         xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
         gate_up, *up = mx.project(xs, offs_E, *([gate_up_EHN] if up_EHI is None else [gate_up_EHN, up_EHI]))
         up = up[0] if up else None
-    elif emulated:  # the tokens cast once (no graph), shared by gate and up; gradients from the high-precision ones
-        with torch.no_grad():
-            x_q = mx.act(x_TH)
-        if fused:
-            project = lambda w: mx.emulated(x_TH, x_q, w, offs_E, perm_M, k)  # noqa: E731
-        else:
-            xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
-            xs_q = x_q.index_select(0, perm_M.long() // k)
-            project = lambda w: mx.emulated(xs, xs_q, w, offs_E)  # noqa: E731
-        gate_up = project(gate_up_EHN)
-        up = None if up_EHI is None else project(up_EHI)
     else:
-        if fused:
+        if emulated:  # the tokens cast once (no graph), shared by gate and up; gradients from the high-precision ones
+            with torch.no_grad():
+                x_q = mx.act(x_TH)
+        if fused and emulated:
+            project = lambda w: mx.emulated(x_TH, x_q, w, offs_E, perm_M, k)  # noqa: E731
+        elif fused:
             project = lambda w: moe_grouped_mm(x_TH, w, offs_E, perm_M, topk=k, gather=True)  # noqa: E731
         else:
             xs = _GatherTokens.apply(x_TH, perm_M, inv, k)
-            project = lambda w: grouped_mm(xs, w, offs_E)  # noqa: E731
+            if emulated:
+                xs_q = x_q.index_select(0, perm_M.long() // k)  # the gather's rows, of the cast tokens
+                project = lambda w: mx.emulated(xs, xs_q, w, offs_E)  # noqa: E731
+            else:
+                project = lambda w: grouped_mm(xs, w, offs_E)  # noqa: E731
         gate_up = project(gate_up_EHN)
         up = None if up_EHI is None else project(up_EHI)
     if score_before_experts:  # torchtitan: the score scales the expert input; experts are linear up to SwiGLU

@@ -465,4 +465,5 @@ def test_quantization_reports_what_the_mx_handler_left_with_its_reason():
     assert left["2"] == ("Linear", "quantization: in_features is not a multiple of 32")
     assert left["3"] == ("FlyMoE", "quantization: experts left in high precision: hidden 48 and intermediate 40 "
                          "not a multiple of 32 (MX blocks)")  # fmt: skip
-    assert "1" not in left and not any(hasattr(m, "_fly_quantize_left") for m in model.modules())
+    left_attr = fly_lightning.quant.config.LEFT_ATTR
+    assert "1" not in left and not any(hasattr(m, left_attr) for m in model.modules())  # popped once reported

@@ -259,9 +259,9 @@ def _summarise(res: Results) -> None:
         "<f>_emul_incl_impl names the included path (torchao's function where installed and the layout fits).",
         "<f>_loop: the in-loop kernel alone (tiles dequantised in its main loop), timed beside ours; <f>_prepass: "
         "the bf16 prepass plan (operands dequantised to bf16 in memory, then the bf16 grouped GEMM). From "
-        f"{mk.PREPASS_MIN_ROWS} up to {mk.FP8_MAX_ROWS - 1} rows per group (from {mk.FP8_MIN_K_ROWS} only with K >= "
-        f"{mk.FP8_MIN_K}) ours takes the fp8 plan on Hopper (e4m3 / e2m1 operands re-expressed with 1x128 scales, "
-        "fp8 MMAs: _mx_fp8_grouped_kernel), otherwise from that many rows the bf16 prepass.",
+        f"{mk.PREPASS_MIN_ROWS} up to {mk.SWAP_WIDE_MAX_ROWS - 1} rows per group ours takes the wide swapped plan on "
+        "Hopper (x dequantised to bf16 in the tiles' K order, 256x128 tiles converting the MX weights as the MMA's "
+        "register operand), otherwise from that many rows the bf16 prepass.",
         f"<f>_swap (cases of at most {SWAP_TIMED_MAX_ROWS} rows per group): timed beside ours (ours takes it up to "
         f"{mk.SWAP_MAX_ROWS} rows per group on Hopper): "
         "x dequantised to bf16 first, then swapped tiles (weights on the MMA's M side, its register operand) summing K "

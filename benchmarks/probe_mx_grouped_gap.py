@@ -72,7 +72,7 @@ def main() -> None:
         for f, fmt in FORMATS.items():
             xd, xs = fly_lightning.mx_cast(x, fmt)
             wd, ws = mx_weights(w, fmt)
-            print(f"{case.name} {f}: plan {mk.choose_config(case.m, case.e, case.k, False, fmt, fmt, True).label()}")
+            print(f"{case.name} {f}: plan {mk.choose_config(case.m, case.e, False, fmt, fmt, True).label()}")
             for name, fn in _layers(xd, xs, wd, ws, offs, fmt).items():
                 fns[f"{f} {name}"] = fn
         allocs = {name: _allocs(fn) for name, fn in fns.items()}

@@ -57,20 +57,27 @@ def test_aten_path_rounds_other_outputs_once(out_dtype):
     torch.testing.assert_close(y[:end].double(), ref, rtol=rtol, atol=1e-5 * ref.abs().max().item())
 
 
+SWAP_PLANS = {  # per plan: uneven group sizes (empty groups included) whose mean rows per group select it
+    "swapped": ([0, 40, 64, 3, 0, 17, 64, 1] * 4, 512, 384),  # 189 rows per 8 groups: under 64
+    "swapped_wide": ([0, 700, 300, 1000, 0, 620], 1024, 256),  # 2620 rows over 6 groups: 437
+}
+
+
+@pytest.mark.parametrize("plan", list(SWAP_PLANS))
 @pytest.mark.parametrize("x_fmt, w_fmt", [p for p in PAIRS if p[0] is not None])
-def test_few_rows_per_group_take_the_swapped_plan(x_fmt, w_fmt, monkeypatch):
-    """At <= 64 rows per group (uneven, empty groups included) MX x takes the swapped plan on Hopper: bf16 output
-    against the dequantised product, rows past the end unwritten."""
+def test_swapped_plans_on_hopper(x_fmt, w_fmt, plan, monkeypatch):
+    """Rows per group that select a swapped plan (x dequantised first, in the tiles' K order): the launcher picks it on
+    Hopper; bf16 output against the dequantised product, rows past the end unwritten, the public call equal."""
     if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("the swapped plan is Hopper's")
+        pytest.skip("the swapped plans are Hopper's")
     picked = []
     choose = mk.choose_config
     monkeypatch.setattr(mk, "choose_config", lambda *a, **k: picked.append(choose(*a, **k)) or picked[-1])
-    counts = [0, 40, 64, 3, 0, 17, 64, 1] * 4  # 32 groups, 189 rows per 8: under 64 on average
-    args = _problem(counts, 512, 384, x_fmt, w_fmt, tail=6)
-    out = torch.full((args[0].shape[0], 384), float("nan"), device="cuda", dtype=torch.bfloat16)
+    counts, k, n = SWAP_PLANS[plan]
+    args = _problem(counts, k, n, x_fmt, w_fmt, tail=6)
+    out = torch.full((args[0].shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
     mk.launch(*args, out)  # the launcher's own plan
-    assert picked == [mk.SWAPPED]
+    assert picked == [mk.SWAPPED if plan == "swapped" else mk.SWAPPED_WIDE]
     assert _err(out, args) < 1e-2 and out[int(args[-1][-1]) :].isnan().all()
     y = fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=args[1], x_fmt=x_fmt)
     assert torch.equal(y[: int(args[-1][-1])], out[: int(args[-1][-1])])
@@ -78,7 +85,8 @@ def test_few_rows_per_group_take_the_swapped_plan(x_fmt, w_fmt, monkeypatch):
 
 CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.MX_MX, mk.MXFP4_MXFP4, mk.WEIGHT_ONLY, mk.PREPASS,
                                    mk.MXGroupedMMConfig(64, 64, 128, 4, 2, 4, programs_per_sm=0),
-                                   mk.MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True))}  # fmt: skip
+                                   mk.MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True), mk.SWAPPED,
+                                   mk.SWAPPED_WIDE)}  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -185,17 +193,12 @@ FP8_PAIRS = [("mxfp8_e4m3", "mxfp8_e4m3"), ("mxfp4_e2m1", "mxfp4_e2m1"), ("mxfp8
 
 @pytest.mark.parametrize("x_fmt, w_fmt", FP8_PAIRS)
 def test_fp8_plan_matches_the_dequantised_product(x_fmt, w_fmt):
-    """The fp8 plan (re-expressed with 1x128 scales, fp8 MMAs promoted to fp32 every 128 K) on uneven groups: fp32
-    output within the fp8 MMA's accumulation, rows past the end unwritten; the dispatched bf16 call takes it."""
+    """The fp8 form (re-expressed with 1x128 scales, fp8 MMAs promoted to fp32 every 128 K; launched by configuration,
+    no longer planned) on uneven groups: fp32 output within the fp8 MMA's accumulation, rows past the end unwritten."""
     args = _problem(COUNTS, 768, 640, x_fmt, w_fmt, tail=5)
     out = torch.full((args[0].shape[0], 640), float("nan"), device="cuda")
     mk.launch(*args, out, config=mk.FP8)
     assert _err(out, args) < 1e-3 and out[int(args[-1][-1]) :].isnan().all()
-    # >= PREPASS_MIN_ROWS per group, K >= FP8_MIN_K: the planned form
-    rows = list(_problem([300, 0, 512], mk.FP8_MIN_K, 256, x_fmt, w_fmt))
-    assert mk.choose_config(812, 3, mk.FP8_MIN_K, False, x_fmt, w_fmt, sm90=True) == mk.FP8
-    y = fly_lightning.mx_grouped_mm(rows[0], *rows[3:7], x_scale=rows[1], x_fmt=x_fmt)
-    assert y.dtype == torch.bfloat16 and _err(y, rows) < 1e-2
 
 
 def test_fp8_plan_nan_rows_invalid_offsets_and_graph_replay():

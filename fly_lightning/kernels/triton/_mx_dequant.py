@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels import outputs
-from fly_lightning.kernels.triton._fragment_k import fragment_k
+from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
+from fly_lightning.kernels.triton._fragment_k import fragment_k, fragment_position
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv
 from fly_lightning.kernels.triton._support import interpreting, on_device
@@ -279,7 +280,7 @@ DEQUANT_COLS = 512
 def _dequant_tile(
     DATA, SCALE, OUT, R, C, stride_d, stride_s, stride_o, tile, n_col_tiles,
     FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr, HW_CVT: tl.constexpr,
-    PTX: tl.constexpr, OFFS=None, GROUP_ROWS=1, M=0, SKIP_EMPTY: tl.constexpr = False,
+    PTX: tl.constexpr, OFFS=None, GROUP_ROWS=1, M=0, SKIP_EMPTY: tl.constexpr = False, FRAG: tl.constexpr = False,
 ):  # fmt: skip
     rows = (tile // n_col_tiles) * BR + tl.arange(0, BR)
     cb = tile % n_col_tiles
@@ -297,7 +298,11 @@ def _dequant_tile(
     else:
         x = tl.load(DATA + rows64[:, None] * stride_d + cols[None, :], mask=rmask & (cols[None, :] < C), other=0)
         v = dequant_fp8(x, s, FMT == 2, FP32, HW_CVT)
-    tl.store(OUT + rows64[:, None] * stride_o + cols[None, :], v, mask=rmask & (cols[None, :] < C))
+    # FRAG: each 128-wide step stored in fragment_k's order (C % 128 == 0, the caller's check)
+    dst = cols
+    if FRAG:
+        dst = cols - cols % 128 + fragment_position(cols % 128)
+    tl.store(OUT + rows64[:, None] * stride_o + dst[None, :], v, mask=rmask & (cols[None, :] < C))
 
 
 @triton.jit
@@ -305,18 +310,19 @@ def _dequant_kernel(
     A, A_SCALE, A_OUT, RA, stride_a, stride_as, stride_ao,
     B, B_SCALE, B_OUT, RB, stride_b, stride_bs, stride_bo, C, OFFS, GROUP_ROWS,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, FP32: tl.constexpr,
-    HW_CVT: tl.constexpr, PTX: tl.constexpr, SKIP_EMPTY: tl.constexpr = False,
+    HW_CVT: tl.constexpr, PTX: tl.constexpr, SKIP_EMPTY: tl.constexpr = False, A_FRAG: tl.constexpr = False,
 ):  # fmt: skip
     """Two operands of the same K in one launch (each launch costs the host tens of microseconds): the first
-    ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's. ``SKIP_EMPTY``: B holds ``GROUP_ROWS``
-    rows per group and A the grouped GEMM's rows, ``OFFS`` its int32 end offsets: B's rows of groups without rows
-    are skipped (the offsets clamped to [0, RA] as the grouped GEMM clamps them)."""
+    ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's (``A_FRAG``: A stored in ``fragment_k``'s
+    order). ``SKIP_EMPTY``: B holds ``GROUP_ROWS`` rows per group and A the grouped GEMM's rows, ``OFFS`` its int32
+    end offsets: B's rows of groups without rows are skipped (the offsets clamped to [0, RA] as the grouped GEMM
+    clamps them)."""
     n_col_tiles = tl.cdiv(C, BC)
     tiles_a = tl.cdiv(RA, BR) * n_col_tiles
     pid = tl.program_id(0)
     if pid < tiles_a:
         _dequant_tile(A, A_SCALE, A_OUT, RA, C, stride_a, stride_as, stride_ao, pid, n_col_tiles,
-                      A_FMT, BR, BC, FP32, HW_CVT, PTX)  # fmt: skip
+                      A_FMT, BR, BC, FP32, HW_CVT, PTX, FRAG=A_FRAG)  # fmt: skip
     else:
         _dequant_tile(B, B_SCALE, B_OUT, RB, C, stride_b, stride_bs, stride_bo, pid - tiles_a, n_col_tiles,
                       B_FMT, BR, BC, FP32, HW_CVT, PTX, OFFS, GROUP_ROWS, RA, SKIP_EMPTY)  # fmt: skip
@@ -369,6 +375,7 @@ def dequantize(
     fmt: str,
     *more: torch.Tensor | str,
     offs: torch.Tensor | None = None,
+    fragment_order: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """MX rows ``data`` ``[R, C / per_byte]`` (last dim contiguous, any row stride) with E8M0 ``scale`` ``[R, C / 32]``
     to a new ``[R, C]`` tensor: bf16 on the GPU; fp32 under the interpreter (same values: its bf16 is unreliable).
@@ -376,6 +383,8 @@ def dequantize(
     ``dequantize(a, a_scale, a_fmt, b, b_scale, b_fmt)``: two operands of the same K in one launch, a pair back.
     ``offs``: a grouped GEMM's int32 end offsets (``[E]``, contiguous) over ``a``'s rows, ``b`` holding E groups of
     equal rows (its weights): rows of ``b``'s groups that have no rows of ``a`` are left unwritten.
+    ``fragment_order``: ``a``'s columns stored in ``_fragment_k``'s order within each 128 (C % 128 == 0), the layout
+    the swapped grouped GEMM then reads with contiguous loads.
     Runs on every GEMM call of the prepass plans: its host time is kept low (one shape check per operand, and
     ``FastLaunch``)."""
     if more and (len(more) != 3 or scale.shape[1] != more[1].shape[1]):
@@ -383,6 +392,8 @@ def dequantize(
     if offs is not None and (not more or offs.numel() == 0 or more[1].shape[0] % offs.numel()):
         raise ValueError("dequantize: offs needs two operands, the second's rows a multiple of the groups")
     ra = _rows(data, scale, fmt)
+    if fragment_order and scale.shape[1] % (FRAGMENT_STEP // 32):
+        raise ValueError(f"dequantize: fragment_order needs K % {FRAGMENT_STEP} == 0, not {scale.shape[1] * 32}")
     b, b_s, b_fmt = more if more else (data, scale, fmt)
     rb = _rows(b, b_s, b_fmt) if more else 0
     c = scale.shape[1] * 32
@@ -405,6 +416,6 @@ def dequantize(
                  s_u8 if offs is None else offs, 1 if offs is None else rb // offs.numel()),  # s_u8: unread
                 A_FMT=FMT_CODE[fmt], B_FMT=FMT_CODE[b_fmt], BR=DEQUANT_ROWS, BC=DEQUANT_COLS, FP32=not data.is_cuda,
                 HW_CVT=hw, PTX=hw or ptx_pairs(data),  # sm89 (hw) implies sm80
-                SKIP_EMPTY=offs is not None, num_warps=4,
+                SKIP_EMPTY=offs is not None, A_FRAG=fragment_order, num_warps=4,
             )  # fmt: skip
     return (a_out, b_out) if more else a_out

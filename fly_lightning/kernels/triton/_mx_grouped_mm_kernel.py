@@ -12,34 +12,31 @@ Design:
 - The weights are ``[E, N, K / per_byte]``: each output column's K run is contiguous, read as ``[BLOCK_N, BLOCK_K]``
   and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
 - ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
-- MX activations with >= ``PREPASS_MIN_ROWS`` rows per group skip this kernel. On Hopper, e4m3 / e2m1 operands with a
-  bf16 output below ``FP8_MAX_ROWS`` rows per group (from ``FP8_MIN_K_ROWS`` only with K >= ``FP8_MIN_K``) are
-  re-expressed as e4m3 with 1x128 scales and multiplied on fp8 tensor cores (``_fp8``, ``_mx_fp8_grouped_kernel``);
-  otherwise both operands are dequantised once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on
-  them (each element converted once, not once per tile). Either way the weights of groups without rows are skipped
-  (mx_grouped_mm suite, H100, 87d5121, bf16 prepass: 1.21-1.22x faster with half or all but one of the groups empty,
-  1.08x with a quarter). Weight-only never does: frozen MX experts exist to save memory, and that would hold all
-  groups in bf16.
+- MX activations on Hopper from ``PREPASS_MIN_ROWS`` up to (not including) ``SWAP_WIDE_MAX_ROWS`` rows per group take
+  ``SWAPPED_WIDE``: x dequantised to bf16 in memory (stored in the swapped tiles' K order), the weights converted in
+  registers as the MMA's register operand. From that many rows, and on other GPUs from ``PREPASS_MIN_ROWS``, both
+  operands are dequantised once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element
+  converted once, not once per tile); the weights of groups without rows are skipped there (mx_grouped_mm suite,
+  H100, 87d5121: 1.21-1.22x faster with half or all but one of the groups empty, 1.08x with a quarter). Weight-only
+  never does: frozen MX experts exist to save memory, and that would hold all groups in bf16.
 - The interpreter's bf16 ``tl.dot`` and bf16 arithmetic are wrong: there the operands are dequantised to fp32 and
   stay fp32 (``UPCAST``).
-- Groups of few rows, where each weight tile feeds one or two row tiles and the kernel is bound by converting
-  weights, not by the MMA (configuration flags): ``swap`` puts the weights on the MMA's M side, as its register
-  operand; ``fragment_k`` sums K in that operand's fragment order (``_fragment_k``), so each lane decodes one natural
-  run of 32 values and feeds it as it is (sm90 SASS, Triton 3.6: K loop 427 -> 384 instructions MXFP4, 372 -> 322
-  MXFP8, nothing stored to shared memory); ``x_prepass`` dequantises MX activations to bf16 first (a copy of x only),
-  which ``fragment_k`` needs. The plan for MX x up to ``SWAP_MAX_ROWS`` rows per group on Hopper (``SWAPPED``): the
-  mx_grouped_mm suite's ``<f>_swap`` column (H200, b71629c) timed it 0.456 against the in-loop plan's 0.726 ms MXFP8
-  and 0.456 against 0.540 MXFP4 at 64 rows per group (128 experts, K 4096, N 1024; the suite's one case that small,
-  same-format pairs); at 128 rows it was slower (0.542 against 0.444 MXFP8), and from 256 the prepass wins.
-  Weight-only swapped tiles are untimed: not planned.
-- fp8 MMAs (``FP8``): the first form, one program per SM with every 128-wide K step's product scaled into the
-  accumulator right away, ran 0.46x / 0.48x of the bf16 grouped GEMM in geomean (mx_grouped_mm suite, H100, 8620c77):
-  each step waits for its product, and the warp groups of a program wait for each other; two programs of 64x128 on
-  4 warps per SM overlap one's scaling with the other's MMA (``_mx_fp8_grouped_kernel``). With one scale per row over
-  all of K instead (less exact: a row's small blocks round against its largest), the fp8 GEMM alone ran 0.82-1.02x
-  the bf16 grouped GEMM with fp32 promotion every 128 K (128x128 tiles; 128x256 spills) and 0.96-1.15x without it
-  (128x256), but that raised MXFP8's bf16-output error from 1.66e-3 to up to 3.3e-3 at K = 14336
-  (``probe_mx_fp8_grouped``, H100, 59ae67b): not kept.
+- Swapped tiles (configuration flags): ``swap`` puts the weights on the MMA's M side, as its register operand;
+  ``fragment_k`` sums K in that operand's fragment order (``_fragment_k``), so each lane decodes one natural run of 32
+  values and feeds it as it is (sm90 SASS, Triton 3.6: K loop 427 -> 384 instructions MXFP4, 372 -> 322 MXFP8,
+  nothing stored to shared memory); ``x_prepass`` dequantises MX activations to bf16 first (a copy of x only), which
+  ``fragment_k`` needs, and stores it in that K order: read as it is, x takes 16-byte loads instead of the
+  fragment order's 4-byte gathers (256x128 tiles: 1.74-1.88x faster, ``probe_mx_swap_tiles``, H100). ``SWAPPED`` (64-row
+  tiles) for groups of few rows, where each weight tile feeds one or two row tiles (mx_grouped_mm suite, H200,
+  b71629c, natural-order x: 0.456 against the in-loop plan's 0.726 ms MXFP8 at 64 rows per group); ``SWAPPED_WIDE``
+  (256 rows x 128 weights) for many. Weight-only swapped tiles are untimed: not planned.
+- fp8 MMAs (``FP8``, ``_mx_fp8_grouped_kernel``; e4m3 / e2m1 re-expressed with one scale per 128 along K): no longer
+  planned. ``SWAPPED_WIDE`` took its band: faster there, and exact where this form rounds small blocks to within
+  2^-17 of a 128-group's largest element. Still launchable by configuration. Its first form, one program per SM
+  scaling every 128-wide step's product into the accumulator right away, ran 0.46x / 0.48x of the bf16 grouped GEMM
+  (mx_grouped_mm suite, H100, 8620c77); two programs of 64x128 per SM overlap one's scaling with the other's MMA.
+  With one scale per row over all of K (less exact), the fp8 GEMM alone ran 0.82-1.15x the bf16 grouped GEMM, but
+  MXFP8's bf16-output error rose from 1.66e-3 to 3.3e-3 at K = 14336 (``probe_mx_fp8_grouped``, H100, 59ae67b).
 """
 
 from __future__ import annotations
@@ -68,12 +65,13 @@ from fly_lightning.quant import formats
 def _k_step(
     acc, x_rows, xs_rows, w_rows, ws_rows, kk,
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PTX: tl.constexpr,
-    SWAP: tl.constexpr, FRAG_K: tl.constexpr,
+    SWAP: tl.constexpr, FRAG_K: tl.constexpr, X_FRAG: tl.constexpr,
 ):  # fmt: skip
     """One K slab into ``acc``: ``[rows, cols]``, or ``[cols, rows]`` when ``SWAP`` (weights on the MMA's M side,
-    as its register operand; with ``FRAG_K`` in the register fragment's K order, decoded in place)."""
+    as its register operand; with ``FRAG_K`` in the register fragment's K order, decoded in place; ``X_FRAG``: x
+    already stored in that order, read with contiguous loads)."""
     # the hardware float8 -> f16 conversion on the GPU (1.3-1.76x faster in the dense MX GEMM)
-    a = load_operand(x_rows, xs_rows, kk, X_FMT, BLOCK_K, UPCAST, not UPCAST, FRAG_K=FRAG_K)
+    a = load_operand(x_rows, xs_rows, kk, X_FMT, BLOCK_K, UPCAST, not UPCAST, FRAG_K=FRAG_K and not X_FRAG)
     # pairwise fp4 weights (dequant_fp4's PTX) but not beside fp4 activations: 16 bytes of spills there
     b = load_operand(w_rows, ws_rows, kk, W_FMT, BLOCK_K, UPCAST, not UPCAST, PTX=PTX and X_FMT != 3)
     if FRAG_K:
@@ -93,7 +91,7 @@ def _mx_tile(
     stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, UPCAST: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr, SWAP: tl.constexpr,
-    FRAG_K: tl.constexpr,
+    FRAG_K: tl.constexpr, X_FRAG: tl.constexpr,
 ):
     """Compute and store output tile ``tile`` (of group g, whose rows are [g_start, g_start + g_size))."""
     pid_m, pid_n = _band_swizzle(tile - g_first, tl.cdiv(g_size, BLOCK_M), num_n, GROUP_M)
@@ -116,11 +114,13 @@ def _mx_tile(
     if INTERPRET:  # the interpreter cannot range over a device value
         kk = 0
         while kk < k_tiles:
-            acc = _k_step(acc, x_rows, xs_rows, w_rows, ws_rows, kk, X_FMT, W_FMT, BLOCK_K, UPCAST, PTX, SWAP, FRAG_K)
+            acc = _k_step(acc, x_rows, xs_rows, w_rows, ws_rows, kk, X_FMT, W_FMT, BLOCK_K, UPCAST, PTX, SWAP, FRAG_K,
+                          X_FRAG)
             kk += 1
     else:
         for kk in range(0, k_tiles):
-            acc = _k_step(acc, x_rows, xs_rows, w_rows, ws_rows, kk, X_FMT, W_FMT, BLOCK_K, UPCAST, PTX, SWAP, FRAG_K)
+            acc = _k_step(acc, x_rows, xs_rows, w_rows, ws_rows, kk, X_FMT, W_FMT, BLOCK_K, UPCAST, PTX, SWAP, FRAG_K,
+                          X_FRAG)
     if SWAP:
         acc = tl.trans(acc)
     o_ptrs = OUT + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
@@ -134,7 +134,7 @@ def _mx_grouped_mm_kernel(
     X_FMT: tl.constexpr, W_FMT: tl.constexpr, E_POW2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, INTERPRET: tl.constexpr, PTX: tl.constexpr = False, SWAP: tl.constexpr = False,
-    FRAG_K: tl.constexpr = False,
+    FRAG_K: tl.constexpr = False, X_FRAG: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
@@ -147,7 +147,7 @@ def _mx_grouped_mm_kernel(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
             _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
                      stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
-                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX, SWAP, FRAG_K)
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX, SWAP, FRAG_K, X_FRAG)
             tile += NUM_PROGS
     else:
         for tile in range(pid, total, NUM_PROGS):
@@ -155,7 +155,7 @@ def _mx_grouped_mm_kernel(
                 tile, g, g_first, g_start, g_end, g_size, g_tiles, OFFS, M, E, num_n, BLOCK_M)
             _mx_tile(tile, g, g_first, g_start, g_size, X, XS, W, WS, OUT, N,
                      stride_xm, stride_xsm, stride_we, stride_wn, stride_wse, stride_wsn, stride_om, num_n, k_tiles,
-                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX, SWAP, FRAG_K)
+                     X_FMT, W_FMT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, UPCAST, INTERPRET, PTX, SWAP, FRAG_K, X_FRAG)
 # fmt: on
 
 
@@ -206,51 +206,35 @@ PREPASS_MIN_ROWS = 256
 PREPASS = MXGroupedMMConfig(prepass=True)
 # 64x128 on 4 warps, 3 stages: 224 registers, 74 KB of shared memory, no spills (sm90, Triton 3.6): two per SM
 FP8 = MXGroupedMMConfig(64, 128, 128, 8, 3, 4, programs_per_sm=2, fp8=True)
-FP8_MAX_ROWS = 1024
-"""``FP8`` takes e4m3 / e2m1 operands with a bf16 output on Hopper from ``PREPASS_MIN_ROWS`` up to (not including)
-this many rows per group, the bf16 prepass the rest: the dense GEMM's fp8 re-expression (``_mx_requant``; e2m1 exact
-while a 128-group's non-zero block scales span <= 14, e4m3 within 2^-17 of the group's largest element) and fp8 MMAs
-whose sums are promoted to fp32 every 128 K; fp32 outputs keep the bf16 prepass (exact sums). The re-expression
-reads and writes every weight element on each call, as the prepass's dequantisation does: by device time (graph
-replays, H100, f4e9eba, ``probe_mx_fp8_grouped``, MXFP8) against the bf16 prepass, 1.21x at 256 rows per group
-(0.464 against 0.564 ms), 1.06-1.08x at 512, 0.90-0.99x at 1024 (0.665 against 0.601 ms, K 1024), 0.96-1.0x from
-2048; at 64-128 rows 1.2-1.4x slower than the in-loop and swapped plans there, whose weights stay MX."""
-FP8_MIN_K = 1024
-FP8_MIN_K_ROWS = 512
-"""From ``FP8_MIN_K_ROWS`` rows per group ``FP8`` is planned only from K ``FP8_MIN_K``: with few 128-wide steps per
-tile it loses to the bf16 prepass there. By device time (``probe_mx_fp8_grouped --band``, 128 experts, N 2048, H100,
-7e0b673), the fp8 plan's speed over the prepass, MXFP8 (MXFP4 alike, within 0.05): at 256 rows 1.16 / 1.22 / 1.19 /
-1.21x for K 768 / 1024 / 1536 / 2048; at 512 rows 0.98 / 1.00 / 1.13 / 1.12x; at 768 rows 0.95 / 1.02 / 1.07 /
-1.09x. At K 1024 the two tie, and the fp8 form holds e4m3 copies where the prepass holds bf16 ones. With half the
-groups empty (1024 rows in each group that has any, which the plan cannot see without reading the offsets) it lost
-at every K (0.81-0.97x)."""
 SWAP_MAX_ROWS = 64
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
+# 256 rows x 128 weights, 3 stages: 249 registers, 224 KB of shared memory, no spills (sm90)
+SWAPPED_WIDE = MXGroupedMMConfig(256, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
+SWAP_WIDE_MAX_ROWS = 1024
+"""MX x on Hopper takes ``SWAPPED_WIDE`` from ``PREPASS_MIN_ROWS`` up to (not including) this many rows per group, the
+bf16 prepass from here. The swapped kernel converts each weight tile once per 256 rows; the prepass converts each
+weight once but writes and rereads a bf16 copy. ``probe_mx_swap_tiles`` (H100, Triton 3.6, device time: the kernel
+on fragment-ordered bf16 x plus x's dequantisation, timed apart), in ms against the plan then taken (fp8 below 1024
+rows, else the prepass), MXFP8 then MXFP4: 256 rows per group (64 experts) 0.30 / 0.30 against 0.46 / 0.42; 512
+(32 experts) 0.56 / 0.56 against 0.68 / 0.64, (Qwen3-30B-A3B gate/up) 0.97 / 0.96 against 1.09 / 1.01; 1024 (OLMoE
+gate/up) 1.26 / 1.25 against 1.22 / 1.13, (DeepSeek-V3 down) 1.87 / 1.88 against 1.87 / 1.74; 4096 2.16 / 2.12
+against 1.76 / 1.66."""
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
 INTERPRETER_CONFIG = MXGroupedMMConfig(32, 32, 64, 2, 1, 4)
 INTERPRETER_PROGRAMS = 3
 
 
 def choose_config(
-    m: int,
-    e: int,
-    k: int,
-    on_cpu: bool,
-    x_fmt: str | None = None,
-    w_fmt: str = "",
-    sm90: bool = False,
-    out_dtype: torch.dtype = torch.bfloat16,
+    m: int, e: int, on_cpu: bool, x_fmt: str | None = None, w_fmt: str = "", sm90: bool = False
 ) -> MXGroupedMMConfig:
-    """The table's configuration for ``m`` rows over ``e`` groups, depth ``k`` and the operands' formats (``sm90``: the
-    GPU is a Hopper, whose wgmma register fragment ``SWAPPED`` is laid out for and where it was timed)."""
+    """The table's configuration for ``m`` rows over ``e`` groups and the operands' formats (``sm90``: the GPU is a
+    Hopper, whose wgmma register fragment the swapped tiles are laid out for and where they were timed)."""
     if on_cpu:
         return INTERPRETER_CONFIG
     rows = m / max(1, e)
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
     if x_fmt is not None and rows >= PREPASS_MIN_ROWS:
-        fp8 = sm90 and x_fmt in FP8_FORMATS and w_fmt in FP8_FORMATS and out_dtype == torch.bfloat16
-        fp8 = fp8 and rows < FP8_MAX_ROWS and (k >= FP8_MIN_K or rows < FP8_MIN_K_ROWS)
-        return FP8 if fp8 else PREPASS
+        return SWAPPED_WIDE if sm90 and rows < SWAP_WIDE_MAX_ROWS else PREPASS
     if x_fmt is not None and sm90 and rows <= SWAP_MAX_ROWS:
         return SWAPPED
     return loop_config(m, e, x_fmt, w_fmt)
@@ -298,7 +282,7 @@ def launch(
     if k == 0:
         return out.zero_()  # rows past the last offset too: the product over an empty K is zero everywhere
     interp = x.device.type == "cpu"
-    cfg = config or choose_config(m, e, k, interp, x_fmt, w_fmt, hopper(x), out.dtype)
+    cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, hopper(x))
     if cfg.prepass:
         return _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out)
     if cfg.fp8:
@@ -310,8 +294,11 @@ def launch(
     if cfg.fragment_k and not (cfg.swap and cfg.block_k == FRAGMENT_STEP and (x_fmt is None or cfg.x_prepass)):
         raise ValueError(f"mx_grouped_mm kernel: fragment_k is for swapped tiles, block_k {FRAGMENT_STEP}, "
                          f"high-precision x (or x_prepass): {cfg}")  # fmt: skip
-    if cfg.x_prepass:  # only x in memory as bf16 (fp32 when interpreting): the weights stay MX
-        x, x_scale, x_fmt = dequantize(x, x_scale, x_fmt), None, None
+    # only x in memory as bf16 (fp32 when interpreting), in the K order the swapped tiles sum (contiguous loads
+    # there); the weights stay MX
+    x_frag = cfg.x_prepass and cfg.fragment_k
+    if cfg.x_prepass:
+        x, x_scale, x_fmt = dequantize(x, x_scale, x_fmt, fragment_order=x_frag), None, None
     upper = (cdiv(m, cfg.block_m) + e) * cdiv(n, cfg.block_n)
     if interp:
         progs = min(INTERPRETER_PROGRAMS, upper)
@@ -329,7 +316,7 @@ def launch(
              progs),
             X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=max(1024, next_pow2(e)),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            UPCAST=interp, INTERPRET=interp, PTX=ptx_pairs(x), SWAP=cfg.swap, FRAG_K=cfg.fragment_k,
+            UPCAST=interp, INTERPRET=interp, PTX=ptx_pairs(x), SWAP=cfg.swap, FRAG_K=cfg.fragment_k, X_FRAG=x_frag,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     return out

@@ -1,7 +1,7 @@
 """Triton MX grouped GEMM forward, registered as the ``triton`` backend of ``mx_grouped_mm`` (kernel and launcher:
 ``_mx_grouped_mm_kernel``): MX tiles dequantised to bf16 in registers, bf16 ``tl.dot`` with fp32 accumulation, the
 ragged tile schedule of the bf16 grouped GEMM read from the device offsets (no host sync); with many rows per group,
-the operands dequantised once in memory and the bf16 grouped GEMM run on them."""
+x (or both operands, from 1024 rows per group) dequantised once in memory first."""
 
 from __future__ import annotations
 
@@ -49,11 +49,10 @@ def _supports(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> bool | s
     supports=_supports,
     constraints="x [M, K] MX (e4m3, e5m2, e2m1) or bf16/fp32 (rounded to bf16) x MX w [E, N, K] (blocks along K), "
     "int32 end offsets, E <= 4096, K % 128 == 0, last dims contiguous, sm80+; MX tiles dequantised to bf16 in "
-    "registers, bf16 dot, fp32 accumulation; MX x with >= 256 rows per group: on Hopper, below 1024 (from 512 only "
-    "with K >= 1024), e4m3 / e2m1 with a bf16 output re-expressed as e4m3 with one scale per 128 along K (e4m3 copies "
-    "during the call), then fp8 MMAs with sums promoted every 128 K; otherwise dequantised to bf16 in a prepass "
-    "(a bf16 copy of x and w during the call), then the bf16 grouped GEMM; with <= 64 (Hopper): x alone "
-    "dequantised first, weights converted as the MMA's register operand; not on ROCm",
+    "registers, bf16 dot, fp32 accumulation; MX x on Hopper with <= 64 or 256-1023 rows per group: x alone "
+    "dequantised to bf16 first (a bf16 copy of x during the call), weights converted as the MMA's register operand; "
+    "MX x from 1024 rows per group (from 256 off Hopper): both dequantised to bf16 in a prepass (a bf16 copy of x and "
+    "w during the call), then the bf16 grouped GEMM; not on ROCm",
 )
 def mx_grouped_mm_triton(
     x: torch.Tensor,

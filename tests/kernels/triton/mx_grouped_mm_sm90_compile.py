@@ -1,6 +1,7 @@
 """Compile the MX grouped GEMM kernel for sm_90 without a GPU and report each variant as JSON (see ``_sm90.py``): every
-format pair in the configurations the launcher picks (few and many rows per group), and the swapped weight-only
-candidates in both K orders; each with its innermost K loop's static counts."""
+format pair in the configurations the launcher picks (few and many rows per group), the swapped weight-only
+candidates in both K orders, and the wide swapped plan with x gathered instead of stored in the fragment's order;
+each with its innermost K loop's static counts."""
 
 from dataclasses import replace
 
@@ -14,9 +15,9 @@ from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
 )
 
 # rows per group: the launcher picks the plan from these and the formats on Hopper (up to 64, MX x takes the swapped
-# plan, x dequantised first; from 256, MX x MX is dequantised in a prepass and runs the bf16 grouped kernel;
-# weight-only never: it takes the WEIGHT_ONLY tiles from 256)
-ROWS = {"small": 64, "large": 200, "weight-only-wide": 384}
+# plan, x dequantised first; from 256 up to 1023 the wide swapped plan; weight-only takes the WEIGHT_ONLY tiles from
+# 256)
+ROWS = {"small": 64, "large": 200, "wide": 400, "weight-only-wide": 384}
 PAIRS = {
     "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),
     "e5m2": ("mxfp8_e5m2", "mxfp8_e5m2"),
@@ -32,13 +33,14 @@ PAIRS = {
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True)
 
 
-def variant(pair: str, plan: str, out: str = "bf16") -> dict:
+def variant(pair: str, plan: str, out: str = "bf16", x_frag: bool = True) -> dict:
+    """``x_frag=False``: a plan's x read in natural order, gathered into the fragment's K order by the loads."""
     x_fmt, w_fmt = PAIRS[pair]
     if plan.startswith("swap"):
         cfg = replace(SWAPPED, fragment_k=plan == "swap-fragk")
     else:
-        cfg = choose_config(ROWS[plan] * 8, 8, 2048, False, x_fmt, w_fmt, sm90=True)
-        x_fmt = None if cfg.x_prepass else x_fmt  # the kernel then reads x dequantised to bf16
+        cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt, sm90=True)
+        x_fmt = None if cfg.x_prepass else x_fmt  # the kernel then reads x dequantised to bf16 (fragment order)
     fn = _mx_grouped_mm_kernel
     sig = {a: "i32" for a in fn.arg_names}
     sig.update(X="*bf16" if x_fmt is None else "*u8", XS="*bf16" if x_fmt is None else "*u8", W="*u8", WS="*u8",
@@ -46,7 +48,7 @@ def variant(pair: str, plan: str, out: str = "bf16") -> dict:
     const = dict(
         X_FMT=FMT_CODE[x_fmt], W_FMT=FMT_CODE[w_fmt], E_POW2=1024, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, UPCAST=False, INTERPRET=False, PTX=True, SWAP=cfg.swap,
-        FRAG_K=cfg.fragment_k,
+        FRAG_K=cfg.fragment_k, X_FRAG=x_frag and cfg.x_prepass and cfg.fragment_k,
     )  # fmt: skip
     aligned = ("X", "XS", "W", "WS", "OUT", "OFFS", "N", "K", "stride_xm", "stride_xsm", "stride_we", "stride_wn",
                "stride_wse", "stride_wsn", "stride_om")  # fmt: skip
@@ -63,6 +65,8 @@ def variant(pair: str, plan: str, out: str = "bf16") -> dict:
 
 VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in ("small", "large")}
 VARIANTS |= {f"{p}-weight-only-wide": (lambda p=p: variant(p, "weight-only-wide")) for p in ("w-e4m3", "w-fp4")}
+VARIANTS |= {f"{p}-wide": (lambda p=p: variant(p, "wide")) for p in ("e4m3", "e5m2", "fp4", "e4m3-fp4")}
+VARIANTS["e4m3-wide-gathered-x"] = lambda: variant("e4m3", "wide", x_frag=False)
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
 VARIANTS |= {f"{p}-{q}": (lambda p=p, q=q: variant(p, q)) for p in ("w-e4m3", "w-fp4") for q in ("swap", "swap-fragk")}
 

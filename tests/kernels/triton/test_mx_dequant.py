@@ -150,3 +150,21 @@ def test_dequantize_skips_groups_without_rows():
         dequantize(xd, xs, "mxfp8_e4m3", wd[:25], ws[:25], "mxfp4_e2m1", offs=offs)
     with pytest.raises(ValueError, match="needs two operands"):
         dequantize(wd, ws, "mxfp4_e2m1", offs=offs)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
+def test_dequantize_in_fragment_order(fmt):
+    """``fragment_order``: the first operand's columns stored in ``fragment_k``'s order within each 128 (what the
+    swapped grouped tiles read with contiguous loads), rows off the program tile; the second operand in natural order.
+    K off a multiple of 128 is refused before any launch."""
+    g = torch.Generator().manual_seed(1)
+    xd, xs = formats.to_mx(torch.randn(19, 640, generator=g), fmt)  # 640: one program tile and a partial one
+    wd, ws = formats.to_mx(torch.randn(7, 640, generator=g), fmt)
+    nat = torch.arange(128)
+    nat = 32 * ((nat // 2) % 4) + 4 * (nat // 16) + 2 * ((nat // 8) % 2) + nat % 2  # fragment_k's map, by hand
+    want = formats.from_mx(xd, xs, fmt).view(19, 5, 128)[:, :, nat].reshape(19, 640)
+    assert _same(dequantize(xd, xs, fmt, fragment_order=True), want)
+    xh, wh = dequantize(xd, xs, fmt, wd, ws, fmt, fragment_order=True)
+    assert _same(xh, want) and _same(wh, formats.from_mx(wd, ws, fmt))
+    with pytest.raises(ValueError, match="K % 128"):
+        dequantize(xd[:, : 96 // (2 if fmt == "mxfp4_e2m1" else 1)], xs[:, :3], fmt, fragment_order=True)

@@ -51,13 +51,19 @@ CONFIGS = {
     "block_n64_k32": replace(mk.INTERPRETER_CONFIG, block_n=64, block_k=32, group_m=4),
     "prepass": mk.PREPASS,  # dequantised to bf16 in memory, then the bf16 grouped kernel
     "swapped": mk.SWAPPED,  # the plan for few rows per group on sm90: x dequantised first, weights swapped
+    "swapped_wide": mk.SWAPPED_WIDE,  # the plan from 256 rows per group on sm90, below 1024
     "fp8": mk.FP8,  # re-expressed as e4m3 with 1x128 scales, then the fp8 grouped kernel
 }
 
 
 @pytest.mark.parametrize(
-    "x_fmt, w_fmt, config",  # the swapped plan dequantises MX x first: weight-only never takes it
-    [(x, w, c) for c in ("interpreter", "prepass", "swapped") for x, w in PAIRS if x is not None or c != "swapped"],
+    "x_fmt, w_fmt, config",  # the swapped plans dequantise MX x first: weight-only never takes them
+    [
+        (x, w, c)
+        for c in ("interpreter", "prepass", "swapped", "swapped_wide")
+        for x, w in PAIRS
+        if x is not None or not c.startswith("swapped")
+    ],
 )
 def test_within_fp32_sums_of_the_fp64_product(x_fmt, w_fmt, config):
     """Against the fp64 product of the dequantised operands, fp32 and bf16 out. (The fp8 plan re-expresses operands
@@ -79,31 +85,24 @@ def test_launch_configurations(name):
     assert out[int(args[-1][-1]) :].isnan().all()
 
 
-@pytest.mark.parametrize("x_fmt", ["mxfp8_e4m3", "mxfp4_e2m1", None])
+@pytest.mark.parametrize("x_fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", None])
 def test_plans_by_rows_per_group(x_fmt):
-    """MX x: swapped tiles up to SWAP_MAX_ROWS rows per group on sm90 only, in-loop tiles between, from
-    PREPASS_MIN_ROWS up to FP8_MAX_ROWS the fp8 plan on sm90 (e4m3 / e2m1, bf16 output; from FP8_MIN_K_ROWS only with
-    K >= FP8_MIN_K), else the bf16 prepass;
+    """MX x (every format): swapped tiles up to SWAP_MAX_ROWS rows per group on sm90 only, in-loop tiles between, wide
+    swapped tiles from PREPASS_MIN_ROWS up to SWAP_WIDE_MAX_ROWS on sm90, else the bf16 prepass from PREPASS_MIN_ROWS;
     weight-only never swapped (untimed) nor converted in memory; the interpreter its own plan."""
     w_fmt = "mxfp4_e2m1"
     rows_per_group = (1, 64, 65, 255, 256, 1023, 1024)
-    plans = {rows: mk.choose_config(rows * 128, 128, 2048, False, x_fmt, w_fmt, sm90=True) for rows in rows_per_group}
+    plans = {rows: mk.choose_config(rows * 128, 128, False, x_fmt, w_fmt, sm90=True) for rows in rows_per_group}
     mx = x_fmt is not None
     assert plans[1] == plans[64] == (mk.SWAPPED if mx else mk.SMALL_GROUPS)
     assert plans[65] == mk.SMALL_GROUPS and plans[255] == mk.loop_config(255 * 128, 128, x_fmt, w_fmt)
-    assert plans[256] == plans[1023] == (mk.FP8 if mx else mk.WEIGHT_ONLY)
+    assert plans[256] == plans[1023] == (mk.SWAPPED_WIDE if mx else mk.WEIGHT_ONLY)
     assert plans[1024] == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
-    if mx:  # exact sums for fp32 outputs, e5m2 does not fit e4m3, other GPUs untimed: the bf16 prepass
-        assert mk.choose_config(256 * 128, 128, 2048, False, x_fmt, w_fmt, True, torch.float32) == mk.PREPASS
-        assert mk.choose_config(256 * 128, 128, 2048, False, "mxfp8_e5m2", w_fmt, sm90=True) == mk.PREPASS
-        assert mk.choose_config(256 * 128, 128, 2048, False, x_fmt, w_fmt, sm90=False) == mk.PREPASS
-        # from FP8_MIN_K_ROWS, K below FP8_MIN_K (few steps of 128 per tile): the fp8 plan slower than the prepass
-        lo_rows, lo_k = mk.FP8_MIN_K_ROWS, mk.FP8_MIN_K
-        for rows, k, plan in ((lo_rows, lo_k - 128, mk.PREPASS), (lo_rows, lo_k, mk.FP8), (lo_rows - 1, 128, mk.FP8),
-                              (1023, lo_k - 128, mk.PREPASS)):  # fmt: skip
-            assert mk.choose_config(rows * 128, 128, k, False, x_fmt, w_fmt, sm90=True) == plan, (rows, k)
-    assert mk.choose_config(64 * 128, 128, 2048, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS  # sm80: not timed
-    assert mk.choose_config(64 * 128, 128, 2048, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
+    assert mk.SWAP_WIDE_MAX_ROWS == 1024 and mk.PREPASS_MIN_ROWS == 256  # the rows above
+    other_gpu = mk.choose_config(256 * 128, 128, False, x_fmt, w_fmt, sm90=False)  # sm80, Blackwell: untimed there
+    assert other_gpu == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
+    assert mk.choose_config(64 * 128, 128, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS
+    assert mk.choose_config(64 * 128, 128, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 
 
 @pytest.mark.parametrize("capability, planned", [((9, 0), True), ((8, 0), False), ((10, 0), False), ((12, 0), False)])

@@ -89,8 +89,10 @@ CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.MX_MX, mk.MXFP4_MXFP4, mk.
                                    mk.SWAPPED_WIDE)}  # fmt: skip
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
-@pytest.mark.parametrize("x_fmt, w_fmt", PAIRS[:3])
+@pytest.mark.parametrize(
+    "name, x_fmt, w_fmt",  # the plans that dequantise x first take MX x only
+    [(c, x, w) for c in CONFIGS for x, w in PAIRS[:3] if x is not None or not CONFIGS[c].x_prepass],
+)
 def test_configurations_leave_rows_past_the_end_unwritten(name, x_fmt, w_fmt):
     args = _problem(COUNTS, 768, 640, x_fmt, w_fmt, tail=5)
     out = torch.full((args[0].shape[0], 640), float("nan"), device="cuda")

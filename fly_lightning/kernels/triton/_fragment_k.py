@@ -33,9 +33,3 @@ def to_fragment_order(v):
     tl.static_assert(v.shape[1] == 128)
     return tl.reshape(tl.permute(tl.reshape(v, (R, 4, 8, 2, 2)), (0, 2, 3, 1, 4)), (R, 128))
 
-
-@triton.jit
-def fragment_position(n):
-    """Where natural K offset ``n`` (within a 128-wide step) sits in ``fragment_k``'s order: the inverse map, for a
-    writer that stores an operand in that order so the GEMM reads it with plain contiguous loads."""
-    return 16 * ((n % 32) // 4) + 8 * ((n % 4) // 2) + 2 * (n // 32) + n % 2

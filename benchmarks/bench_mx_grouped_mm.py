@@ -90,13 +90,11 @@ SWAP_TIMED_MAX_ROWS = 256  # rows per group up to which the swapped candidate (<
 
 
 def swap_config(case: Case, cpu: bool) -> mk.MXGroupedMMConfig:
-    """The swapped candidate's tiles: 64 or 128 rows of a group on the MMA's N side, 128 weight columns on its M side;
-    the interpreter's small tiles on the CPU."""
-    flags = dict(block_k=128, swap=True, fragment_k=True, x_prepass=True)
+    """The swapped candidate's tiles: the plan's 64- or 128-row tiles (``SWAPPED``, ``SWAPPED_MID``: a group's rows on
+    the MMA's N side, 128 weight columns on its M side); the interpreter's small tiles on the CPU."""
     if cpu:
-        return mk.MXGroupedMMConfig(16, 32, group_m=2, num_stages=1, num_warps=4, **flags)
-    rows = 64 if case.m / case.e <= 64 else 128
-    return mk.MXGroupedMMConfig(rows, 128, group_m=8, num_stages=3, num_warps=8, **flags)
+        return mk.MXGroupedMMConfig(16, 32, 128, 2, 1, 4, swap=True, fragment_k=True, x_prepass=True)
+    return mk.SWAPPED if case.m / case.e <= mk.SWAP_MAX_ROWS else mk.SWAPPED_MID
 
 
 def _bf16_grouped(x, w, offs):
@@ -262,11 +260,11 @@ def _summarise(res: Results) -> None:
         f"{mk.PREPASS_MIN_ROWS} up to {mk.SWAP_WIDE_MAX_ROWS - 1} rows per group ours takes the wide swapped plan on "
         "Hopper (x dequantised to bf16 in the tiles' K order, 256x128 tiles converting the MX weights as the MMA's "
         "register operand), otherwise from that many rows the bf16 prepass.",
-        f"<f>_swap (cases of at most {SWAP_TIMED_MAX_ROWS} rows per group): timed beside ours (ours takes it up to "
-        f"{mk.SWAP_MAX_ROWS} rows per group on Hopper): "
-        "x dequantised to bf16 first, then swapped tiles (weights on the MMA's M side, its register operand) summing K "
-        "in the register fragment's order (fragment_k); <f>_swap_err its check; geomean_<f>_swap_x_vs_bf16 over those "
-        "cases only.",
+        f"<f>_swap (cases of at most {SWAP_TIMED_MAX_ROWS} rows per group): the swapped tiles of 64 or 128 rows (ours "
+        f"takes them on Hopper up to {mk.SWAP_MAX_ROWS} and from {mk.SWAP_MID_MIN_ROWS} rows per group, 256-row tiles "
+        f"from {mk.PREPASS_MIN_ROWS}), timed beside ours: x dequantised to bf16 first (in the tiles' K order), weights "
+        "on the MMA's M side as its register operand, K summed in the register fragment's order (fragment_k); "
+        "<f>_swap_err its check; geomean_<f>_swap_x_vs_bf16 over those cases only.",
         "<f>_err: ours against the fp32 per-group product of the dequantised operands (bf16 output: ~2e-3).",
         "timing: device events over rotating input sets; every column takes turns in rotated rounds "
         f"({ROUNDS} or more) and reports the median of its round medians. <f>_cold_s: first call (compilation).",

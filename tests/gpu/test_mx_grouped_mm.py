@@ -59,6 +59,7 @@ def test_aten_path_rounds_other_outputs_once(out_dtype):
 
 SWAP_PLANS = {  # per plan: uneven group sizes (empty groups included) whose mean rows per group select it
     "swapped": ([0, 40, 64, 3, 0, 17, 64, 1] * 4, 512, 384),  # 189 rows per 8 groups: under 64
+    "swapped_mid": ([0, 140, 64, 300, 0, 17, 250, 1] * 2, 512, 384),  # 772 rows per 8 groups: 96.5
     "swapped_wide": ([0, 700, 300, 1000, 0, 620], 1024, 256),  # 2620 rows over 6 groups: 437
 }
 
@@ -77,7 +78,7 @@ def test_swapped_plans_on_hopper(x_fmt, w_fmt, plan, monkeypatch):
     args = _problem(counts, k, n, x_fmt, w_fmt, tail=6)
     out = torch.full((args[0].shape[0], n), float("nan"), device="cuda", dtype=torch.bfloat16)
     mk.launch(*args, out)  # the launcher's own plan
-    assert picked == [mk.SWAPPED if plan == "swapped" else mk.SWAPPED_WIDE]
+    assert picked == [{"swapped": mk.SWAPPED, "swapped_mid": mk.SWAPPED_MID, "swapped_wide": mk.SWAPPED_WIDE}[plan]]
     assert _err(out, args) < 1e-2 and out[int(args[-1][-1]) :].isnan().all()
     y = fly_lightning.mx_grouped_mm(args[0], *args[3:7], x_scale=args[1], x_fmt=x_fmt)
     assert torch.equal(y[: int(args[-1][-1])], out[: int(args[-1][-1])])
@@ -86,7 +87,7 @@ def test_swapped_plans_on_hopper(x_fmt, w_fmt, plan, monkeypatch):
 CONFIGS = {c.label(): c for c in (mk.SMALL_GROUPS, mk.MX_MX, mk.MXFP4_MXFP4, mk.WEIGHT_ONLY, mk.PREPASS,
                                    mk.MXGroupedMMConfig(64, 64, 128, 4, 2, 4, programs_per_sm=0),
                                    mk.MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True), mk.SWAPPED,
-                                   mk.SWAPPED_WIDE)}  # fmt: skip
+                                   mk.SWAPPED_MID, mk.SWAPPED_WIDE)}  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -32,4 +32,3 @@ def to_fragment_order(v):
     R: tl.constexpr = v.shape[0]
     tl.static_assert(v.shape[1] == 128)
     return tl.reshape(tl.permute(tl.reshape(v, (R, 4, 8, 2, 2)), (0, 2, 3, 1, 4)), (R, 128))
-

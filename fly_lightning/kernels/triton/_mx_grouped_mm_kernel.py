@@ -12,9 +12,9 @@ Design:
 - The weights are ``[E, N, K / per_byte]``: each output column's K run is contiguous, read as ``[BLOCK_N, BLOCK_K]``
   and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
 - ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
-- MX activations on Hopper from ``PREPASS_MIN_ROWS`` up to (not including) ``SWAP_WIDE_MAX_ROWS`` rows per group take
-  ``SWAPPED_WIDE``: x dequantised to bf16 in memory (stored in the swapped tiles' K order), the weights converted in
-  registers as the MMA's register operand. From that many rows, and on other GPUs from ``PREPASS_MIN_ROWS``, both
+- MX activations on Hopper below ``SWAP_WIDE_MAX_ROWS`` rows per group (but from 65 to 95) take swapped tiles: x
+  dequantised to bf16 in memory (stored in the swapped tiles' K order), the weights converted in registers as the
+  MMA's register operand. From that many rows, and on other GPUs from ``PREPASS_MIN_ROWS``, both
   operands are dequantised once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element
   converted once, not once per tile); the weights of groups without rows are skipped there (mx_grouped_mm suite,
   H100, 87d5121: 1.21-1.22x faster with half or all but one of the groups empty, 1.08x with a quarter). Weight-only
@@ -27,9 +27,10 @@ Design:
   nothing stored to shared memory); ``x_prepass`` dequantises MX activations to bf16 first (a copy of x only), which
   ``fragment_k`` needs, and stores it in that K order: read as it is, x takes 16-byte loads instead of the
   fragment order's 4-byte gathers (256x128 tiles: 1.74-1.88x faster, ``probe_mx_swap_tiles``, H100). ``SWAPPED`` (64-row
-  tiles) for groups of few rows, where each weight tile feeds one or two row tiles (mx_grouped_mm suite, H200,
-  b71629c, natural-order x: 0.456 against the in-loop plan's 0.726 ms MXFP8 at 64 rows per group); ``SWAPPED_WIDE``
-  (256 rows x 128 weights) for many. Weight-only swapped tiles are untimed: not planned.
+  tiles) for groups of few rows, where each weight tile feeds one or two row tiles (mx_grouped_mm suite, H100,
+  bf76cf0: 0.325 / 0.298 ms MXFP8 / MXFP4 against the bf16 grouped GEMM's 0.383 at 64 rows per group: fewer bytes
+  than bf16 weights); ``SWAPPED_MID`` (128-row tiles) from 96 rows; ``SWAPPED_WIDE`` (256 rows x 128 weights) from
+  256. Weight-only swapped tiles are untimed: not planned.
 - fp8 MMAs (``FP8``, ``_mx_fp8_grouped_kernel``; e4m3 / e2m1 re-expressed with one scale per 128 along K): no longer
   planned. ``SWAPPED_WIDE`` took its band: faster there, and exact where this form rounds small blocks to within
   2^-17 of a 128-group's largest element. Still launchable by configuration. Its first form, one program per SM
@@ -208,6 +209,12 @@ PREPASS = MXGroupedMMConfig(prepass=True)
 FP8 = MXGroupedMMConfig(64, 128, 128, 8, 3, 4, programs_per_sm=2, fp8=True)
 SWAP_MAX_ROWS = 64
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
+# From 96 rows per group (where the in-loop table leaves 64-row tiles) below PREPASS_MIN_ROWS: mx_grouped_mm suite,
+# H100, bf76cf0, 128 rows per group (128 experts, K 2048, N 1536): 0.321 / 0.290 ms MXFP8 / MXFP4 against the
+# in-loop plan's 0.441 / 0.417 (bf16 grouped GEMM 0.324); at 256 rows 0.379 / 0.359 against SWAPPED_WIDE's 0.306 /
+# 0.308.
+SWAP_MID_MIN_ROWS = 96
+SWAPPED_MID = MXGroupedMMConfig(128, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 # 256 rows x 128 weights, 3 stages: 249 registers, 224 KB of shared memory, no spills (sm90)
 SWAPPED_WIDE = MXGroupedMMConfig(256, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 SWAP_WIDE_MAX_ROWS = 1024
@@ -232,11 +239,17 @@ def choose_config(
     if on_cpu:
         return INTERPRETER_CONFIG
     rows = m / max(1, e)
-    # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16
+    # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16;
+    # swapped tiles dequantise x first, so weight-only never takes them either (untimed)
+    if x_fmt is not None and sm90:
+        if rows <= SWAP_MAX_ROWS:
+            return SWAPPED
+        if SWAP_MID_MIN_ROWS <= rows < PREPASS_MIN_ROWS:
+            return SWAPPED_MID
+        if PREPASS_MIN_ROWS <= rows < SWAP_WIDE_MAX_ROWS:
+            return SWAPPED_WIDE
     if x_fmt is not None and rows >= PREPASS_MIN_ROWS:
-        return SWAPPED_WIDE if sm90 and rows < SWAP_WIDE_MAX_ROWS else PREPASS
-    if x_fmt is not None and sm90 and rows <= SWAP_MAX_ROWS:
-        return SWAPPED
+        return PREPASS
     return loop_config(m, e, x_fmt, w_fmt)
 
 

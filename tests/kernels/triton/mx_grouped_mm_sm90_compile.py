@@ -12,12 +12,13 @@ from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
     MXGroupedMMConfig,
     _mx_grouped_mm_kernel,
     choose_config,
+    loop_config,
 )
 
-# rows per group: the launcher picks the plan from these and the formats on Hopper (up to 64, MX x takes the swapped
-# plan, x dequantised first; from 256 up to 1023 the wide swapped plan; weight-only takes the WEIGHT_ONLY tiles from
-# 256)
-ROWS = {"small": 64, "large": 200, "wide": 400, "weight-only-wide": 384}
+# rows per group: the launcher picks the plan from these and the formats on Hopper (MX x takes swapped tiles, x
+# dequantised first: of 64 rows up to 64, of 128 from 96, of 256 from 256 up to 1023; weight-only takes the
+# WEIGHT_ONLY tiles from 256); "large" is the in-loop table at 200 rows (off Hopper, and at 65-95 rows there)
+ROWS = {"small": 64, "large": 200, "mid": 200, "wide": 400, "weight-only-wide": 384}
 PAIRS = {
     "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),
     "e5m2": ("mxfp8_e5m2", "mxfp8_e5m2"),
@@ -38,6 +39,8 @@ def variant(pair: str, plan: str, out: str = "bf16", x_frag: bool = True) -> dic
     x_fmt, w_fmt = PAIRS[pair]
     if plan.startswith("swap"):
         cfg = replace(SWAPPED, fragment_k=plan == "swap-fragk")
+    elif plan == "large":
+        cfg = loop_config(ROWS[plan] * 8, 8, x_fmt, w_fmt)
     else:
         cfg = choose_config(ROWS[plan] * 8, 8, False, x_fmt, w_fmt, sm90=True)
         x_fmt = None if cfg.x_prepass else x_fmt  # the kernel then reads x dequantised to bf16 (fragment order)
@@ -65,7 +68,8 @@ def variant(pair: str, plan: str, out: str = "bf16", x_frag: bool = True) -> dic
 
 VARIANTS = {f"{pair}-{plan}": (lambda p=pair, q=plan: variant(p, q)) for pair in PAIRS for plan in ("small", "large")}
 VARIANTS |= {f"{p}-weight-only-wide": (lambda p=p: variant(p, "weight-only-wide")) for p in ("w-e4m3", "w-fp4")}
-VARIANTS |= {f"{p}-wide": (lambda p=p: variant(p, "wide")) for p in ("e4m3", "e5m2", "fp4", "e4m3-fp4")}
+VARIANTS |= {f"{p}-{q}": (lambda p=p, q=q: variant(p, q)) for p in ("e4m3", "e5m2", "fp4", "e4m3-fp4")
+             for q in ("mid", "wide")}  # fmt: skip
 VARIANTS["e4m3-wide-gathered-x"] = lambda: variant("e4m3", "wide", x_frag=False)
 VARIANTS["e4m3-large-fp32out"] = lambda: variant("e4m3", "large", out="fp32")
 VARIANTS |= {f"{p}-{q}": (lambda p=p, q=q: variant(p, q)) for p in ("w-e4m3", "w-fp4") for q in ("swap", "swap-fragk")}

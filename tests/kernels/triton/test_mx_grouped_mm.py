@@ -51,7 +51,8 @@ CONFIGS = {
     "block_n64_k32": replace(mk.INTERPRETER_CONFIG, block_n=64, block_k=32, group_m=4),
     "prepass": mk.PREPASS,  # dequantised to bf16 in memory, then the bf16 grouped kernel
     "swapped": mk.SWAPPED,  # the plan for few rows per group on sm90: x dequantised first, weights swapped
-    "swapped_wide": mk.SWAPPED_WIDE,  # the plan from 256 rows per group on sm90, below 1024
+    "swapped_mid": mk.SWAPPED_MID,  # from 96 rows per group on sm90, below 256
+    "swapped_wide": mk.SWAPPED_WIDE,  # from 256 rows per group on sm90, below 1024
     "fp8": mk.FP8,  # re-expressed as e4m3 with 1x128 scales, then the fp8 grouped kernel
 }
 
@@ -60,7 +61,7 @@ CONFIGS = {
     "x_fmt, w_fmt, config",  # the swapped plans dequantise MX x first: weight-only never takes them
     [
         (x, w, c)
-        for c in ("interpreter", "prepass", "swapped", "swapped_wide")
+        for c in ("interpreter", "prepass", "swapped", "swapped_mid", "swapped_wide")
         for x, w in PAIRS
         if x is not None or not c.startswith("swapped")
     ],
@@ -87,21 +88,24 @@ def test_launch_configurations(name):
 
 @pytest.mark.parametrize("x_fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", None])
 def test_plans_by_rows_per_group(x_fmt):
-    """MX x (every format): swapped tiles up to SWAP_MAX_ROWS rows per group on sm90 only, in-loop tiles between, wide
-    swapped tiles from PREPASS_MIN_ROWS up to SWAP_WIDE_MAX_ROWS on sm90, else the bf16 prepass from PREPASS_MIN_ROWS;
-    weight-only never swapped (untimed) nor converted in memory; the interpreter its own plan."""
+    """MX x (every format) on sm90: swapped tiles of 64 rows up to SWAP_MAX_ROWS rows per group, in-loop 64-row tiles
+    until SWAP_MID_MIN_ROWS, then swapped tiles of 128 rows, of 256 from PREPASS_MIN_ROWS up to SWAP_WIDE_MAX_ROWS,
+    the bf16 prepass from there; off sm90 in-loop tiles, the prepass from PREPASS_MIN_ROWS. Weight-only never swapped
+    (untimed) nor converted in memory; the interpreter its own plan."""
     w_fmt = "mxfp4_e2m1"
-    rows_per_group = (1, 64, 65, 255, 256, 1023, 1024)
+    rows_per_group = (1, 64, 65, 95, 96, 255, 256, 1023, 1024)
     plans = {rows: mk.choose_config(rows * 128, 128, False, x_fmt, w_fmt, sm90=True) for rows in rows_per_group}
     mx = x_fmt is not None
     assert plans[1] == plans[64] == (mk.SWAPPED if mx else mk.SMALL_GROUPS)
-    assert plans[65] == mk.SMALL_GROUPS and plans[255] == mk.loop_config(255 * 128, 128, x_fmt, w_fmt)
+    assert plans[65] == plans[95] == mk.SMALL_GROUPS
+    assert plans[96] == plans[255] == (mk.SWAPPED_MID if mx else mk.loop_config(255 * 128, 128, x_fmt, w_fmt))
     assert plans[256] == plans[1023] == (mk.SWAPPED_WIDE if mx else mk.WEIGHT_ONLY)
     assert plans[1024] == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
-    assert mk.SWAP_WIDE_MAX_ROWS == 1024 and mk.PREPASS_MIN_ROWS == 256  # the rows above
-    other_gpu = mk.choose_config(256 * 128, 128, False, x_fmt, w_fmt, sm90=False)  # sm80, Blackwell: untimed there
-    assert other_gpu == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
-    assert mk.choose_config(64 * 128, 128, False, x_fmt, w_fmt, sm90=False) == mk.SMALL_GROUPS
+    # the rows above are the table's bounds
+    assert (mk.SWAP_MAX_ROWS, mk.SWAP_MID_MIN_ROWS, mk.PREPASS_MIN_ROWS, mk.SWAP_WIDE_MAX_ROWS) == (64, 96, 256, 1024)
+    for rows in rows_per_group:  # sm80, Blackwell: untimed there
+        plan = mk.choose_config(rows * 128, 128, False, x_fmt, w_fmt, sm90=False)
+        assert plan == (mk.PREPASS if mx and rows >= 256 else mk.loop_config(rows * 128, 128, x_fmt, w_fmt)), rows
     assert mk.choose_config(64 * 128, 128, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 
 

@@ -12,13 +12,13 @@ Design:
 - The weights are ``[E, N, K / per_byte]``: each output column's K run is contiguous, read as ``[BLOCK_N, BLOCK_K]``
   and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
 - ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
-- MX activations on Hopper below ``SWAP_WIDE_MAX_ROWS`` rows per group (but from 65 to 95) take swapped tiles: x
+- MX activations on Hopper below ``SWAP_WIDE_MAX_ROWS`` rows per group, except at 65-95, take swapped tiles: x
   dequantised to bf16 in memory (stored in the swapped tiles' K order), the weights converted in registers as the
-  MMA's register operand. From that many rows, and on other GPUs from ``PREPASS_MIN_ROWS``, both
-  operands are dequantised once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element
-  converted once, not once per tile); the weights of groups without rows are skipped there (mx_grouped_mm suite,
-  H100, 87d5121: 1.21-1.22x faster with half or all but one of the groups empty, 1.08x with a quarter). Weight-only
-  never does: frozen MX experts exist to save memory, and that would hold all groups in bf16.
+  MMA's register operand. From that many rows, and on other GPUs from ``PREPASS_MIN_ROWS``, both operands are
+  dequantised once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element converted
+  once, not once per tile); the weights of groups without rows are skipped there (mx_grouped_mm suite, H100,
+  87d5121: 1.21-1.22x faster with half or all but one of the groups empty, 1.08x with a quarter). Weight-only never
+  does: frozen MX experts exist to save memory, and that would hold all groups in bf16.
 - The interpreter's bf16 ``tl.dot`` and bf16 arithmetic are wrong: there the operands are dequantised to fp32 and
   stay fp32 (``UPCAST``).
 - Swapped tiles (configuration flags): ``swap`` puts the weights on the MMA's M side, as its register operand;
@@ -225,7 +225,10 @@ on fragment-ordered bf16 x plus x's dequantisation, timed apart), in ms against 
 rows, else the prepass), MXFP8 then MXFP4: 256 rows per group (64 experts) 0.30 / 0.30 against 0.46 / 0.42; 512
 (32 experts) 0.56 / 0.56 against 0.68 / 0.64, (Qwen3-30B-A3B gate/up) 0.97 / 0.96 against 1.09 / 1.01; 1024 (OLMoE
 gate/up) 1.26 / 1.25 against 1.22 / 1.13, (DeepSeek-V3 down) 1.87 / 1.88 against 1.87 / 1.74; 4096 2.16 / 2.12
-against 1.76 / 1.66."""
+against 1.76 / 1.66. The mx_grouped_mm suite (H100, bf76cf0, event-timed, the prepass beside it): 0.306 / 0.308
+against 0.557 / 0.513 at 256 rows; 0.560 / 0.573 against 0.733 / 0.687 at 512 (32 experts), 0.927 / 0.946 against
+1.139 / 1.056 (Qwen3-30B-A3B gate/up), 0.565 / 0.557 against 0.630 / 0.591 (its down, K 768); at 1000 rows (16
+experts) 0.399 / 0.407 against 0.394 / 0.375: the band ends about there."""
 # The interpreter runs programs one after another: small tiles, few programs (still several tiles each).
 INTERPRETER_CONFIG = MXGroupedMMConfig(32, 32, 64, 2, 1, 4)
 INTERPRETER_PROGRAMS = 3

@@ -19,7 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -209,6 +209,17 @@ def probe_graph_ms(
         except Exception as exc:  # noqa: BLE001 (a plan that does not compile is reported)
             print(f"{label} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
     return interleaved_graph_ms(graphs, calls), errs
+
+
+def probe_each(fn: Callable[[Any], None], items: Iterable[Any], label: Callable[[Any], str]) -> None:
+    """For the probes: ``fn`` on each item; a failure is printed under ``label(item)`` and the next item runs. The
+    caching allocator's cache is emptied between items (each probe case allocates its own large operands)."""
+    for item in items:
+        try:
+            fn(item)
+        except Exception as exc:  # noqa: BLE001 (report and go on)
+            print(f"{label(item)}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        torch.cuda.empty_cache()
 
 
 def _stats(times: list[float]) -> dict[str, float]:

@@ -35,7 +35,7 @@ import triton.language as tl
 
 import fly_lightning
 from benchmarks.grouped_mm_cases import Case, cases, empty_counts, make_inputs, uniform_counts
-from benchmarks.harness import probe_graph_ms
+from benchmarks.harness import probe_each, probe_graph_ms
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton import _mx_fp8_grouped_kernel as fk
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
@@ -234,18 +234,10 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     by_name = {c.name: c for c in cases()}
     for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
-        for case in _band_cases() if BAND else ():
-            try:
-                _band_case(fmt, case)
-            except Exception as exc:  # noqa: BLE001 (report and go on)
-                print(f"{fmt} {case.name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            torch.cuda.empty_cache()
-        for name in () if BAND else CASES:
-            try:
-                _case(fmt, by_name[name])
-            except Exception as exc:  # noqa: BLE001 (report and go on)
-                print(f"{fmt} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            torch.cuda.empty_cache()
+        if BAND:
+            probe_each(lambda c, f=fmt: _band_case(f, c), _band_cases(), lambda c, f=fmt: f"{f} {c.name}")
+        else:
+            probe_each(lambda c, f=fmt: _case(f, c), [by_name[n] for n in CASES], lambda c, f=fmt: f"{f} {c.name}")
 
 
 if __name__ == "__main__":

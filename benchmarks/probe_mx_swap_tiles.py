@@ -28,7 +28,7 @@ import torch
 import triton
 
 from benchmarks.grouped_mm_cases import cases
-from benchmarks.harness import probe_graph_ms
+from benchmarks.harness import probe_each, probe_graph_ms
 from benchmarks.probe_mx_fp8_grouped import _operands
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton._mx_dequant import dequantize
@@ -70,13 +70,8 @@ def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     by_name = {c.name: c for c in cases()}
     names = CASES[:2] if "--quick" in sys.argv else CASES
-    for fmt in ("mxfp8_e4m3", "mxfp4_e2m1"):
-        for name in names:
-            try:
-                _case(fmt, by_name[name])
-            except Exception as exc:  # noqa: BLE001 (report and go on)
-                print(f"{fmt} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-            torch.cuda.empty_cache()
+    items = [(fmt, by_name[n]) for fmt in ("mxfp8_e4m3", "mxfp4_e2m1") for n in names]
+    probe_each(lambda it: _case(*it), items, lambda it: f"{it[0]} {it[1].name}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fly_lightning import mx_cast
+from fly_lightning import grouped_mm, mx_cast
+from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
+from fly_lightning.quant.formats import from_mx
 
 # (name, hidden H, expert intermediate I, experts E, top-k, tokens T): M = T * k rows per projection
 MODELS = {
@@ -139,3 +141,22 @@ def mx_weights(w_EKN: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tenso
     e, k, n = w_EKN.shape
     data, scale = mx_cast(w_EKN.transpose(1, 2).reshape(e * n, k), fmt)
     return data.view(e, n, -1), scale.view(e, n, -1)
+
+
+def mx_probe_operands(case: Case, fmt: str) -> tuple:
+    """For the MX grouped probes: the case's operands cast to ``fmt`` (weights as ``[E * N, K]`` rows), the MX
+    arguments of ``mx_grouped_mm`` / the kernel launcher (x data, x scales, x format, w data ``[E, N, K / per_byte]``,
+    w scales, w format, offsets), our bf16 grouped GEMM on the dequantised operands as a function (the ratios' base),
+    the fp32 reference and a bf16 output buffer: ``(xd, xs, wd, ws, args, bf16, ref, out)``."""
+    x, w, offs = make_inputs(case)
+    e, n, k = case.e, case.n, case.k
+    xd, xs = mx_cast(x, fmt)
+    wd, ws = mx_cast(w.transpose(1, 2).reshape(-1, k), fmt)
+    xb, wb = from_mx(xd, xs, fmt, torch.bfloat16), from_mx(wd, ws, fmt, torch.bfloat16).view(e, n, k)
+    args = (xd, xs, fmt, wd.view(e, n, -1), ws.view(e, n, -1), fmt, offs)
+    out = torch.empty(case.m, n, device=x.device, dtype=torch.bfloat16)
+
+    def bf16() -> torch.Tensor:
+        return grouped_mm(xb, wb.transpose(1, 2), offs)
+
+    return xd, xs, wd, ws, args, bf16, mx_grouped_mm_reference(*args, torch.float32), out

@@ -34,14 +34,12 @@ import triton
 import triton.language as tl
 
 import fly_lightning
-from benchmarks.grouped_mm_cases import Case, cases, empty_counts, make_inputs, uniform_counts
+from benchmarks.grouped_mm_cases import Case, cases, empty_counts, mx_probe_operands, uniform_counts
 from benchmarks.harness import probe_each, probe_graph_ms
-from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
 from fly_lightning.kernels.triton import _mx_fp8_grouped_kernel as fk
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle, _scan_start
 from fly_lightning.kernels.triton._mx_requant import requantize
-from fly_lightning.ops.mx_grouped_mm import mx_grouped_mm_reference
 from fly_lightning.quant.formats import from_mx
 
 CASES = (
@@ -152,26 +150,9 @@ def _launch(qx, sx, qw, sw, offs, out, mode, bm, bn, warps, stages):
     return out
 
 
-def _operands(fmt: str, case: Case):
-    """The case's operands cast to ``fmt`` (weights as ``[E * N, K]`` rows), the launcher's MX arguments, the bf16
-    GEMM on the dequantised operands (the ratios' base), the fp32 reference and a bf16 output."""
-    x, w, offs = make_inputs(case)
-    e, n, k = case.e, case.n, case.k
-    xd, xs = fly_lightning.mx_cast(x, fmt)
-    wd, ws = fly_lightning.mx_cast(w.transpose(1, 2).reshape(-1, k), fmt)
-    xb, wb = from_mx(xd, xs, fmt, torch.bfloat16), from_mx(wd, ws, fmt, torch.bfloat16).view(e, n, k)
-    args = (xd, xs, fmt, wd.view(e, n, -1), ws.view(e, n, -1), fmt, offs)
-    out = torch.empty(case.m, n, device="cuda", dtype=torch.bfloat16)
-
-    def bf16() -> torch.Tensor:
-        return gk.launch(xb, wb.transpose(1, 2), offs, out)
-
-    return xd, xs, wd, ws, args, bf16, mx_grouped_mm_reference(*args, torch.float32), out
-
-
 def _case(fmt: str, case) -> None:
     e, n, k = case.e, case.n, case.k
-    xd, xs, wd, ws, args, bf16, ref, out = _operands(fmt, case)
+    xd, xs, wd, ws, args, bf16, ref, out = mx_probe_operands(case, fmt)
     offs = args[-1]
     qx, sxb, qw, swb = requantize(xd, xs, fmt, wd, ws, fmt)
     rx, rsx = _rowwise(xd, xs, fmt)
@@ -217,7 +198,7 @@ def _band_cases() -> list[Case]:
 
 
 def _band_case(fmt: str, case: Case) -> None:
-    *_, args, bf16, ref, out = _operands(fmt, case)
+    *_, args, bf16, ref, out = mx_probe_operands(case, fmt)
     offs = args[-1]
     fns = {
         "bf16": bf16,

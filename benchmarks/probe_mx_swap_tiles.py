@@ -27,9 +27,8 @@ from dataclasses import replace
 import torch
 import triton
 
-from benchmarks.grouped_mm_cases import cases
+from benchmarks.grouped_mm_cases import cases, mx_probe_operands
 from benchmarks.harness import probe_each, probe_graph_ms
-from benchmarks.probe_mx_fp8_grouped import _operands
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton._mx_dequant import dequantize
 
@@ -45,7 +44,7 @@ CASES = (
 
 
 def _case(fmt: str, case) -> None:
-    xd, xs, wd, ws, args, bf16, ref, out = _operands(fmt, case)
+    xd, xs, wd, ws, args, bf16, ref, out = mx_probe_operands(case, fmt)
     offs = args[-1]
     w, w_scale = args[3], args[4]
     xb = dequantize(xd, xs, fmt).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Shared benchmark harness: device-event timing with warm-up and input rotation, side-by-side timing in rotated
+"""Shared benchmark harness: device-event timing with warm-up and input rotation, side-by-side timing in shuffled
 rounds, CUDA-graph timing for small ops, cold-start timing, and results as JSON + markdown carrying the device,
 versions, command and git revision.
 
@@ -14,6 +14,7 @@ import json
 import math
 import os
 import platform
+import random
 import shlex
 import statistics
 import subprocess
@@ -107,10 +108,19 @@ def host_us(fn: Callable[[], object], number: int = 1000, repeat: int = 5) -> fl
 
 
 def _turns(names: list[str], rounds: int) -> list[list[str]]:
-    """The order of each round: rotated by one each round, the rounds rounded up to a multiple of the number of
-    names so that each goes first equally often."""
+    """The order of each round: ``names[r]`` first in round r, the others after it in a seeded shuffle, the rounds
+    rounded up to a multiple of the number of names so that each goes first equally often. Shuffled, not rotated: in
+    a rotation each function always follows the same one, and after a long bf16 GEMM at full power the next kernel
+    ran at lower clocks (mx_grouped_mm suite, H100: MXFP8 on Mixtral's gate/up, always timed right after the bf16
+    baseline, read 12% slower than the identical prepass plan timed elsewhere in the round)."""
     rounds = -(-rounds // len(names)) * len(names)
-    return [names[r % len(names) :] + names[: r % len(names)] for r in range(rounds)]
+    turns = []
+    for r in range(rounds):
+        first = names[r % len(names)]
+        rest = [n for n in names if n != first]
+        random.Random(r).shuffle(rest)
+        turns.append([first, *rest])
+    return turns
 
 
 def interleaved_ms(
@@ -183,7 +193,7 @@ def interleaved_graph_ms(
     graphs: dict[str, torch.cuda.CUDAGraph], calls_per_graph: int, *, replays: int = 20, rounds: int = 4
 ) -> dict[str, float]:
     """``interleaved_ms`` for captured graphs (``capture_graph``): per call, each graph's median of its round medians,
-    about ``replays`` replays in all (at least 3 per round), the graphs taking turns in rotated order."""
+    about ``replays`` replays in all (at least 3 per round), the graphs taking turns in shuffled order (``_turns``)."""
     names = list(graphs)
     turns = _turns(names, rounds) if names else []
     samples: dict[str, list[float]] = {n: [] for n in names}

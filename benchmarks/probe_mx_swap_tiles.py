@@ -16,7 +16,7 @@ warps with two programs per SM, 2 or 4 stages and 128x256 (568 bytes of spills) 
 dequantisation added, the wide plan beat the fp8 form at 256-512 rows per group and tied or lost to the prepass from
 1024 (``_mx_grouped_mm_kernel.SWAP_WIDE_MAX_ROWS``).
 
-    python -m benchmarks.probe_mx_swap_tiles [--quick]
+    python -m benchmarks.probe_mx_swap_tiles [--quick | --band]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 import triton
 
-from benchmarks.grouped_mm_cases import cases, mx_probe_operands
+from benchmarks.grouped_mm_cases import Case, cases, mx_probe_operands, uniform_counts
 from benchmarks.harness import probe_each, probe_graph_ms
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton._mx_dequant import dequantize
@@ -65,8 +65,34 @@ def _case(fmt: str, case) -> None:
               f"  err {errs.get(k, 0):.2e}", flush=True)  # fmt: skip
 
 
+# ``--band``: 64-128 rows per group (Qwen3-30B-A3B gate/up's K and N, 128 experts), where the table keeps the in-loop
+# 64-row tiles at 65-95 rows; the candidates there are the swapped tiles of 64 and of 128 rows
+BAND_ROWS = (64, 72, 80, 88, 96, 128)
+
+
+def _band(fmt: str, per: int) -> None:
+    case = Case(f"band-E128-m{per}-K2048-N1536", "band", 128, 2048, 1536, uniform_counts(128 * per, 128))
+    xd, xs, wd, ws, args, bf16, ref, out = mx_probe_operands(case, fmt)
+    offs = args[-1]
+    fns = {
+        "bf16": bf16,
+        "plan": lambda: mk.launch(*args[:6], offs, out),
+        "in-loop": lambda: mk.launch(*args[:6], offs, out, config=mk.SMALL_GROUPS),
+        "swap64": lambda: mk.launch(*args[:6], offs, out, config=mk.SWAPPED),
+        "swap128": lambda: mk.launch(*args[:6], offs, out, config=mk.SWAPPED_MID),
+    }
+    ms, errs = probe_graph_ms({k: (lambda *_, f=f: f()) for k, f in fns.items()}, [()], ref, f"{fmt} {case.name}")
+    print(f"{fmt} {case.name} (plan {mk.choose_config(case.m, case.e, False, fmt, fmt, True).label()})")
+    for k, t in ms.items():
+        print(f"   {k:16s} {t * 1e3:9.1f} us  x_bf16 {ms['bf16'] / t:5.2f}  err {errs.get(k, 0):.2e}", flush=True)
+
+
 def main() -> None:
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
+    if "--band" in sys.argv:
+        items = [(fmt, per) for fmt in ("mxfp8_e4m3", "mxfp4_e2m1") for per in BAND_ROWS]
+        probe_each(lambda it: _band(*it), items, lambda it: f"{it[0]} {it[1]} rows")
+        return
     by_name = {c.name: c for c in cases()}
     names = CASES[:2] if "--quick" in sys.argv else CASES
     items = [(fmt, by_name[n]) for fmt in ("mxfp8_e4m3", "mxfp4_e2m1") for n in names]

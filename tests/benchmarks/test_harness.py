@@ -5,7 +5,7 @@ import time
 import torch
 
 from benchmarks.bench_moe_route import _cold_starts, _time
-from benchmarks.harness import Results, first_call_s, interleaved_ms
+from benchmarks.harness import Results, _turns, first_call_s, interleaved_ms
 from benchmarks.moe_route_cases import Case
 
 
@@ -40,7 +40,7 @@ def test_route_cold_starts_cover_each_signature_and_report_a_failing_baseline():
     assert set(plain) == {"ours_cold_s"} and calls[-1] == "ours"
 
 
-def test_interleaved_timing_takes_turns_and_rotates_the_order():
+def test_interleaved_timing_takes_turns_each_first_equally_often_after_varied_predecessors():
     calls = []
     fns = {n: (lambda a, n=n: calls.append(n)) for n in ("a", "b", "c")}
     out = interleaved_ms(fns, [(torch.zeros(1),)], reps=18, rounds=4)
@@ -48,11 +48,23 @@ def test_interleaved_timing_takes_turns_and_rotates_the_order():
     # 4 rounds rounded up to 6, so each goes first twice; a block per name and round: 2 warm-up + 3 timed calls
     blocks = [calls[i] for i in range(0, len(calls), 5)]
     assert len(calls) == 5 * 3 * 6 and all(len(set(calls[i : i + 5])) == 1 for i in range(0, len(calls), 5))
-    assert blocks[:9] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
-    assert [blocks[i] for i in range(0, 18, 3)] == ["a", "b", "c", "a", "b", "c"]
+    rounds = [blocks[i : i + 3] for i in range(0, 18, 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert [r[0] for r in rounds] == ["a", "b", "c", "a", "b", "c"]
+    assert _turns(["a", "b", "c"], 4) == _turns(["a", "b", "c"], 4)  # seeded: the same order every run
     calls.clear()
     interleaved_ms(fns, [(torch.zeros(1),)], reps={"a": 48, "b": 18, "c": 18}, rounds=4)  # per-name counts
     assert calls[:10] == ["a"] * 10  # 2 warm-up + 48 // 6 timed
+
+
+def test_turns_do_not_always_put_the_same_function_before_another():
+    # a rotation would: there "ours" always ran right after the baseline before it, and inherited its clocks
+    names = [f"f{i}" for i in range(16)]
+    turns = _turns(names, 4)
+    assert len(turns) == 16
+    for n in names:
+        before = {t[t.index(n) - 1] for t in turns if t.index(n) > 0}
+        assert len(before) >= 5, (n, before)
 
 
 def test_interleaved_timing_moves_along_the_inputs_each_round():

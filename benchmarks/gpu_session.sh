@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests                     # the GPU tests (tests/gpu), JUnit XML in the archive
 #   bash benchmarks/gpu_session.sh rms route grouped_all     # suites, each writing <suite>.json/.md
 #
-# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, mx_w4_probe, mx_w4_floor, mx_event_probe, mx_fp8bw_probe, mx_fp8g_probe, mx_fp8g_band, mx_fq_probe, mx_gap_probe, mx_swap_probe, mx_swap_band, host, overhead, train_step, cold_start, recipe_step,
+# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, mx_w4_probe, mx_w4_floor, mx_event_probe, mx_fp8bw_probe, mx_fq_probe, mx_gap_probe, mx_swap_probe, mx_swap_band, host, overhead, train_step, cold_start, recipe_step,
 # recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (split on spaces), FLY_PYTEST_K
 # a -k expression (kept whole: "geglu or mx").
 # The suites need .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along;
@@ -85,15 +85,12 @@ for phase in "$@"; do
     mx_event_probe) run mx_event_probe 300 python3 -m benchmarks.probe_mx_event ;;
     # a probe (prints): MX operands as fp8 with 1x128 scales, cuBLAS's blockwise fp8 GEMM against the prepass plan
     mx_fp8bw_probe) run mx_fp8bw_probe 300 python3 -m benchmarks.probe_mx_fp8_blockwise ;;
-    # a probe (prints): fp8 grouped GEMM K-loop forms (per-step, lagged and row-wise scales) against the bf16 one
-    mx_fp8g_probe) run mx_fp8g_probe 400 python3 -m benchmarks.probe_mx_fp8_grouped ;;
-    # the same probe's --band: the fp8 and bf16 prepass plans over K and rows per group
-    mx_fp8g_band) run mx_fp8g_band 300 python3 -m benchmarks.probe_mx_fp8_grouped --band ;;
     # a probe (prints): launch plans of the column-wise mx_fake_quantize
     mx_fq_probe) run mx_fq_probe 200 python3 -m benchmarks.probe_mx_fake_quant_cols ;;
     # a probe (prints): the layers of mx_grouped_mm's public call against its prepass column, Mixtral's shapes
     mx_gap_probe) run mx_gap_probe 300 python3 -m benchmarks.probe_mx_grouped_gap ;;
-    # a probe (prints): swapped MX grouped tiles for many rows per group against the prepass and fp8 plans
+    # a probe (prints): swapped MX grouped tiles for many rows per group against the prepass plan; --band: the tiles
+    # of 64 and 128 rows and the in-loop ones at 64-128 rows per group
     mx_swap_probe) run mx_swap_probe 540 python3 -m benchmarks.probe_mx_swap_tiles ;;
     mx_swap_band) run mx_swap_band 300 python3 -m benchmarks.probe_mx_swap_tiles --band ;;
     # FLY_AGAINST=<dir holding another fly_lightning/>: that copy timed too, in alternating processes

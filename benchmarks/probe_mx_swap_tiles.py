@@ -1,20 +1,20 @@
 """Probe (GPU): the swapped MX grouped plan (weights converted as the MMA's register operand, x dequantised to bf16
-first) at many rows per group, against the bf16 prepass and the fp8 form, on grouped suite cases.
+first) at many rows per group, against the bf16 prepass, on grouped suite cases.
 
 The prepass converts every weight element into a bf16 copy in memory on each call; the swapped form reads the MX
 weights once per row tile and converts them in registers, and only x goes through memory as bf16. Device time from
 CUDA-graph replays, side by side per case, after a check against the fp32 product of the dequantised operands:
 ``bf16`` (our grouped GEMM on the dequantised operands: the ratios' base), ``plan`` (the table's pick), ``prepass``,
-``fp8`` (the fp8 form, by configuration), ``wide`` (``SWAPPED_WIDE``: x dequantised into the tiles' K order, then the
-swapped kernel), ``wide-gathered`` (the same kernel on bf16 x in natural order, gathered into that K order by its
-loads: what ``x_prepass`` did before it stored x in that order). Prints; not a suite.
+``wide`` (``SWAPPED_WIDE``: x dequantised into the tiles' K order, then the swapped kernel), ``wide-gathered``
+(the same kernel on bf16 x in natural order, gathered into that K order by its loads: what ``x_prepass`` did before
+it stored x in that order). Prints; not a suite.
 
 What it showed (H100, Triton 3.6; a4bb954 with the kernel then taking x in either order): 256x128 swapped tiles
 (rows x weights, 3 stages, 8 warps) on bf16 x gathered ran 0.39-0.49x the bf16 grouped GEMM, on x stored in the
 fragment's order 0.70-0.89x (1.74-1.88x faster: 4-byte gathers became 16-byte copies); 128x128 and 64x128 tiles, 4
 warps with two programs per SM, 2 or 4 stages and 128x256 (568 bytes of spills) were slower. With x's
-dequantisation added, the wide plan beat the fp8 form at 256-512 rows per group and tied or lost to the prepass from
-1024 (``_mx_grouped_mm_kernel.SWAP_WIDE_MAX_ROWS``).
+dequantisation added, the wide plan beat the fp8 form (since removed) at 256-512 rows per group and tied or lost to
+the prepass from 1024 (``_mx_grouped_mm_kernel.SWAP_WIDE_MAX_ROWS``).
 
     python -m benchmarks.probe_mx_swap_tiles [--quick | --band]
 """
@@ -53,7 +53,6 @@ def _case(fmt: str, case) -> None:
         "bf16": bf16,
         "plan": lambda: mk.launch(*args[:6], offs, out),
         "prepass": lambda: mk.launch(*args[:6], offs, out, config=mk.PREPASS),
-        "fp8": lambda: mk.launch(*args[:6], offs, out, config=mk.FP8),
         "wide": lambda: mk.launch(*args[:6], offs, out, config=mk.SWAPPED_WIDE),
         "wide-gathered": lambda: mk.launch(xb, None, None, w, w_scale, fmt, offs, out, config=gathered),
     }

@@ -31,13 +31,9 @@ Design:
   bf76cf0: 0.325 / 0.298 ms MXFP8 / MXFP4 against the bf16 grouped GEMM's 0.383 at 64 rows per group: fewer bytes
   than bf16 weights); ``SWAPPED_MID`` (128-row tiles) from 96 rows; ``SWAPPED_WIDE`` (256 rows x 128 weights) from
   256. Weight-only swapped tiles are untimed: not planned.
-- fp8 MMAs (``FP8``, ``_mx_fp8_grouped_kernel``; e4m3 / e2m1 re-expressed with one scale per 128 along K): no longer
-  planned. ``SWAPPED_WIDE`` took its band: faster there, and exact where this form rounds small blocks to within
-  2^-17 of a 128-group's largest element. Still launchable by configuration. Its first form, one program per SM
-  scaling every 128-wide step's product into the accumulator right away, ran 0.46x / 0.48x of the bf16 grouped GEMM
-  (mx_grouped_mm suite, H100, 8620c77); two programs of 64x128 per SM overlap one's scaling with the other's MMA.
-  With one scale per row over all of K (less exact), the fp8 GEMM alone ran 0.82-1.15x the bf16 grouped GEMM, but
-  MXFP8's bf16-output error rose from 1.66e-3 to 3.3e-3 at K = 14336 (``probe_mx_fp8_grouped``, H100, 59ae67b).
+- fp8 MMAs (e4m3 / e2m1 re-expressed with one scale per 128 along K, then an fp8 grouped kernel) were planned at
+  256-1023 rows per group until ``SWAPPED_WIDE`` took that band: faster there, and exact where that form rounded small
+  blocks to within 2^-17 of a 128-group's largest element (removed; its kernel and probe are in git history).
 """
 
 from __future__ import annotations
@@ -49,15 +45,12 @@ import triton
 import triton.language as tl
 
 from fly_lightning.kernels.triton import _grouped_mm_kernel as gk
-from fly_lightning.kernels.triton import _mx_fp8_grouped_kernel as fk
 from fly_lightning.kernels.triton._fragment_k import STEP as FRAGMENT_STEP
 from fly_lightning.kernels.triton._fragment_k import to_fragment_order
 from fly_lightning.kernels.triton._grouped_mm_kernel import _advance, _band_swizzle, _scan_start
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
 from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, dequantize, hopper, load_operand, ptx_pairs
-from fly_lightning.kernels.triton._mx_requant import FORMATS as FP8_FORMATS
-from fly_lightning.kernels.triton._mx_requant import requantize
 from fly_lightning.kernels.triton._support import num_sms, on_device
 from fly_lightning.quant import formats
 
@@ -176,13 +169,10 @@ class MXGroupedMMConfig:
     swap: bool = False  # weights on the MMA's M side (its register operand), the group's rows on its N side
     fragment_k: bool = False  # swapped, high-precision x: K in the register fragment's order (``_fragment_k``)
     x_prepass: bool = False  # MX x dequantised to bf16 in memory first (small), then the high-precision x kernel
-    fp8: bool = False  # operands re-expressed as e4m3 with 1x128 scales, then fp8 MMAs (``_mx_fp8_grouped_kernel``)
 
     def label(self) -> str:
         if self.prepass:
             return "prepass-bf16-grouped"
-        if self.fp8:
-            return f"fp8-1x128_{self.block_m}x{self.block_n}_g{self.group_m}_s{self.num_stages}_w{self.num_warps}"
         persist = f"p{self.programs_per_sm}" if self.programs_per_sm else "np"
         flags = ("_swap" if self.swap else "") + ("_fragk" if self.fragment_k else "")
         return (
@@ -205,8 +195,6 @@ WEIGHT_ONLY = MXGroupedMMConfig(256, 128, 64, 8, 3, 8)
 # for fp8) costs less than converting it in every row tile's main loop; the bf16 grouped GEMM then runs at its rate.
 PREPASS_MIN_ROWS = 256
 PREPASS = MXGroupedMMConfig(prepass=True)
-# 64x128 on 4 warps, 3 stages: 224 registers, 74 KB of shared memory, no spills (sm90, Triton 3.6): two per SM
-FP8 = MXGroupedMMConfig(64, 128, 128, 8, 3, 4, programs_per_sm=2, fp8=True)
 SWAP_MAX_ROWS = 64
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 # From 96 rows per group (where the in-loop table leaves 64-row tiles) below PREPASS_MIN_ROWS: mx_grouped_mm suite,
@@ -301,8 +289,6 @@ def launch(
     cfg = config or choose_config(m, e, interp, x_fmt, w_fmt, hopper(x))
     if cfg.prepass:
         return _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out)
-    if cfg.fp8:
-        return _fp8(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out, cfg)
     if k % cfg.block_k:
         raise ValueError(f"mx_grouped_mm kernel: block_k={cfg.block_k} does not divide K={k}")
     if cfg.x_prepass and x_fmt is None:
@@ -358,15 +344,3 @@ def _prepass(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out) -> torch.Tensor:
     # the interpreter's fp32 values to bf16: exact, they came from bf16-representable MX values
     xb, wb = xb.to(torch.bfloat16), wb.to(torch.bfloat16).view(e, n, -1)
     return gk.launch(xb, wb.transpose(1, 2), offs, out)
-
-
-def _fp8(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out, cfg: MXGroupedMMConfig) -> torch.Tensor:
-    """Both operands re-expressed as e4m3 with one fp32 scale per 128 values along K (one launch), then the fp8
-    grouped kernel. Alive during the call: an e4m3 copy of x and of every group's weights, and their scales."""
-    if x_fmt not in FP8_FORMATS or w_fmt not in FP8_FORMATS:
-        raise ValueError(f"mx_grouped_mm kernel: {cfg.label()} takes {FP8_FORMATS} operands, not {x_fmt}, {w_fmt}")
-    if cfg.programs_per_sm < 1 or cfg.block_k != fk.BLOCK_K:
-        raise ValueError(f"mx_grouped_mm kernel: {cfg.label()} is persistent, block_k {fk.BLOCK_K}")
-    w2, ws2, skip = _rows_of_groups(w, w_scale, offs)  # weights of groups without rows skipped (never read)
-    qx, sx, qw, sw = requantize(x, x_scale, x_fmt, w2, ws2, w_fmt, offs=skip)
-    return fk.launch(qx, sx, qw.view(w.shape[0], w.shape[1], -1), sw, offs, out, cfg)

@@ -26,7 +26,7 @@ import triton.language as tl
 from fly_lightning.kernels import outputs
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv
-from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, _nvidia_capability, group_has_rows
+from fly_lightning.kernels.triton._mx_dequant import FMT_CODE, _nvidia_capability
 from fly_lightning.kernels.triton._support import interpreting, on_device
 from fly_lightning.quant import formats
 
@@ -105,14 +105,11 @@ def _e4m3_codes(q):
 def _requant_tile(
     DATA, SCALE, Q, QS, R, C, stride_d, stride_s, stride_q, tile, n_col_tiles,
     FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr,
-    OFFS=None, GROUP_ROWS=1, M=0, SKIP_EMPTY: tl.constexpr = False,
 ):  # fmt: skip
     G: tl.constexpr = BC // 128
     rows = (tile // n_col_tiles) * BR + tl.arange(0, BR)
     cb = tile % n_col_tiles
     live_rows = rows < R
-    if SKIP_EMPTY:  # rows of groups with no rows in the grouped GEMM (offsets clamped as it clamps them): skipped
-        live_rows = live_rows & group_has_rows(OFFS, rows // GROUP_ROWS, live_rows, M)
     rmask = live_rows[:, None]
     rows64 = rows.to(tl.int64)
     sb = cb * (BC // 32) + tl.arange(0, BC // 32)
@@ -150,13 +147,10 @@ def _requant_tile(
 @triton.jit
 def _requant_kernel(
     A, A_SCALE, A_Q, A_QS, RA, stride_a, stride_as,
-    B, B_SCALE, B_Q, B_QS, RB, stride_b, stride_bs, C, OFFS, GROUP_ROWS,
+    B, B_SCALE, B_Q, B_QS, RB, stride_b, stride_bs, C,
     A_FMT: tl.constexpr, B_FMT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr, HW_CVT: tl.constexpr,
-    SKIP_EMPTY: tl.constexpr = False,
 ):  # fmt: skip
-    """Both operands in one launch: the first ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's.
-    ``SKIP_EMPTY``: B holds ``GROUP_ROWS`` rows per group and A the grouped GEMM's rows, ``OFFS`` its int32 end
-    offsets: B's rows of groups without rows are neither read nor written."""
+    """Both operands in one launch: the first ``cdiv(RA, BR) * cdiv(C, BC)`` programs take A's tiles, the rest B's."""
     n_col_tiles = tl.cdiv(C, BC)
     tiles_a = tl.cdiv(RA, BR) * n_col_tiles
     pid = tl.program_id(0)
@@ -164,7 +158,7 @@ def _requant_kernel(
         _requant_tile(A, A_SCALE, A_Q, A_QS, RA, C, stride_a, stride_as, C, pid, n_col_tiles, A_FMT, BR, BC, HW_CVT)
     else:
         _requant_tile(B, B_SCALE, B_Q, B_QS, RB, C, stride_b, stride_bs, C, pid - tiles_a, n_col_tiles,
-                      B_FMT, BR, BC, HW_CVT, OFFS, GROUP_ROWS, RA, SKIP_EMPTY)  # fmt: skip
+                      B_FMT, BR, BC, HW_CVT)  # fmt: skip
 
 
 _REQUANT = FastLaunch(_requant_kernel)
@@ -204,23 +198,16 @@ def requantize(
     b: torch.Tensor,
     b_scale: torch.Tensor,
     b_fmt: str,
-    *,
-    offs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """MX ``a`` ``[M, K / per_byte]`` and ``b`` ``[N, ...]`` (formats in ``FORMATS``; K % 128; last dims contiguous)
     to ``(qa [M, K], sa [M, K / 128], qb [N, K], sb [K / 128, N])``: e4m3 elements and fp32 group scales laid out
-    as ``torch._scaled_mm(qa, qb.t(), sa, sb)`` takes them (``sa`` outer-dim-major). ``offs``: a grouped GEMM's
-    int32 end offsets (``[E]``, contiguous) over ``a``'s rows, ``b`` holding E groups of equal rows (its weights):
-    rows of ``b``'s groups that have no rows of ``a`` are left unwritten (codes and scales; the GEMM never reads
-    them)."""
+    as ``torch._scaled_mm(qa, qb.t(), sa, sb)`` takes them (``sa`` outer-dim-major)."""
     for fmt in (a_fmt, b_fmt):
         if fmt not in FORMATS:
             raise ValueError(f"requantize: {fmt} is not one of {FORMATS}")
     m, n, k = a_scale.shape[0], b_scale.shape[0], a_scale.shape[1] * 32
     if k % GROUP or b_scale.shape[1] * 32 != k:
         raise ValueError(f"requantize: K={k} (a) and {b_scale.shape[1] * 32} (b) must agree and divide by {GROUP}")
-    if offs is not None and (offs.numel() == 0 or n % offs.numel()):
-        raise ValueError(f"requantize: offs over {offs.numel()} groups does not divide b's {n} rows")
     groups = k // GROUP
     # one allocation each, the operands' parts as views (host time: each allocation, view or slice costs it)
     q = outputs.empty(m + n, k, dtype=torch.float8_e4m3fn, device=a.device)
@@ -236,9 +223,7 @@ def requantize(
             _REQUANT(
                 (tiles,),
                 (a, a_scale.view(torch.uint8), out_a, sa, m, a.stride(0), a_scale.stride(0),
-                 b, b_scale.view(torch.uint8), out_b, sb, n, b.stride(0), b_scale.stride(0), k,
-                 sa if offs is None else offs, 1 if offs is None else n // offs.numel()),  # sa: a placeholder, unread
-                A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=hw,
-                SKIP_EMPTY=offs is not None, num_warps=4,
+                 b, b_scale.view(torch.uint8), out_b, sb, n, b.stride(0), b_scale.stride(0), k),
+                A_FMT=FMT_CODE[a_fmt], B_FMT=FMT_CODE[b_fmt], BR=ROWS, BC=COLS, HW_CVT=hw, num_warps=4,
             )  # fmt: skip
     return qa, sa, qb, sb

@@ -53,7 +53,6 @@ CONFIGS = {
     "swapped": mk.SWAPPED,  # the plan for few rows per group on sm90: x dequantised first, weights swapped
     "swapped_mid": mk.SWAPPED_MID,  # from 96 rows per group on sm90, below 256
     "swapped_wide": mk.SWAPPED_WIDE,  # from 256 rows per group on sm90, below 1024
-    "fp8": mk.FP8,  # re-expressed as e4m3 with 1x128 scales, then the fp8 grouped kernel
 }
 
 
@@ -67,8 +66,7 @@ CONFIGS = {
     ],
 )
 def test_within_fp32_sums_of_the_fp64_product(x_fmt, w_fmt, config):
-    """Against the fp64 product of the dequantised operands, fp32 and bf16 out. (The fp8 plan re-expresses operands
-    with coarser scales, a bounded precision change of its own: ``test_mx_fp8_grouped``.)"""
+    """Against the fp64 product of the dequantised operands, fp32 and bf16 out."""
     args = _problem(x_fmt, w_fmt, x_dtype=torch.bfloat16, seed=2)  # high-precision x in bf16: the MMAs take it as is
     want, size = fp64_grouped_mm(*args)
     for out_dtype in (torch.float32, torch.bfloat16):
@@ -156,10 +154,6 @@ def test_swapped_tiles(x_fmt, w_fmt, fragment_k):
         (None, replace(SWAPPED, swap=False, fragment_k=True), "fragment_k is for swapped tiles"),
         (None, replace(SWAPPED, block_k=64, fragment_k=True), "fragment_k is for swapped tiles"),
         (None, replace(SWAPPED, x_prepass=True), "x_prepass needs MX x"),
-        (None, mk.FP8, "takes .* operands"),  # weight-only
-        ("mxfp8_e5m2", mk.FP8, "takes .* operands"),  # e5m2's range does not fit e4m3's
-        ("mxfp8_e4m3", replace(mk.FP8, programs_per_sm=0), "is persistent"),
-        ("mxfp8_e4m3", replace(mk.FP8, block_k=64), "block_k 128"),
     ],
 )
 def test_launch_rejects_fragment_k_and_x_prepass_off_their_forms(x_fmt, cfg, match):
@@ -185,7 +179,7 @@ def test_dispatched_call_takes_triton():
     _check(y, args)
 
 
-@pytest.mark.parametrize("config", [None, mk.FP8])
+@pytest.mark.parametrize("config", [None, mk.SWAPPED])
 def test_nan_scale_gives_a_nan_row(config):
     args = _problem("mxfp8_e4m3", "mxfp8_e4m3", counts=[10, 10])
     args[1].view(torch.uint8)[12, 2] = 255  # row 12 (group 1): one NaN block
@@ -193,7 +187,7 @@ def test_nan_scale_gives_a_nan_row(config):
     assert out[:20].isnan().any(1).nonzero().flatten().tolist() == [12] and out[12].isnan().all()
 
 
-@pytest.mark.parametrize("config", [None, mk.PREPASS, mk.FP8])
+@pytest.mark.parametrize("config", [None, mk.PREPASS, mk.SWAPPED])
 def test_invalid_device_offsets_are_clamped(config):
     # the host never reads device offsets; the kernel clamps them to [0, M] and makes the groups non-negative (the
     # prepass skips the weights of groups 0 and 2 as the GEMM, which never reads them, counts them: empty)

@@ -110,26 +110,3 @@ def test_available_on_hopper_with_cuda_12_9(monkeypatch, capability, cuda, hip, 
     assert not _mx_requant.available(torch.device("cpu"))
     monkeypatch.setattr(_mx_dequant, "interpreting", lambda: True)
     assert not _mx_requant.available(torch.device("cuda", 0))
-
-
-def test_groups_without_rows_are_skipped():
-    """``offs``: the weight rows of groups that get no rows (offsets clamped as the grouped GEMM clamps them) keep the
-    poison, codes and scales; every other group's rows, and the activations, follow the rule."""
-    g = torch.Generator().manual_seed(0)
-    m, e, n = 21, 6, 24  # 24 rows per group: groups straddle the kernel's 16-row tiles
-    a, a_s = formats.to_mx(torch.randn(m, 512, generator=g), "mxfp8_e4m3")
-    b, b_s = formats.to_mx(torch.randn(e * n, 512, generator=g), "mxfp4_e2m1")
-    offs = torch.tensor([-3, 4, 4, 30, 7, 21], dtype=torch.int32)  # sizes after clamping to [0, 21]: 0 4 0 17 0 14
-    qa, sa, qb, sb = requantize(a, a_s, "mxfp8_e4m3", b, b_s, "mxfp4_e2m1", offs=offs)
-    want_qa, want_sa = reference(a, a_s, "mxfp8_e4m3")
-    assert torch.equal(qa.view(torch.uint8), want_qa.view(torch.uint8)) and torch.equal(sa, want_sa)
-    want_qb, want_sb = reference(b, b_s, "mxfp4_e2m1")
-    for grp, live in enumerate((False, True, False, True, False, True)):
-        rows = slice(grp * n, (grp + 1) * n)
-        q, s = qb[rows].view(torch.uint8), sb.t()[rows]
-        if live:
-            assert torch.equal(q, want_qb[rows].view(torch.uint8)) and torch.equal(s, want_sb[rows]), grp
-        else:  # never written: the test session's poison (NaN codes and scales)
-            assert (q == 0x7F).all() and s.isnan().all(), grp
-    with pytest.raises(ValueError, match="does not divide"):
-        requantize(a, a_s, "mxfp8_e4m3", b[:25], b_s[:25], "mxfp4_e2m1", offs=offs)

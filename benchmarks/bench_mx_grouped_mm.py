@@ -89,12 +89,13 @@ def _rel_err(y: torch.Tensor, ref: torch.Tensor, end: int) -> float:
 SWAP_TIMED_MAX_ROWS = 256  # rows per group up to which the swapped candidate (<f>_swap) is timed
 
 
-def swap_config(case: Case, cpu: bool) -> mk.MXGroupedMMConfig:
+def swap_config(case: Case, fmt: str, cpu: bool) -> mk.MXGroupedMMConfig:
     """The swapped candidate's tiles: the plan's 64- or 128-row tiles (``SWAPPED``, ``SWAPPED_MID``: a group's rows on
     the MMA's N side, 128 weight columns on its M side); the interpreter's small tiles on the CPU."""
     if cpu:
         return mk.MXGroupedMMConfig(16, 32, 128, 2, 1, 4, swap=True, fragment_k=True, x_prepass=True)
-    return mk.SWAPPED if case.m / case.e <= mk.SWAP_MAX_ROWS else mk.SWAPPED_MID
+    last_64 = mk.SWAP_MAX_ROWS if fmt == "mxfp4_e2m1" else mk.SWAP_FP8_MAX_ROWS
+    return mk.SWAPPED if case.m / case.e <= last_64 else mk.SWAPPED_MID
 
 
 def _bf16_grouped(x, w, offs):
@@ -136,7 +137,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         swapped = case.m / case.e <= SWAP_TIMED_MAX_ROWS  # few rows per group: a weight tile feeds one or two row tiles
         if swapped:
             y = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
-            mk.launch(xd, xs, fmt, wd, ws, fmt, offs, y, config=swap_config(case, xd.device.type == "cpu"))
+            mk.launch(xd, xs, fmt, wd, ws, fmt, offs, y, config=swap_config(case, fmt, xd.device.type == "cpu"))
             row[f"{f}_swap_err"] = _rel_err(y, ref, end)
         del ref, y
 
@@ -159,7 +160,7 @@ def run_case(case: Case, device: str, reps: int | None, torchao_fp8: Callable | 
         def swap(x, w, o, mx, f=f, fmt=fmt):  # x dequantised first, weights as the MMA's register operand
             xd, xs, wd, ws = mx[f]
             out = torch.empty(xd.shape[0], wd.shape[1], dtype=torch.bfloat16, device=xd.device)
-            return mk.launch(xd, xs, fmt, wd, ws, fmt, o, out, config=swap_config(case, xd.device.type == "cpu"))
+            return mk.launch(xd, xs, fmt, wd, ws, fmt, o, out, config=swap_config(case, fmt, xd.device.type == "cpu"))
 
         if swapped:
             fns[f"{f}_swap"] = swap
@@ -261,12 +262,13 @@ def _summarise(res: Results) -> None:
         "Hopper (x dequantised to bf16 in the tiles' K order, 256x128 tiles converting the MX weights as the MMA's "
         "register operand), otherwise from that many rows the bf16 prepass.",
         f"<f>_swap (cases of at most {SWAP_TIMED_MAX_ROWS} rows per group): the swapped tiles of 64 or 128 rows (ours "
-        f"takes them on Hopper up to {mk.SWAP_MAX_ROWS} and from {mk.SWAP_MID_MIN_ROWS} rows per group, 256-row tiles "
-        f"from {mk.PREPASS_MIN_ROWS}), timed beside ours: x dequantised to bf16 first (in the tiles' K order), weights "
+        f"takes them on Hopper below {mk.PREPASS_MIN_ROWS} rows per group, 64-row tiles up to {mk.SWAP_MAX_ROWS} rows "
+        f"({mk.SWAP_FP8_MAX_ROWS} with MXFP8 weights), 256-row tiles from {mk.PREPASS_MIN_ROWS}), timed beside ours: "
+        "x dequantised to bf16 first (in the tiles' K order), weights "
         "on the MMA's M side as its register operand, K summed in the register fragment's order (fragment_k); "
         "<f>_swap_err its check; geomean_<f>_swap_x_vs_bf16 over those cases only.",
         "<f>_err: ours against the fp32 per-group product of the dequantised operands (bf16 output: ~2e-3).",
-        "timing: device events over rotating input sets; every column takes turns in rotated rounds "
+        "timing: device events over rotating input sets; every column takes turns in shuffled rounds "
         f"({ROUNDS} or more) and reports the median of its round medians. <f>_cold_s: first call (compilation).",
     ]
 

@@ -12,7 +12,7 @@ Design:
 - The weights are ``[E, N, K / per_byte]``: each output column's K run is contiguous, read as ``[BLOCK_N, BLOCK_K]``
   and transposed for the dot. Rows of a tile past its group's end read row 0 (in bounds) and are never stored.
 - ``BLOCK_K`` divides K (the support predicate asks K % 128 == 0), so the K loop has no masks.
-- MX activations on Hopper below ``SWAP_WIDE_MAX_ROWS`` rows per group, except at 65-95, take swapped tiles: x
+- MX activations on Hopper below ``SWAP_WIDE_MAX_ROWS`` rows per group take swapped tiles: x
   dequantised to bf16 in memory (stored in the swapped tiles' K order), the weights converted in registers as the
   MMA's register operand. From that many rows, and on other GPUs from ``PREPASS_MIN_ROWS``, both operands are
   dequantised once into bf16 tensors (``_prepass``) and the bf16 grouped GEMM runs on them (each element converted
@@ -29,8 +29,8 @@ Design:
   fragment order's 4-byte gathers (256x128 tiles: 1.74-1.88x faster, ``probe_mx_swap_tiles``, H100). ``SWAPPED`` (64-row
   tiles) for groups of few rows, where each weight tile feeds one or two row tiles (mx_grouped_mm suite, H100,
   bf76cf0: 0.325 / 0.298 ms MXFP8 / MXFP4 against the bf16 grouped GEMM's 0.383 at 64 rows per group: fewer bytes
-  than bf16 weights); ``SWAPPED_MID`` (128-row tiles) from 96 rows; ``SWAPPED_WIDE`` (256 rows x 128 weights) from
-  256. Weight-only swapped tiles are untimed: not planned.
+  than bf16 weights), MXFP8 weights through 96 rows; ``SWAPPED_MID`` (128-row tiles) above that, MXFP4 weights
+  from 65 rows; ``SWAPPED_WIDE`` (256 rows x 128 weights) from 256. Weight-only swapped tiles are untimed: not planned.
 - fp8 MMAs (e4m3 / e2m1 re-expressed with one scale per 128 along K, then an fp8 grouped kernel) were planned at
   256-1023 rows per group until ``SWAPPED_WIDE`` took that band: faster there, and exact where that form rounded small
   blocks to within 2^-17 of a 128-group's largest element (removed; its kernel and probe are in git history).
@@ -186,7 +186,7 @@ class MXGroupedMMConfig:
 # taking every row: 512 to 16384 rows per expert), TFLOP/s of the best configuration against 128x128x128 s3 w8:
 # MXFP8 x MXFP8 128x256x64 s3 171-175 (130), MXFP4 x MXFP4 128x256x128 s2 271-288, bf16 x MX (weight-only)
 # 256x128x64 s3 304-323 (fp8) and 391-401 (fp4). ptxas spills 8 bytes in the first two (e4m3 and e2m1, bf16 output),
-# which the sweep timed anyway. Groups of fewer than 96 rows (untimed): a 64-row tile.
+# which the sweep timed anyway. Groups of fewer than 96 rows: a 64-row tile.
 SMALL_GROUPS = MXGroupedMMConfig(64, 128, 64, 8, 4, 4)
 MX_MX = MXGroupedMMConfig(128, 256, 64, 8, 3, 8)
 MXFP4_MXFP4 = MXGroupedMMConfig(128, 256, 128, 8, 2, 8)
@@ -197,11 +197,14 @@ PREPASS_MIN_ROWS = 256
 PREPASS = MXGroupedMMConfig(prepass=True)
 SWAP_MAX_ROWS = 64
 SWAPPED = MXGroupedMMConfig(64, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
-# From 96 rows per group (where the in-loop table leaves 64-row tiles) below PREPASS_MIN_ROWS: mx_grouped_mm suite,
-# H100, bf76cf0, 128 rows per group (128 experts, K 2048, N 1536): 0.321 / 0.290 ms MXFP8 / MXFP4 against the
-# in-loop plan's 0.441 / 0.417 (bf16 grouped GEMM 0.324); at 256 rows 0.379 / 0.359 against SWAPPED_WIDE's 0.306 /
-# 0.308.
-SWAP_MID_MIN_ROWS = 96
+# 65 to 255 rows per group. mx_grouped_mm suite, H100, bf76cf0, 128 rows per group (128 experts, K 2048, N 1536):
+# SWAPPED_MID 0.321 / 0.290 ms MXFP8 / MXFP4 against the in-loop plan's 0.441 / 0.417 (bf16 grouped GEMM 0.324); at
+# 256 rows 0.379 / 0.359 against SWAPPED_WIDE's 0.306 / 0.308. ``probe_mx_swap_tiles --band`` (H100, 0285c85, same
+# K and N, device time, x the bf16 grouped GEMM for in-loop 64-row tiles / SWAPPED / SWAPPED_MID): MXFP8 at 72-96 rows
+# 0.34-0.40 / 0.78-0.82 / 0.57-0.68, at 128 0.33 / 0.80 / 1.04; MXFP4 at 72-96 0.45-0.48 / 0.78-0.81 / 1.00-1.11, at
+# 128 0.45 / 0.80 / 1.16. Hence MXFP8 weights keep SWAPPED through this many rows, MXFP4 weights take SWAPPED_MID
+# from SWAP_MAX_ROWS + 1 (their 128-row tiles decode half the bytes per weight).
+SWAP_FP8_MAX_ROWS = 96
 SWAPPED_MID = MXGroupedMMConfig(128, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
 # 256 rows x 128 weights, 3 stages: 249 registers, 224 KB of shared memory, no spills (sm90)
 SWAPPED_WIDE = MXGroupedMMConfig(256, 128, 128, 8, 3, 8, swap=True, fragment_k=True, x_prepass=True)
@@ -233,9 +236,9 @@ def choose_config(
     # not weight-only: its frozen MX experts exist to save memory, and the prepass holds every group's weights in bf16;
     # swapped tiles dequantise x first, so weight-only never takes them either (untimed)
     if x_fmt is not None and sm90:
-        if rows <= SWAP_MAX_ROWS:
+        if rows <= (SWAP_MAX_ROWS if w_fmt == "mxfp4_e2m1" else SWAP_FP8_MAX_ROWS):
             return SWAPPED
-        if SWAP_MID_MIN_ROWS <= rows < PREPASS_MIN_ROWS:
+        if rows < PREPASS_MIN_ROWS:
             return SWAPPED_MID
         if PREPASS_MIN_ROWS <= rows < SWAP_WIDE_MAX_ROWS:
             return SWAPPED_WIDE

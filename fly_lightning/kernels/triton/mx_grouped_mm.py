@@ -49,7 +49,7 @@ def _supports(x, x_scale, x_fmt, w, w_scale, w_fmt, offs, out_dtype) -> bool | s
     supports=_supports,
     constraints="x [M, K] MX (e4m3, e5m2, e2m1) or bf16/fp32 (rounded to bf16) x MX w [E, N, K] (blocks along K), "
     "int32 end offsets, E <= 4096, K % 128 == 0, last dims contiguous, sm80+; MX tiles dequantised to bf16 in "
-    "registers, bf16 dot, fp32 accumulation; MX x on Hopper with <= 64 or 96-1023 rows per group: x alone "
+    "registers, bf16 dot, fp32 accumulation; MX x on Hopper below 1024 rows per group: x alone "
     "dequantised to bf16 first (a bf16 copy of x during the call), weights converted as the MMA's register operand; "
     "MX x from 1024 rows per group (from 256 off Hopper): both dequantised to bf16 in a prepass (a bf16 copy of x and "
     "w during the call), then the bf16 grouped GEMM; not on ROCm",

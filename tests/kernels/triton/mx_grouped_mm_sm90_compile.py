@@ -16,8 +16,8 @@ from fly_lightning.kernels.triton._mx_grouped_mm_kernel import (
 )
 
 # rows per group: the launcher picks the plan from these and the formats on Hopper (MX x takes swapped tiles, x
-# dequantised first: of 64 rows up to 64, of 128 from 96, of 256 from 256 up to 1023; weight-only takes the
-# WEIGHT_ONLY tiles from 256); "large" is the in-loop table at 200 rows (off Hopper, and at 65-95 rows there)
+# dequantised first: of 64 rows up to 64 (96 with MXFP8 weights), then of 128, of 256 from 256 up to 1023;
+# weight-only takes the WEIGHT_ONLY tiles from 256); "large" is the in-loop table at 200 rows (off Hopper)
 ROWS = {"small": 64, "large": 200, "mid": 200, "wide": 400, "weight-only-wide": 384}
 PAIRS = {
     "e4m3": ("mxfp8_e4m3", "mxfp8_e4m3"),

@@ -51,7 +51,7 @@ CONFIGS = {
     "block_n64_k32": replace(mk.INTERPRETER_CONFIG, block_n=64, block_k=32, group_m=4),
     "prepass": mk.PREPASS,  # dequantised to bf16 in memory, then the bf16 grouped kernel
     "swapped": mk.SWAPPED,  # the plan for few rows per group on sm90: x dequantised first, weights swapped
-    "swapped_mid": mk.SWAPPED_MID,  # from 96 rows per group on sm90, below 256
+    "swapped_mid": mk.SWAPPED_MID,  # from 65 (MXFP4 weights) or 97 rows per group on sm90, below 256
     "swapped_wide": mk.SWAPPED_WIDE,  # from 256 rows per group on sm90, below 1024
 }
 
@@ -84,26 +84,27 @@ def test_launch_configurations(name):
     assert out[int(args[-1][-1]) :].isnan().all()
 
 
+@pytest.mark.parametrize("w_fmt", ["mxfp8_e4m3", "mxfp4_e2m1"])
 @pytest.mark.parametrize("x_fmt", ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4_e2m1", None])
-def test_plans_by_rows_per_group(x_fmt):
-    """MX x (every format) on sm90: swapped tiles of 64 rows up to SWAP_MAX_ROWS rows per group, in-loop 64-row tiles
-    until SWAP_MID_MIN_ROWS, then swapped tiles of 128 rows, of 256 from PREPASS_MIN_ROWS up to SWAP_WIDE_MAX_ROWS,
-    the bf16 prepass from there; off sm90 in-loop tiles, the prepass from PREPASS_MIN_ROWS. Weight-only never swapped
-    (untimed) nor converted in memory; the interpreter its own plan."""
-    w_fmt = "mxfp4_e2m1"
-    rows_per_group = (1, 64, 65, 95, 96, 255, 256, 1023, 1024)
+def test_plans_by_rows_per_group(x_fmt, w_fmt):
+    """MX x (every format) on sm90: swapped tiles of 64 rows up to SWAP_MAX_ROWS rows per group (SWAP_FP8_MAX_ROWS
+    with MXFP8 weights), then of 128 rows, of 256 from PREPASS_MIN_ROWS up to SWAP_WIDE_MAX_ROWS, the bf16 prepass from
+    there; off sm90 in-loop tiles, the prepass from PREPASS_MIN_ROWS. Weight-only never swapped (untimed) nor
+    converted in memory; the interpreter its own plan."""
+    rows_per_group = (1, 64, 65, 96, 97, 255, 256, 1023, 1024)
     plans = {rows: mk.choose_config(rows * 128, 128, False, x_fmt, w_fmt, sm90=True) for rows in rows_per_group}
-    mx = x_fmt is not None
-    assert plans[1] == plans[64] == (mk.SWAPPED if mx else mk.SMALL_GROUPS)
-    assert plans[65] == plans[95] == mk.SMALL_GROUPS
-    assert plans[96] == plans[255] == (mk.SWAPPED_MID if mx else mk.loop_config(255 * 128, 128, x_fmt, w_fmt))
-    assert plans[256] == plans[1023] == (mk.SWAPPED_WIDE if mx else mk.WEIGHT_ONLY)
-    assert plans[1024] == (mk.PREPASS if mx else mk.WEIGHT_ONLY)
+    if x_fmt is None:
+        assert all(plans[r] == mk.loop_config(r * 128, 128, x_fmt, w_fmt) for r in rows_per_group)
+        assert plans[64] == mk.SMALL_GROUPS and plans[1024] == mk.WEIGHT_ONLY
+    else:
+        last_64 = 64 if w_fmt == "mxfp4_e2m1" else 96  # the last row count on 64-row tiles
+        assert all(plans[r] == (mk.SWAPPED if r <= last_64 else mk.SWAPPED_MID) for r in rows_per_group if r < 256)
+        assert plans[256] == plans[1023] == mk.SWAPPED_WIDE and plans[1024] == mk.PREPASS
     # the rows above are the table's bounds
-    assert (mk.SWAP_MAX_ROWS, mk.SWAP_MID_MIN_ROWS, mk.PREPASS_MIN_ROWS, mk.SWAP_WIDE_MAX_ROWS) == (64, 96, 256, 1024)
+    assert (mk.SWAP_MAX_ROWS, mk.SWAP_FP8_MAX_ROWS, mk.PREPASS_MIN_ROWS, mk.SWAP_WIDE_MAX_ROWS) == (64, 96, 256, 1024)
     for rows in rows_per_group:  # sm80, Blackwell: untimed there
         plan = mk.choose_config(rows * 128, 128, False, x_fmt, w_fmt, sm90=False)
-        assert plan == (mk.PREPASS if mx and rows >= 256 else mk.loop_config(rows * 128, 128, x_fmt, w_fmt)), rows
+        assert plan == (mk.PREPASS if x_fmt and rows >= 256 else mk.loop_config(rows * 128, 128, x_fmt, w_fmt)), rows
     assert mk.choose_config(64 * 128, 128, True, x_fmt, w_fmt, sm90=True) == mk.INTERPRETER_CONFIG
 
 

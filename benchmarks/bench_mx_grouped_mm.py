@@ -94,8 +94,8 @@ def swap_config(case: Case, fmt: str, cpu: bool) -> mk.MXGroupedMMConfig:
     the MMA's N side, 128 weight columns on its M side); the interpreter's small tiles on the CPU."""
     if cpu:
         return mk.MXGroupedMMConfig(16, 32, 128, 2, 1, 4, swap=True, fragment_k=True, x_prepass=True)
-    last_64 = mk.SWAP_MAX_ROWS if fmt == "mxfp4_e2m1" else mk.SWAP_FP8_MAX_ROWS
-    return mk.SWAPPED if case.m / case.e <= last_64 else mk.SWAPPED_MID
+    plan = mk.choose_config(case.m, case.e, False, fmt, fmt, sm90=True)
+    return plan if plan in (mk.SWAPPED, mk.SWAPPED_MID) else mk.SWAPPED_MID  # 128-row tiles beside the wide plan
 
 
 def _bf16_grouped(x, w, offs):

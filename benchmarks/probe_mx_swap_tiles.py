@@ -56,6 +56,10 @@ def _case(fmt: str, case) -> None:
         "wide": lambda: mk.launch(*args[:6], offs, out, config=mk.SWAPPED_WIDE),
         "wide-gathered": lambda: mk.launch(xb, None, None, w, w_scale, fmt, offs, out, config=gathered),
     }
+    _time_and_print(fmt, case, fns, ref)
+
+
+def _time_and_print(fmt: str, case: Case, fns: dict, ref: torch.Tensor) -> None:
     ms, errs = probe_graph_ms({k: (lambda *_, f=f: f()) for k, f in fns.items()}, [()], ref, f"{fmt} {case.name}")
     flops = 2 * case.m * case.n * case.k
     print(f"{fmt} {case.name} (plan {mk.choose_config(case.m, case.e, False, fmt, fmt, True).label()})")
@@ -64,8 +68,8 @@ def _case(fmt: str, case) -> None:
               f"  err {errs.get(k, 0):.2e}", flush=True)  # fmt: skip
 
 
-# ``--band``: 64-128 rows per group (Qwen3-30B-A3B gate/up's K and N, 128 experts), where the table keeps the in-loop
-# 64-row tiles at 65-95 rows; the candidates there are the swapped tiles of 64 and of 128 rows
+# ``--band``: 64-128 rows per group (Qwen3-30B-A3B gate/up's K and N, 128 experts): the swapped tiles of 64 and of 128
+# rows against the in-loop 64-row tiles, which the table took at 65-95 rows before this probe (0285c85)
 BAND_ROWS = (64, 72, 80, 88, 96, 128)
 
 
@@ -80,10 +84,7 @@ def _band(fmt: str, per: int) -> None:
         "swap64": lambda: mk.launch(*args[:6], offs, out, config=mk.SWAPPED),
         "swap128": lambda: mk.launch(*args[:6], offs, out, config=mk.SWAPPED_MID),
     }
-    ms, errs = probe_graph_ms({k: (lambda *_, f=f: f()) for k, f in fns.items()}, [()], ref, f"{fmt} {case.name}")
-    print(f"{fmt} {case.name} (plan {mk.choose_config(case.m, case.e, False, fmt, fmt, True).label()})")
-    for k, t in ms.items():
-        print(f"   {k:16s} {t * 1e3:9.1f} us  x_bf16 {ms['bf16'] / t:5.2f}  err {errs.get(k, 0):.2e}", flush=True)
+    _time_and_print(fmt, case, fns, ref)
 
 
 def main() -> None:

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests                     # the GPU tests (tests/gpu), JUnit XML in the archive
 #   bash benchmarks/gpu_session.sh rms route grouped_all     # suites, each writing <suite>.json/.md
 #
-# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, mx_w4_probe, mx_w4_floor, mx_event_probe, mx_fp8bw_probe, mx_fq_probe, mx_gap_probe, mx_swap_probe, mx_swap_band, host, overhead, train_step, cold_start, recipe_step,
+# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, mx_w4_probe, mx_w4_floor, mx_event_probe, mx_fp8bw_probe, mx_fq_probe, mx_gap_probe, mx_swap_probe, mx_swap_band, mx_ws_probe, host, overhead, train_step, cold_start, recipe_step,
 # recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (split on spaces), FLY_PYTEST_K
 # a -k expression (kept whole: "geglu or mx").
 # The suites need .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along;
@@ -93,6 +93,8 @@ for phase in "$@"; do
     # of 64 and 128 rows and the in-loop ones at 64-128 rows per group
     mx_swap_probe) run mx_swap_probe 540 python3 -m benchmarks.probe_mx_swap_tiles ;;
     mx_swap_band) run mx_swap_band 300 python3 -m benchmarks.probe_mx_swap_tiles --band ;;
+    # a probe (prints): the warp-specialised Gluon MX grouped kernel against the bf16 grouped GEMM and the plan
+    mx_ws_probe) run mx_ws_probe 300 python3 -m benchmarks.probe_mx_ws_gluon ;;
     # FLY_AGAINST=<dir holding another fly_lightning/>: that copy timed too, in alternating processes
     host) run host 300 python3 -m benchmarks.profile_host ;;
     overhead) run overhead 300 python3 -m benchmarks.bench_dispatch_overhead ${FLY_AGAINST:+--against "$FLY_AGAINST"} ;;

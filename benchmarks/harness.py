@@ -221,6 +221,14 @@ def probe_graph_ms(
     return interleaved_graph_ms(graphs, calls), errs
 
 
+def print_probe_rows(ms: dict[str, float], errs: dict[str, float], flops: float, base: str = "bf16") -> None:
+    """For the probes: one line per function of ``probe_graph_ms``'s results: microseconds, TFLOP/s, ``base``'s time
+    over its own, relative error."""
+    for k, t in ms.items():
+        print(f"   {k:16s} {t * 1e3:9.1f} us {flops / t / 1e9:7.1f} TFLOP/s  x_{base} {ms[base] / t:5.2f}"
+              f"  err {errs.get(k, 0):.2e}", flush=True)  # fmt: skip
+
+
 def probe_each(fn: Callable[[Any], None], items: Iterable[Any], label: Callable[[Any], str]) -> None:
     """For the probes: ``fn`` on each item; a failure is printed under ``label(item)`` and the next item runs. The
     caching allocator's cache is emptied between items (each probe case allocates its own large operands)."""

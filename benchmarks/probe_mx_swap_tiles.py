@@ -28,7 +28,7 @@ import torch
 import triton
 
 from benchmarks.grouped_mm_cases import Case, cases, mx_probe_operands, uniform_counts
-from benchmarks.harness import probe_each, probe_graph_ms
+from benchmarks.harness import print_probe_rows, probe_each, probe_graph_ms
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton._mx_dequant import dequantize
 
@@ -63,9 +63,7 @@ def _time_and_print(fmt: str, case: Case, fns: dict, ref: torch.Tensor) -> None:
     ms, errs = probe_graph_ms({k: (lambda *_, f=f: f()) for k, f in fns.items()}, [()], ref, f"{fmt} {case.name}")
     flops = 2 * case.m * case.n * case.k
     print(f"{fmt} {case.name} (plan {mk.choose_config(case.m, case.e, False, fmt, fmt, True).label()})")
-    for k, t in ms.items():
-        print(f"   {k:16s} {t * 1e3:9.1f} us {flops / t / 1e9:7.1f} TFLOP/s  x_bf16 {ms['bf16'] / t:5.2f}"
-              f"  err {errs.get(k, 0):.2e}", flush=True)  # fmt: skip
+    print_probe_rows(ms, errs, flops)
 
 
 # ``--band``: 64-128 rows per group (Qwen3-30B-A3B gate/up's K and N, 128 experts): the swapped tiles of 64 and of 128

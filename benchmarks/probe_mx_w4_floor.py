@@ -42,19 +42,15 @@ CALLS = 20
 FMT = "mxfp4_e2m1"
 
 
+# the byte tables of ``_mx_dequant._fp4_words_lut`` without its four scale multiplies
+_NOSCALE_ASM = tl.constexpr(md.FP4_WORDS_LUT_ASM.value[: md.FP4_WORDS_LUT_ASM.value.index(" mov.b32 z")] + " }")
+
+
 @triton.jit
 def _lut_noscale(words_u32):
     """``_mx_dequant._fp4_words_lut`` without its four scale multiplies."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 m, g, m2, g2, l0, h0, s0, l1, h1, s1;"
-        " and.b32 m, $4, 0x77777777; and.b32 g, $4, 0x88888888; shr.u32 g, g, 3;"
-        " shr.u32 m2, m, 16; shr.u32 g2, g, 16;"
-        " prmt.b32 l0, 0xC0800000, 0xC0804000, m; prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;"
-        " prmt.b32 s0, 0x8000, 0, g; or.b32 h0, h0, s0;"
-        " prmt.b32 l1, 0xC0800000, 0xC0804000, m2; prmt.b32 h1, 0x3F3F3F00, 0x40404040, m2;"
-        " prmt.b32 s1, 0x8000, 0, g2; or.b32 h1, h1, s1;"
-        " prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362;"
-        " prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362; }",
+        _NOSCALE_ASM,
         "=r,=r,=r,=r,r",
         [words_u32],
         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),

@@ -43,6 +43,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from benchmarks.grouped_mm_cases import cases, mx_probe_operands
+from benchmarks.harness import print_probe_rows, probe_each, probe_graph_ms
+from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
+from fly_lightning.kernels.triton._mx_dequant import FP4_WORDS_LUT_ASM, dequantize
+
 # (rows, weights, BLOCK_K, stages, converter registers, MMA warps, registers per thread, merged loader, CVT,
 #  converter warps)
 CONFIGS = [
@@ -88,20 +93,7 @@ _E4M3_ASM = gl.constexpr(
     " fma.rn.bf16x2 a, a, c, z; fma.rn.bf16x2 $0, a, $3, z; fma.rn.bf16x2 b, b, c, z; fma.rn.bf16x2 $1, b, $3, z; }"
 )
 # four bytes of e2m1 pairs to four words of two bf16 (byte j -> word j), by byte tables (prmt), scaled (fma)
-_E2M1_ASM = gl.constexpr(
-    "{ .reg .b32 m, g, m2, g2, l0, h0, s0, l1, h1, s1, z;"
-    " and.b32 m, $4, 0x77777777; and.b32 g, $4, 0x88888888; shr.u32 g, g, 3;"
-    " shr.u32 m2, m, 16; shr.u32 g2, g, 16;"
-    " prmt.b32 l0, 0xC0800000, 0xC0804000, m; prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;"
-    " prmt.b32 s0, 0x8000, 0, g; or.b32 h0, h0, s0;"
-    " prmt.b32 l1, 0xC0800000, 0xC0804000, m2; prmt.b32 h1, 0x3F3F3F00, 0x40404040, m2;"
-    " prmt.b32 s1, 0x8000, 0, g2; or.b32 h1, h1, s1;"
-    " prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362;"
-    " prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362;"
-    " mov.b32 z, 0x80008000;"
-    " fma.rn.bf16x2 $0, $0, $5, z; fma.rn.bf16x2 $1, $1, $5, z;"
-    " fma.rn.bf16x2 $2, $2, $5, z; fma.rn.bf16x2 $3, $3, $5, z; }"
-)
+_E2M1_ASM = gl.constexpr(FP4_WORDS_LUT_ASM.value)
 
 
 @gluon.jit
@@ -394,11 +386,6 @@ CASES = (
 
 
 def _case(fmt: str, case) -> None:
-    from benchmarks.grouped_mm_cases import mx_probe_operands
-    from benchmarks.harness import probe_graph_ms
-    from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
-    from fly_lightning.kernels.triton._mx_dequant import dequantize
-
     xd, xs, wd, ws, args, bf16, ref, out = mx_probe_operands(case, fmt)
     offs = args[-1]
     w, w_scale = args[3], args[4]
@@ -411,18 +398,13 @@ def _case(fmt: str, case) -> None:
     ms, errs = probe_graph_ms({k: (lambda *_, f=f: f()) for k, f in fns.items()}, [()], ref, f"{fmt} {case.name}")
     flops = 2 * case.m * case.n * case.k
     print(f"{fmt} {case.name}")
-    for k, t in ms.items():
-        print(f"   {k:12s} {t * 1e3:9.1f} us {flops / t / 1e9:7.1f} TFLOP/s  x_bf16 {ms['bf16'] / t:5.2f}"
-              f"  err {errs.get(k, 0):.2e}", flush=True)  # fmt: skip
+    print_probe_rows(ms, errs, flops)
 
 
 def main() -> None:
     if "--compile" in sys.argv:
         _compile_check()
         return
-    from benchmarks.grouped_mm_cases import cases
-    from benchmarks.harness import probe_each
-
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__, flush=True)
     by_name = {c.name: c for c in cases()}
     names = CASES[:1] if "--quick" in sys.argv else CASES

@@ -123,6 +123,25 @@ def _fp4_pair_bits(packed_u8):
     return ((b * 0x00040040) & 0x01C001C0) | ((b * 0x01001000) & 0x80008000)
 
 
+FP4_WORDS_LUT_ASM = tl.constexpr(
+    "{ .reg .b32 m, g, m2, g2, l0, h0, s0, l1, h1, s1, z;"
+    " and.b32 m, $4, 0x77777777; and.b32 g, $4, 0x88888888; shr.u32 g, g, 3;"
+    " shr.u32 m2, m, 16; shr.u32 g2, g, 16;"
+    # magnitude code c -> bf16 bytes: low [00 00 80 C0 00 40 80 C0], high [00 3F 3F 3F 40 40 40 40]
+    " prmt.b32 l0, 0xC0800000, 0xC0804000, m; prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;"
+    " prmt.b32 s0, 0x8000, 0, g; or.b32 h0, h0, s0;"
+    " prmt.b32 l1, 0xC0800000, 0xC0804000, m2; prmt.b32 h1, 0x3F3F3F00, 0x40404040, m2;"
+    " prmt.b32 s1, 0x8000, 0, g2; or.b32 h1, h1, s1;"
+    " prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362;"
+    " prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362;"
+    " mov.b32 z, 0x80008000;"
+    " fma.rn.bf16x2 $0, $0, $5, z; fma.rn.bf16x2 $1, $1, $5, z;"
+    " fma.rn.bf16x2 $2, $2, $5, z; fma.rn.bf16x2 $3, $3, $5, z; }"
+)
+"""``_fp4_words_lut``'s PTX: ``$4`` a word of eight e2m1 codes, ``$5`` the bf16 scale pair, ``$0``-``$3`` the scaled
+bf16 pairs of bytes 0-3. Public: a Gluon kernel's inline asm takes it as it is."""
+
+
 @triton.jit
 def _fp4_words_lut(words_u32, s_pair):
     """uint32 words of eight e2m1 codes (byte ``j``: elements ``2j`` low nibble, ``2j + 1``) and their bf16 scale
@@ -131,19 +150,7 @@ def _fp4_words_lut(words_u32, s_pair):
     third, and one exact ``fma.rn.bf16x2`` (-0 addend) per word applies the scale: 21 instructions for eight
     elements, and half the pair form's scale multiplies (``dequant_fp4``; loop counts in ``mx_scaled_mm``)."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 m, g, m2, g2, l0, h0, s0, l1, h1, s1, z;"
-        " and.b32 m, $4, 0x77777777; and.b32 g, $4, 0x88888888; shr.u32 g, g, 3;"
-        " shr.u32 m2, m, 16; shr.u32 g2, g, 16;"
-        # magnitude code c -> bf16 bytes: low [00 00 80 C0 00 40 80 C0], high [00 3F 3F 3F 40 40 40 40]
-        " prmt.b32 l0, 0xC0800000, 0xC0804000, m; prmt.b32 h0, 0x3F3F3F00, 0x40404040, m;"
-        " prmt.b32 s0, 0x8000, 0, g; or.b32 h0, h0, s0;"
-        " prmt.b32 l1, 0xC0800000, 0xC0804000, m2; prmt.b32 h1, 0x3F3F3F00, 0x40404040, m2;"
-        " prmt.b32 s1, 0x8000, 0, g2; or.b32 h1, h1, s1;"
-        " prmt.b32 $0, l0, h0, 0x5140; prmt.b32 $1, l0, h0, 0x7362;"
-        " prmt.b32 $2, l1, h1, 0x5140; prmt.b32 $3, l1, h1, 0x7362;"
-        " mov.b32 z, 0x80008000;"
-        " fma.rn.bf16x2 $0, $0, $5, z; fma.rn.bf16x2 $1, $1, $5, z;"
-        " fma.rn.bf16x2 $2, $2, $5, z; fma.rn.bf16x2 $3, $3, $5, z; }",
+        FP4_WORDS_LUT_ASM,
         "=r,=r,=r,=r,r,r",
         [words_u32, s_pair],
         dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32),

@@ -34,6 +34,9 @@ Design:
 - fp8 MMAs (e4m3 / e2m1 re-expressed with one scale per 128 along K, then an fp8 grouped kernel) were planned at
   256-1023 rows per group until ``SWAPPED_WIDE`` took that band: faster there, and exact where that form rounded small
   blocks to within 2^-17 of a 128-group's largest element (removed; its kernel and probe are in git history).
+- Not taken: warp specialisation, converter warps filling bf16 weight tiles in shared memory for wgmma warps, written
+  in Gluon (``benchmarks/probe_mx_ws_gluon``, H100, at 512-2048 rows per group): 0.63-0.72x our bf16 grouped GEMM
+  where these plans ran 0.63-0.82x; with the conversion left out, its pipeline alone ran 0.72-0.87x.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ overlapped with the next tile's loads, two consumer warpgroups), then the conver
 from __future__ import annotations
 
 import sys
+from typing import NamedTuple
 
 import torch
 import triton
@@ -48,14 +49,31 @@ from benchmarks.harness import print_probe_rows, probe_each, probe_graph_ms
 from fly_lightning.kernels.triton import _mx_grouped_mm_kernel as mk
 from fly_lightning.kernels.triton._mx_dequant import FP4_WORDS_LUT_ASM, dequantize
 
-# (rows, weights, BLOCK_K, stages, converter registers, MMA warps, registers per thread, merged loader, CVT,
-#  converter warps)
+
+class WSConfig(NamedTuple):
+    """One launch: tile (x rows ``bm``, weights ``bn``, ``bk``), pipeline ``stages``, the converter partition's
+    warps and registers, the wgmma warps (``num_warps``), the registers every thread starts with (``maxnreg``: warps
+    x 32 x maxnreg must fit the 64K register file), whether the converters issue the loads (``merged``: no loader
+    warp, 12 warps in all instead of 16) and ``cvt`` (0: through fp32, 1: inline PTX, 2: none, wrong values)."""
+
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    cvt_regs: int
+    num_warps: int
+    maxnreg: int
+    merged: bool
+    cvt: int
+    cvt_warps: int
+
+
 CONFIGS = [
-    (256, 128, 64, 3, 128, 8, 168, True, 0, 4),  # 8 + 4 warps: the converters load too; 12 allocated
-    (256, 128, 64, 3, 128, 8, 168, True, 1, 4),
-    (256, 128, 64, 3, 128, 8, 168, True, 2, 4),  # no conversion: the pipeline's ceiling
-    (128, 128, 64, 4, 168, 4, 168, True, 1, 8),  # 4 + 8 warps
-    (128, 128, 64, 4, 168, 4, 168, True, 2, 8),
+    WSConfig(256, 128, 64, 3, 128, 8, 168, True, 0, 4),
+    WSConfig(256, 128, 64, 3, 128, 8, 168, True, 1, 4),
+    WSConfig(256, 128, 64, 3, 128, 8, 168, True, 2, 4),  # no conversion: the pipeline's ceiling
+    WSConfig(128, 128, 64, 4, 168, 4, 168, True, 1, 8),
+    WSConfig(128, 128, 64, 4, 168, 4, 168, True, 2, 8),
 ]
 
 
@@ -316,7 +334,7 @@ def _mx_ws_grouped_kernel(x_desc, w_desc, WS, OUT, OFFS, M, N, E, stride_ws, str
         )  # fmt: skip
 
 
-def launch(xb, w_data, w_scale, offs, out, fp4: bool, config=CONFIGS[0]):
+def launch(xb, w_data, w_scale, offs, out, fp4: bool, config: WSConfig = CONFIGS[1]):
     """``xb`` bf16 [M, K]; ``w_data`` uint8 [E, N, K / per_byte]; ``w_scale`` uint8 [E, N, K / 32]; int32 ``offs``."""
     bm, bn, bk, stages, cvt_regs, warps, maxnreg, merged, cvt, cw = config
     m, k = xb.shape

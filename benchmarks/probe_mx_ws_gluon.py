@@ -53,8 +53,9 @@ from fly_lightning.kernels.triton._mx_dequant import FP4_WORDS_LUT_ASM, dequanti
 class WSConfig(NamedTuple):
     """One launch: tile (x rows ``bm``, weights ``bn``, ``bk``), pipeline ``stages``, the converter partition's
     warps and registers, the wgmma warps (``num_warps``), the registers every thread starts with (``maxnreg``: warps
-    x 32 x maxnreg must fit the 64K register file), whether the converters issue the loads (``merged``: no loader
-    warp, 12 warps in all instead of 16) and ``cvt`` (0: through fp32, 1: inline PTX, 2: none, wrong values)."""
+    x 32 x maxnreg must fit the 64K register file) and ``cvt`` (0: through fp32, 1: inline PTX, 2: none, wrong
+    values). The converter warps issue the loads too: a loader warp of its own would make 16 warps in all, capped at
+    128 registers each (too few for the accumulators; that form is in git history, 03f4c03)."""
 
     bm: int
     bn: int
@@ -63,17 +64,16 @@ class WSConfig(NamedTuple):
     cvt_regs: int
     num_warps: int
     maxnreg: int
-    merged: bool
     cvt: int
     cvt_warps: int
 
 
 CONFIGS = [
-    WSConfig(256, 128, 64, 3, 128, 8, 168, True, 0, 4),
-    WSConfig(256, 128, 64, 3, 128, 8, 168, True, 1, 4),
-    WSConfig(256, 128, 64, 3, 128, 8, 168, True, 2, 4),  # no conversion: the pipeline's ceiling
-    WSConfig(128, 128, 64, 4, 168, 4, 168, True, 1, 8),
-    WSConfig(128, 128, 64, 4, 168, 4, 168, True, 2, 8),
+    WSConfig(256, 128, 64, 3, 128, 8, 168, 0, 4),
+    WSConfig(256, 128, 64, 3, 128, 8, 168, 1, 4),
+    WSConfig(256, 128, 64, 3, 128, 8, 168, 2, 4),  # no conversion: the pipeline's ceiling
+    WSConfig(128, 128, 64, 4, 168, 4, 168, 1, 8),
+    WSConfig(128, 128, 64, 4, 168, 4, 168, 2, 8),
 ]
 
 
@@ -89,16 +89,6 @@ def _issue(x_desc, w_desc, x_bufs, raw_bufs, loaded, s, row0, wrow0, k, BK: gl.c
     tma.async_copy_global_to_shared(w_desc, [wrow0, k * WBK], loaded.index(s), raw_bufs.index(s))
 
 
-@gluon.jit
-def _loader(x_desc, w_desc, x_bufs, raw_bufs, loaded, empty, row0, wrow0, k_tiles, BK: gl.constexpr,
-            WBK: gl.constexpr):  # fmt: skip
-    S: gl.constexpr = x_bufs.shape[0]
-    for k in range(k_tiles):
-        s = k % S
-        mbarrier.wait(empty.index(s), ((k // S) & 1) ^ 1)  # fresh barriers read as phase 1 complete: the first S pass
-        _issue(x_desc, w_desc, x_bufs, raw_bufs, loaded, s, row0, wrow0, k, BK, WBK)
-
-
 # e4m3 bytes (four per register, pack=4) to bf16 pairs: magnitude bits under bf16's exponent field (bias 7 kept),
 # the sign at bit 15, then two exact bf16x2 multiplies (-0 addend): by 2^120 (the bias) and by the block scale.
 # The NaN code 0x7F reads as 480 here (to_mx emits it only in NaN blocks, whose scale still makes them NaN); a kernel
@@ -111,7 +101,7 @@ _E4M3_ASM = gl.constexpr(
     " fma.rn.bf16x2 a, a, c, z; fma.rn.bf16x2 $0, a, $3, z; fma.rn.bf16x2 b, b, c, z; fma.rn.bf16x2 $1, b, $3, z; }"
 )
 # four bytes of e2m1 pairs to four words of two bf16 (byte j -> word j), by byte tables (prmt), scaled (fma)
-_E2M1_ASM = gl.constexpr(FP4_WORDS_LUT_ASM.value)
+_E2M1_ASM = FP4_WORDS_LUT_ASM
 
 
 @gluon.jit
@@ -157,13 +147,12 @@ def _convert(raw3, sc, BN: gl.constexpr, BK: gl.constexpr, FP4: gl.constexpr, CV
 @gluon.jit
 def _converter(x_desc, w_desc, x_bufs, raw_bufs, wb_bufs, loaded, empty, wb_ready, wb_empty, WS, row0, wrow0,
                n_valid, stride_ws, k_tiles, BN: gl.constexpr, BK: gl.constexpr, WBK: gl.constexpr,
-               FP4: gl.constexpr, MERGED: gl.constexpr, CVT: gl.constexpr, CW: gl.constexpr):  # fmt: skip
-    """``MERGED``: these warps issue the TMA loads too (no loader warp). ``CW``: this partition's warps."""
+               FP4: gl.constexpr, CVT: gl.constexpr, CW: gl.constexpr):  # fmt: skip
+    """Issues the TMA loads too, S - 1 steps ahead (no loader warp). ``CW``: this partition's warps."""
     S: gl.constexpr = raw_bufs.shape[0]
-    if MERGED:
-        for j in gl.static_range(S - 1):
-            if j < k_tiles:
-                _issue(x_desc, w_desc, x_bufs, raw_bufs, loaded, j, row0, wrow0, j, BK, WBK)
+    for j in gl.static_range(S - 1):
+        if j < k_tiles:
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, loaded, j, row0, wrow0, j, BK, WBK)
     # each thread: V consecutive bytes of one row (16 elements: one 16-byte shared load for fp8, 8 bytes for fp4)
     V: gl.constexpr = 8 if FP4 else 16
     C: gl.constexpr = WBK // V
@@ -183,20 +172,17 @@ def _converter(x_desc, w_desc, x_bufs, raw_bufs, wb_bufs, loaded, empty, wb_read
         mbarrier.wait(loaded.index(s), ph)
         raw3 = gl.convert_layout(gl.reshape(raw_bufs.index(s).load(L2), [BN, C, V]), L3)
         fence_async_shared()
-        if not MERGED:
-            mbarrier.arrive(empty.index(s), count=1)
         w = _convert(raw3, sc, BN, BK, FP4, CVT)
         mbarrier.wait(wb_empty.index(s), ph ^ 1)
         wb_bufs.index(s).store(w)
         fence_async_shared()
         mbarrier.arrive(wb_ready.index(s), count=1)
         sc = sc_next
-        if MERGED:  # step k + S - 1 into the stage of step k - 1, once the MMAs are done with it
-            kn = k + S - 1
-            if kn < k_tiles:
-                sn = kn % S
-                mbarrier.wait(empty.index(sn), ((kn // S) & 1) ^ 1)
-                _issue(x_desc, w_desc, x_bufs, raw_bufs, loaded, sn, row0, wrow0, kn, BK, WBK)
+        kn = k + S - 1  # into the stage of step k - 1, once the MMAs are done with it
+        if kn < k_tiles:
+            sn = kn % S
+            mbarrier.wait(empty.index(sn), ((kn // S) & 1) ^ 1)
+            _issue(x_desc, w_desc, x_bufs, raw_bufs, loaded, sn, row0, wrow0, kn, BK, WBK)
 
 
 @gluon.jit
@@ -227,7 +213,7 @@ def _mma(x_bufs, wb_bufs, loaded, empty, wb_ready, wb_empty, k_tiles, OUT, strid
 @gluon.jit
 def _mx_ws_grouped_kernel(x_desc, w_desc, WS, OUT, OFFS, M, N, E, stride_ws, stride_om, k_tiles,
                           BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, S: gl.constexpr,
-                          E_POW2: gl.constexpr, FP4: gl.constexpr, CVT_REGS: gl.constexpr, MERGED: gl.constexpr,
+                          E_POW2: gl.constexpr, FP4: gl.constexpr, CVT_REGS: gl.constexpr,
                           CVT: gl.constexpr, CW: gl.constexpr,
                           num_warps: gl.constexpr):  # fmt: skip
     pid = gl.program_id(0)
@@ -262,81 +248,23 @@ def _mx_ws_grouped_kernel(x_desc, w_desc, WS, OUT, OFFS, M, N, E, stride_ws, str
     wb_empty = gl.allocate_shared_memory(gl.int64, [S, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(S):
         mbarrier.init(loaded.index(i), count=1)
-        # the MMAs (x read) and, with a loader warp, the converters (raw bytes read)
-        mbarrier.init(empty.index(i), count=1 if MERGED else 2)
+        mbarrier.init(empty.index(i), count=1)  # the MMAs are done with the stage (x and the converted tile)
         mbarrier.init(wb_ready.index(i), count=1)
         mbarrier.init(wb_empty.index(i), count=1)
     WBK: gl.constexpr = BK // 2 if FP4 else BK
-    if MERGED:
-        gl.warp_specialize(
-            [
-                (
-                    _mma,
-                    (
-                        x_bufs,
-                        wb_bufs,
-                        loaded,
-                        empty,
-                        wb_ready,
-                        wb_empty,
-                        k_tiles,
-                        OUT,
-                        stride_om,
-                        row0,
-                        g_start + g_size,
-                        n0,
-                        N,
-                        BM,
-                        BN,
-                        num_warps,
-                    ),
-                ),
-                (
-                    _converter,
-                    (
-                        x_desc,
-                        w_desc,
-                        x_bufs,
-                        raw_bufs,
-                        wb_bufs,
-                        loaded,
-                        empty,
-                        wb_ready,
-                        wb_empty,
-                        WS,
-                        row0,
-                        wrow0,
-                        N - n0,
-                        stride_ws,
-                        k_tiles,
-                        BN,
-                        BK,
-                        WBK,
-                        FP4,
-                        MERGED,
-                        CVT,
-                        CW,
-                    ),
-                ),
-            ],
-            [CW],
-            [CVT_REGS],
-        )
-    else:
-        gl.warp_specialize(
-            [(_mma, (x_bufs, wb_bufs, loaded, empty, wb_ready, wb_empty, k_tiles, OUT, stride_om, row0,
-                     g_start + g_size, n0, N, BM, BN, num_warps)),
-             (_loader, (x_desc, w_desc, x_bufs, raw_bufs, loaded, empty, row0, wrow0, k_tiles, BK, WBK)),
-             (_converter, (x_desc, w_desc, x_bufs, raw_bufs, wb_bufs, loaded, empty, wb_ready, wb_empty, WS, row0,
-                           wrow0, N - n0, stride_ws, k_tiles, BN, BK, WBK, FP4, MERGED, CVT, CW))],
-            [1, CW],
-            [24, CVT_REGS],
-        )  # fmt: skip
+    gl.warp_specialize(
+        [(_mma, (x_bufs, wb_bufs, loaded, empty, wb_ready, wb_empty, k_tiles, OUT, stride_om, row0,
+                 g_start + g_size, n0, N, BM, BN, num_warps)),
+         (_converter, (x_desc, w_desc, x_bufs, raw_bufs, wb_bufs, loaded, empty, wb_ready, wb_empty, WS, row0,
+                       wrow0, N - n0, stride_ws, k_tiles, BN, BK, WBK, FP4, CVT, CW))],
+        [CW],
+        [CVT_REGS],
+    )  # fmt: skip
 
 
 def launch(xb, w_data, w_scale, offs, out, fp4: bool, config: WSConfig = CONFIGS[1]):
     """``xb`` bf16 [M, K]; ``w_data`` uint8 [E, N, K / per_byte]; ``w_scale`` uint8 [E, N, K / 32]; int32 ``offs``."""
-    bm, bn, bk, stages, cvt_regs, warps, maxnreg, merged, cvt, cw = config
+    bm, bn, bk, stages, cvt_regs, warps, maxnreg, cvt, cw = config
     m, k = xb.shape
     e, n, _ = w_data.shape
     wbk = bk // 2 if fp4 else bk
@@ -348,7 +276,7 @@ def launch(xb, w_data, w_scale, offs, out, fp4: bool, config: WSConfig = CONFIGS
     _mx_ws_grouped_kernel[grid](
         x_desc, w_desc, ws2, out, offs, m, n, e, ws2.stride(0), out.stride(0), k // bk,
         BM=bm, BN=bn, BK=bk, S=stages, E_POW2=triton.next_power_of_2(e), FP4=fp4, CVT_REGS=cvt_regs,
-        MERGED=merged, CVT=cvt, CW=cw,
+        CVT=cvt, CW=cw,
         num_warps=warps, maxnreg=maxnreg,
     )  # fmt: skip
     return out
@@ -360,7 +288,7 @@ def _compile_check() -> None:
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    for fp4, (bm, bn, bk, stages, cvt_regs, warps, maxnreg, merged, cvt, cw) in [
+    for fp4, (bm, bn, bk, stages, cvt_regs, warps, maxnreg, cvt, cw) in [
         (f, c) for f in (False, True) for c in CONFIGS
     ]:
         wbk = bk // 2 if fp4 else bk
@@ -377,17 +305,17 @@ def _compile_check() -> None:
             "x_desc": mangle_type(xd), "w_desc": mangle_type(wd), "WS": "*u8", "OUT": "*bf16", "OFFS": "*i32",
             "M": "i32", "N": "i32", "E": "i32", "stride_ws": "i32", "stride_om": "i32", "k_tiles": "i32",
             "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "S": "constexpr", "E_POW2": "constexpr",
-            "FP4": "constexpr", "CVT_REGS": "constexpr", "MERGED": "constexpr", "CVT": "constexpr", "CW": "constexpr",
+            "FP4": "constexpr", "CVT_REGS": "constexpr", "CVT": "constexpr", "CW": "constexpr",
             "num_warps": "constexpr",
         }  # fmt: skip
         consts = {"BM": bm, "BN": bn, "BK": bk, "S": stages, "E_POW2": 128, "FP4": fp4, "CVT_REGS": cvt_regs,
-                  "MERGED": merged, "CVT": cvt, "CW": cw, "num_warps": warps}  # fmt: skip
+                  "CVT": cvt, "CW": cw, "num_warps": warps}  # fmt: skip
         names = list(sig)
         src = GluonASTSource(_mx_ws_grouped_kernel, sig, {(names.index(k),): v for k, v in consts.items()})
         target = GPUTarget("cuda", 90, 32)
         ck = triton.compile(src, target=target, options={"num_warps": warps, "maxnreg": maxnreg})
         md = ck.metadata
-        tag = f"{'fp4' if fp4 else 'fp8'}-{bm}x{bn}x{bk}-s{stages}-r{cvt_regs}-w{warps}-m{int(merged)}-c{cvt}-cw{cw}"
+        tag = f"{'fp4' if fp4 else 'fp8'}-{bm}x{bn}x{bk}-s{stages}-r{cvt_regs}-w{warps}-c{cvt}-cw{cw}"
         print(f"{tag}: compiled, shared {md.shared} bytes", flush=True)
         if "--dump" in sys.argv:
             for ext in ("ttgir", "ptx"):

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests                     # the GPU tests (tests/gpu), JUnit XML in the archive
 #   bash benchmarks/gpu_session.sh rms route grouped_all     # suites, each writing <suite>.json/.md
 #
-# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, mx_w4_probe, mx_w4_floor, mx_event_probe, mx_fp8bw_probe, mx_fq_probe, mx_gap_probe, mx_swap_probe, mx_swap_band, mx_ws_probe, host, overhead, train_step, cold_start, recipe_step,
+# Phases: tests, rms, route, route_floor, grouped, grouped_all, roof, moe, mx_cast, mx_dequantize, mx_gemm, mx_grouped, mx_linear, mx_memory, mx_quality, mx_w4_probe, mx_w4_floor, mx_event_probe, mx_fp8bw_probe, mx_fq_probe, mx_gap_probe, mx_swap_probe, mx_swap_band, mx_ws_probe, mx_overlap_probe, host, overhead, train_step, cold_start, recipe_step,
 # recipe_step_small, recipe. FLY_PYTEST_ARGS adds arguments to the tests phase's pytest (split on spaces), FLY_PYTEST_K
 # a -k expression (kept whole: "geglu or mx").
 # The suites need .whl/ (../shared/tools/gpu-wheels.sh jsonargparse docstring-parser typeshed-client) carried along;
@@ -95,6 +95,8 @@ for phase in "$@"; do
     mx_swap_band) run mx_swap_band 300 python3 -m benchmarks.probe_mx_swap_tiles --band ;;
     # a probe (prints): the warp-specialised Gluon MX grouped kernel against the bf16 grouped GEMM and the plan
     mx_ws_probe) run mx_ws_probe 300 python3 -m benchmarks.probe_mx_ws_gluon ;;
+    # a probe (prints): the prepass plan's weight conversion overlapped with the bf16 GEMM on a second stream
+    mx_overlap_probe) run mx_overlap_probe 300 python3 -m benchmarks.probe_mx_prepass_overlap ;;
     # FLY_AGAINST=<dir holding another fly_lightning/>: that copy timed too, in alternating processes
     host) run host 300 python3 -m benchmarks.profile_host ;;
     overhead) run overhead 300 python3 -m benchmarks.bench_dispatch_overhead ${FLY_AGAINST:+--against "$FLY_AGAINST"} ;;

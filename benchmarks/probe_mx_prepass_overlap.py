@@ -11,6 +11,13 @@ GEMM on the dequantised operands: the ratios' base), ``plan`` (the public plan, 
 Device time from CUDA-graph replays, side by side per case, after a check against the fp32 product of the
 dequantised operands. Prints; not a suite.
 
+What it showed (H200, Triton 3.6, 87cae86; MXFP8 on all six cases, MXFP4 on the first, where a capture failure left
+the rest out of memory): the best overlap form runs -1.5% to +3.3% against the plain prepass (e.g. DeepSeek-V3
+gate/up 3.47 against 3.52 ms, OLMoE gate/up 1.09 against 1.11), about the spread of the chunking alone
+(``chunked<C>``: -3% to +1%), although the conversions alone take 11-36% of the bf16 GEMM's time (0.17-0.87 ms).
+Presumably the persistent GEMM holds every SM, so a conversion launched beside it waits for the chunk's tiles to
+finish: the two barely run at once. Not taken.
+
     python -m benchmarks.probe_mx_prepass_overlap
 """
 
@@ -38,7 +45,9 @@ CHUNKS = (2, 4)
 
 def _pipeline(xd, xs, w2, ws2, fmt, e, n, rows, offs, out, chunks, side, main, overlap):
     """x converted, then per chunk of experts its weights converted (on ``side`` when ``overlap``) and its GEMM run on
-    ``main``; returns ``out``."""
+    ``main``; returns ``out``. The chunks' bf16 copies live until both streams have joined the caller's, so their
+    blocks go back to the allocator only then (no ``record_stream``: under graph capture its deferred events once left
+    work unjoined)."""
     per = e // chunks
     caller = torch.cuda.current_stream()
     main.wait_stream(caller)
@@ -62,7 +71,6 @@ def _pipeline(xd, xs, w2, ws2, fmt, e, n, rows, offs, out, chunks, side, main, o
             r0, r1 = i * per * rows, (i + 1) * per * rows
             gk.launch(xb[r0:r1], wbs[i].view(per, n, -1).transpose(1, 2), offs[i * per : (i + 1) * per] - r0,
                       out[r0:r1])  # fmt: skip
-            wbs[i].record_stream(main)  # made on the side stream when overlapping
     caller.wait_stream(main)
     caller.wait_stream(side)
     return out

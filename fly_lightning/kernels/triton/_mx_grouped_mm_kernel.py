@@ -37,6 +37,9 @@ Design:
 - Not taken: warp specialisation, converter warps filling bf16 weight tiles in shared memory for wgmma warps, written
   in Gluon (``benchmarks/probe_mx_ws_gluon``, H100, at 512-2048 rows per group): 0.63-0.72x our bf16 grouped GEMM
   where these plans ran 0.63-0.82x; with the conversion left out, its pipeline alone ran 0.72-0.87x.
+- Not taken: the prepass's weight conversion on a second stream, chunk by chunk of experts, beside the GEMM of the
+  previous chunk (``benchmarks/probe_mx_prepass_overlap``, H200, from 1024 rows per group): -1.5% to +3.3%, about
+  the chunking's own spread (the persistent GEMM holds every SM).
 """
 
 from __future__ import annotations

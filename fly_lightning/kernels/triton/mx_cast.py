@@ -337,7 +337,8 @@ COLS_FP4_WORDS = True
 words, in ``COLS_FP4_PLAN``; otherwise ``_mx_cast_cols_fp4_pairs`` in ``COLS_PLAN``. sm90 SASS per element (Triton
 3.9, compiled on the CPU): 13.1 for the words kernel in (128, 1, 1), 14.75 for the pairs kernel there, 17.75 in
 ``COLS_PLAN``. The suite's plan scan for 4096x16384 (H100, 4914d71): words (128, 1, 2) 89% of copy bandwidth, the
-best pairs plan 86% (64, 2, 1), the pairs kernel in ``COLS_PLAN`` 85%."""
+best pairs plan 86% (64, 2, 1), the pairs kernel in ``COLS_PLAN`` 85%. On the H200 (87cae86) every plan stays under
+75%: words (256, 1, 2) 68%, (128, 1, 2) 66%, the best pairs plan 64% (64, 2, 1)."""
 COLS_FP4_PLAN = (128, 1, 2)
 """The words kernel's plan (``COLS_FP4_WORDS``); see there."""
 

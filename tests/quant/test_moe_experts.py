@@ -145,8 +145,10 @@ def test_both_forms_under_torch_compile(preference, backend):
     (gx,) = torch.autograd.grad(y, x, g)
     yc = torch.compile(moe, backend=backend)(x)
     (gxc,) = torch.autograd.grad(yc, x, g)
-    torch.testing.assert_close(yc, y, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(gxc, gx, rtol=1e-6, atol=1e-6)
+    # Inductor's generated CPU code sums fp32 in its own order (by the host's vector width): a few ulps apart
+    tol = 1e-5 if backend == "inductor" else 1e-6
+    torch.testing.assert_close(yc, y, rtol=tol, atol=tol)
+    torch.testing.assert_close(gxc, gx, rtol=tol, atol=tol)
 
 
 def test_both_forms_quantise_autocast_values_under_autocast(monkeypatch):

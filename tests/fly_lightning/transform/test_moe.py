@@ -396,7 +396,9 @@ def test_renormalisation_epsilon_is_the_familys_even_where_it_decides(cfg_name, 
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
     y.square().sum().backward()
     y_ref.square().sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-5, atol=1e-5)
+    # the low tokens' gradient goes through weights renormalised from sums down to 1e-26: ill-conditioned, so fp32
+    # sums in another order (the CPU's vector width) move it by a few 1e-5 relative (3.6e-5 seen on an AVX-512 host)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-4, atol=1e-5)
     model.mlp.renorm_eps = None  # moe_route's 1e-20 instead: another function on these tokens
     assert not torch.allclose(model.mlp(x.detach()), y_ref.detach(), rtol=1e-5, atol=1e-5)
 

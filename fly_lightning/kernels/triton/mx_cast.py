@@ -380,7 +380,8 @@ COLS_FP4_STREAM = False
 """Whether x readable as words takes ``_mx_cast_cols_fp4_stream`` (in ``COLS_FP4_STREAM_PLAN``) instead of the words
 kernel: off until timed (the mx_cast suite's plan scan, " stream")."""
 COLS_FP4_STREAM_PLAN = (256, 4, 4)
-"""The stream kernel's plan: ``BN / 2`` words per row (one per thread at 128 threads), ``G`` blocks in turn."""
+"""The stream kernel's plan (untimed, a guess): ``BN / 2`` words per row (one per thread at 128 threads), ``G``
+blocks in turn."""
 
 
 def launch_cols(

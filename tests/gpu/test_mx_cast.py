@@ -109,15 +109,18 @@ def test_rceil_from_bf16_bit_exact_with_torchao(fmt, portable, monkeypatch):
 MODES = [("floor", torch.bfloat16), ("floor", torch.float32), ("rceil", torch.bfloat16)]
 
 
-COLS_VARIANTS = [(f, m, d, False) for f in sorted(formats.FORMATS) for m, d in MODES] + [
-    ("mxfp4_e2m1", m, torch.bfloat16, True) for m in ("floor", "rceil")
+# bf16 -> MXFP4 column-wise: each kernel, the streaming one also with one block per program and two in turn
+FP4_KERNELS = [("pairs", None), ("words", None), ("stream", None), ("stream", (128, 1, 2)), ("stream", (64, 2, 1))]
+COLS_VARIANTS = [(f, m, d, None, None) for f in sorted(formats.FORMATS) for m, d in MODES] + [
+    ("mxfp4_e2m1", m, torch.bfloat16, fp4, plan) for m in ("floor", "rceil") for fp4, plan in FP4_KERNELS
 ]
 
 
-@pytest.mark.parametrize("fmt, mode, dtype, fp4_words", COLS_VARIANTS)
-def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype, fp4_words):
+@pytest.mark.parametrize("fmt, mode, dtype, fp4, plan", COLS_VARIANTS)
+def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype, fp4, plan):
     """Blocks down the columns of ``[K, N]``: torchao's ``to_mx`` of the transpose, transposed back; bf16 -> MXFP4
-    also by the two-column word kernel (``fp4_words``, off by default until timed)."""
+    by each of its kernels (``fp4``: the pair, two-column word and row-streaming kernels; ``plan``: a launch plan
+    other than the default, for the streaming kernel's blocks in turn)."""
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import to_mx
 
@@ -126,7 +129,9 @@ def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype, fp4_words):
         every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
         xs.append(every.reshape(-1, 32).t().contiguous().cuda())
     for x in xs:
-        data, scale = kernel.launch_cols(x, fmt, mode, fp4_words=fp4_words)
+        data, scale = kernel.launch_cols(
+            x, fmt, mode, plan, fp4_words=None if fp4 is None else fp4 == "words", fp4_stream=fp4 == "stream"
+        )
         want_scale, want_data = to_mx(
             x.t().contiguous(), formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode(mode)
         )

@@ -54,9 +54,6 @@ PLANS = [(16, 8, 4), (32, 8, 4), (32, 8, 8), (64, 8, 8), (8, 16, 4), (16, 16, 8)
 # column-wise (columns, 32-row blocks, warps): one warp keeps a block's amax within the warp (no barriers)
 COLS_PLANS = [(64, 2, 4), (128, 1, 4), (256, 1, 4), (64, 1, 1), (128, 1, 1), (32, 2, 1), (32, 4, 1), (64, 2, 1),
               (128, 1, 2), (256, 1, 2), (64, 2, 2), (128, 2, 4)]  # fmt: skip
-# the stream kernel's: (columns, 32-row blocks in turn, warps), one to four words per thread and row
-COLS_STREAM_PLANS = [(64, 1, 1), (128, 1, 2), (256, 1, 4), (256, 4, 4), (512, 1, 4), (512, 2, 8), (1024, 1, 4),
-                     (256, 2, 2), (128, 4, 1)]  # fmt: skip
 CALLS_PER_GRAPH = 10
 
 
@@ -69,17 +66,14 @@ def _plans(x, fmt, mode, axis, inputs, nbytes, copy_gbps, want_data, want_scale)
     """Copy-bandwidth share of each launch plan (``PLANS`` row-wise, ``COLS_PLANS`` column-wise), each checked
     against torchao first."""
     out = {}
-    if axis == 0:  # bf16 -> MXFP4 also by the two-column word kernel (" words") and its row-streaming form (" stream")
-        fp4 = fmt == "mxfp4_e2m1" and x.dtype == torch.bfloat16
-        plans = [(p, "") for p in COLS_PLANS] + ([(p, "words") for p in COLS_PLANS] if fp4 else [])
-        plans += [(p, "stream") for p in COLS_STREAM_PLANS] if fp4 else []
-        launch = lambda t, p: kernel.launch_cols(  # noqa: E731
-            t, fmt, mode, p[0], fp4_words=p[1] == "words", fp4_stream=p[1] == "stream"
-        )
+    if axis == 0:  # bf16 -> MXFP4 also by the two-column word kernel (" words"), off by default until timed
+        words = fmt == "mxfp4_e2m1" and x.dtype == torch.bfloat16
+        plans = [(p, False) for p in COLS_PLANS] + ([(p, True) for p in COLS_PLANS] if words else [])
+        launch = lambda t, p: kernel.launch_cols(t, fmt, mode, p[0], fp4_words=p[1])  # noqa: E731
     else:
-        plans, launch = [(p, "") for p in PLANS], lambda t, p: kernel.launch(t, fmt, p[0], mode)  # noqa: E731
+        plans, launch = [(p, None) for p in PLANS], lambda t, p: kernel.launch(t, fmt, p[0], mode)  # noqa: E731
     for plan in plans:
-        label = "x".join(map(str, plan[0])) + (f" {plan[1]}" if plan[1] else "")
+        label = "x".join(map(str, plan[0])) + (" words" if plan[1] else "")
         try:
             data, scale = launch(x, plan)
             if axis == 0:  # compared in torchao's layout: the transpose's rows

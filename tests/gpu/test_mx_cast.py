@@ -109,8 +109,8 @@ def test_rceil_from_bf16_bit_exact_with_torchao(fmt, portable, monkeypatch):
 MODES = [("floor", torch.bfloat16), ("floor", torch.float32), ("rceil", torch.bfloat16)]
 
 
-# bf16 -> MXFP4 column-wise: each kernel, the streaming one also with one block per program and two in turn
-FP4_KERNELS = [("pairs", None), ("words", None), ("stream", None), ("stream", (128, 1, 2)), ("stream", (64, 2, 1))]
+# bf16 -> MXFP4 column-wise: each kernel, the word kernel also with two blocks per program
+FP4_KERNELS = [("pairs", None), ("words", None), ("words", (64, 2, 1))]
 COLS_VARIANTS = [(f, m, d, None, None) for f in sorted(formats.FORMATS) for m, d in MODES] + [
     ("mxfp4_e2m1", m, torch.bfloat16, fp4, plan) for m in ("floor", "rceil") for fp4, plan in FP4_KERNELS
 ]
@@ -119,8 +119,8 @@ COLS_VARIANTS = [(f, m, d, None, None) for f in sorted(formats.FORMATS) for m, d
 @pytest.mark.parametrize("fmt, mode, dtype, fp4, plan", COLS_VARIANTS)
 def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype, fp4, plan):
     """Blocks down the columns of ``[K, N]``: torchao's ``to_mx`` of the transpose, transposed back; bf16 -> MXFP4
-    by each of its kernels (``fp4``: the pair, two-column word and row-streaming kernels; ``plan``: a launch plan
-    other than the default, for the streaming kernel's blocks in turn)."""
+    by each of its kernels (``fp4``: the pair and two-column word kernels; ``plan``: a launch plan other than the
+    default, two blocks per program)."""
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.mx_tensor import to_mx
 
@@ -129,9 +129,7 @@ def test_column_wise_bit_exact_with_torchao(fmt, mode, dtype, fp4, plan):
         every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
         xs.append(every.reshape(-1, 32).t().contiguous().cuda())
     for x in xs:
-        data, scale = kernel.launch_cols(
-            x, fmt, mode, plan, fp4_words=None if fp4 is None else fp4 == "words", fp4_stream=fp4 == "stream"
-        )
+        data, scale = kernel.launch_cols(x, fmt, mode, plan, fp4_words=None if fp4 is None else fp4 == "words")
         want_scale, want_data = to_mx(
             x.t().contiguous(), formats.FORMATS[fmt].torch_dtype, 32, ScaleCalculationMode(mode)
         )

@@ -273,40 +273,6 @@ def _mx_cast_cols_fp4_words(
     tl.store(SCALE + g.to(tl.int64)[:, None] * NW + words[None, :], scales, mask=smask)
 
 
-@triton.jit
-def _mx_cast_cols_fp4_stream(
-    X, stride_w, DATA, SCALE, K, NW, BN: tl.constexpr, G: tl.constexpr, PTX: tl.constexpr, RCEIL: tl.constexpr = False
-):  # fmt: skip
-    """``_mx_cast_cols_fp4_words``'s arithmetic, one row of ``BN / 2`` words at a time: per 32-row block a pass for
-    the amax, then a second over the same rows (from cache) for the codes, so a thread holds a few words of one row,
-    not the block (fewer registers, more programs per SM). ``G`` blocks per program, one after another."""
-    BW: tl.constexpr = BN // 2
-    words = tl.program_id(0) * BW + tl.arange(0, BW)
-    for i in range(G):  # a runtime loop: unrolled, four blocks took 37 s to compile (sm90, Triton 3.9) against 3 s
-        b = tl.program_id(1) * G + i
-        wmask = words < tl.where(b < K // 32, NW, 0)  # a block past K: nothing
-        p = X + (b * 32).to(tl.int64) * stride_w + words
-        m_lo = tl.zeros([BW], tl.float32)
-        m_hi = tl.zeros([BW], tl.float32)
-        for r in tl.static_range(32):
-            lo, hi = _halves(tl.load(p + r * stride_w, mask=wmask, other=0).to(tl.uint32, bitcast=True))
-            m_lo = _max_nan(m_lo, lo)
-            m_hi = _max_nan(m_hi, hi)
-        b_lo, inv_lo = _fp4_scales(m_lo, RCEIL)  # columns 2c
-        b_hi, inv_hi = _fp4_scales(m_hi, RCEIL)  # columns 2c + 1
-        d = DATA + (b * 16).to(tl.int64) * NW + words
-        for j in tl.static_range(16):
-            we = tl.load(p + (2 * j) * stride_w, mask=wmask, other=0).to(tl.uint32, bitcast=True)
-            wo = tl.load(p + (2 * j + 1) * stride_w, mask=wmask, other=0).to(tl.uint32, bitcast=True)
-            lo_e, hi_e = _halves(we)
-            lo_o, hi_o = _halves(wo)
-            ve = _fp4_code_bits(we, lo_e * inv_lo, hi_e * inv_hi, PTX)
-            vo = _fp4_code_bits(wo, lo_o * inv_lo, hi_o * inv_hi, PTX)
-            packed = ((ve >> 9) & 0x000F) | ((vo >> 5) & 0x00F0) | ((ve >> 17) & 0x0F00) | ((vo >> 13) & 0xF000)
-            tl.store(d + j * NW, packed.to(tl.int16), mask=wmask)
-        tl.store(SCALE + b.to(tl.int64) * NW + words, (b_lo | (b_hi << 8)).to(tl.int16), mask=wmask)
-
-
 def cast_support(x: torch.Tensor, fmt: str, mode: str, axis: int) -> bool | str:
     """What the Triton casts take (``mx_cast``'s and ``mx_fake_quantize``'s kernels share the layouts and modes)."""
     if (reason := device_reason(x)) is not None:
@@ -362,7 +328,6 @@ _CAST_FP4_PAIRS = FastLaunch(_mx_cast_fp4_pairs)
 _CAST_COLS = FastLaunch(_mx_cast_cols)
 _CAST_COLS_FP4_PAIRS = FastLaunch(_mx_cast_cols_fp4_pairs)
 _CAST_COLS_FP4_WORDS = FastLaunch(_mx_cast_cols_fp4_words)
-_CAST_COLS_FP4_STREAM = FastLaunch(_mx_cast_cols_fp4_stream)
 COLS_PLAN = (64, 1, 1)
 """Column-wise: (columns, 32-row blocks, warps) per program. One warp reduces a block's 32 rows without a barrier:
 copy bandwidth 83-85% for 4096x16384 bf16 -> MXFP8 on the H200, against 20-22% in four warps (64, 2, 4), whose
@@ -373,15 +338,12 @@ words, in ``COLS_FP4_PLAN``; otherwise ``_mx_cast_cols_fp4_pairs`` in ``COLS_PLA
 3.9, compiled on the CPU): 13.1 for the words kernel in (128, 1, 1), 14.75 for the pairs kernel there, 17.75 in
 ``COLS_PLAN``. The suite's plan scan for 4096x16384 (H100, 4914d71): words (128, 1, 2) 89% of copy bandwidth, the
 best pairs plan 86% (64, 2, 1), the pairs kernel in ``COLS_PLAN`` 85%. On the H200 (87cae86) every plan stays under
-75%: words (256, 1, 2) 68%, (128, 1, 2) 66%, the best pairs plan 64% (64, 2, 1)."""
+75%: words (256, 1, 2) 68%, (128, 1, 2) 66%, the best pairs plan 64% (64, 2, 1). Not taken: the words arithmetic one
+row of words at a time per thread (an amax pass, then the codes from cache; 105-167 registers against 241 on Triton
+3.6), H100, dd18252: at best 83% (256, 1, 4) against the words kernel's 88% (128, 1, 2) in the same scan; the kernel
+is in git history (dd18252)."""
 COLS_FP4_PLAN = (128, 1, 2)
 """The words kernel's plan (``COLS_FP4_WORDS``); see there."""
-COLS_FP4_STREAM = False
-"""Whether x readable as words takes ``_mx_cast_cols_fp4_stream`` (in ``COLS_FP4_STREAM_PLAN``) instead of the words
-kernel: off until timed (the mx_cast suite's plan scan, " stream")."""
-COLS_FP4_STREAM_PLAN = (256, 4, 4)
-"""The stream kernel's plan (untimed, a guess): ``BN / 2`` words per row (one per thread at 128 threads), ``G``
-blocks in turn."""
 
 
 def launch_cols(
@@ -390,12 +352,10 @@ def launch_cols(
     mode: str = "floor",
     plan: tuple[int, int, int] | None = None,
     fp4_words: bool | None = None,
-    fp4_stream: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Column-wise cast of a supported 2-D ``x`` ``[K, N]``: ``data`` ``[K / per_byte, N]``, ``scale``
     ``[K / 32, N]``. ``fp4_words``: bf16 -> MXFP4 by ``_mx_cast_cols_fp4_words`` where x reads as int32 words (None:
-    ``COLS_FP4_WORDS``), ``fp4_stream`` by ``_mx_cast_cols_fp4_stream`` there (None: ``COLS_FP4_STREAM``). ``plan``
-    None: ``COLS_FP4_STREAM_PLAN`` or ``COLS_FP4_PLAN`` for those kernels, else ``COLS_PLAN``."""
+    ``COLS_FP4_WORDS``). ``plan`` None: ``COLS_FP4_PLAN`` for that kernel, else ``COLS_PLAN``."""
     f = formats.as_format(fmt)
     consts = cast_constants("mx_cast", fmt, mode, x.dtype, _hw_cvt(x))
     k, n = x.shape
@@ -403,18 +363,15 @@ def launch_cols(
     scale = outputs.empty(k // formats.BLOCK, n, dtype=torch.uint8, device=x.device)
     if x.numel():
         fp4 = f.bits == 4 and x.dtype == torch.bfloat16
-        stream = COLS_FP4_STREAM if fp4_stream is None else fp4_stream
-        words = _as_pairs(x) if fp4 and (stream or (COLS_FP4_WORDS if fp4_words is None else fp4_words)) else None
-        stream = stream and words is not None
-        default = COLS_FP4_STREAM_PLAN if stream else COLS_FP4_PLAN if words is not None else COLS_PLAN
-        bn, g, warps = plan or default
+        words = _as_pairs(x) if fp4 and (COLS_FP4_WORDS if fp4_words is None else fp4_words) else None
+        bn, g, warps = plan or (COLS_FP4_PLAN if words is not None else COLS_PLAN)
         g = min(g, next_pow2(k // formats.BLOCK))
         while cdiv(k, g * formats.BLOCK) > 65535:  # grid axis 1 holds at most 65535 programs: more blocks each
             g *= 2
         if fp4:
             if words is not None:
-                cast = _CAST_COLS_FP4_STREAM if stream else _CAST_COLS_FP4_WORDS
-                args = (words, words.stride(0), data.view(torch.int16), scale.view(torch.int16), k, n // 2)
+                cast, args = _CAST_COLS_FP4_WORDS, (words, words.stride(0), data.view(torch.int16),
+                                                    scale.view(torch.int16), k, n // 2)  # fmt: skip
             else:
                 cast, args = _CAST_COLS_FP4_PAIRS, (x.view(torch.int16), x.stride(0), data, scale, k, n)
             with on_device(x):

@@ -8,12 +8,10 @@ from _sm90 import compile_sm90, report
 from fly_lightning.kernels.triton._mx_elements import cast_constants
 from fly_lightning.kernels.triton.mx_cast import (
     COLS_FP4_PLAN,
-    COLS_FP4_STREAM_PLAN,
     COLS_PLAN,
     PLAN,
     _mx_cast_cols,
     _mx_cast_cols_fp4_pairs,
-    _mx_cast_cols_fp4_stream,
     _mx_cast_cols_fp4_words,
     _mx_cast_fp4_pairs,
     _mx_cast_rows,
@@ -37,14 +35,11 @@ def variant(fmt: str, dtype: str, rceil: bool = False, cols: bool = False) -> di
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
 
 
-def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False, stream: bool = False) -> dict:
+def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False) -> dict:
     """The bf16 -> MXFP4 kernels the launchers pick (``_mx_cast_fp4_pairs``, column-wise
-    ``_mx_cast_cols_fp4_pairs`` or, with ``words``, ``_mx_cast_cols_fp4_words``, with ``stream`` its row-streaming
-    form) in their PTX form and plans."""
+    ``_mx_cast_cols_fp4_pairs`` or, with ``words``, ``_mx_cast_cols_fp4_words``) in their PTX form and plans."""
     fn = _mx_cast_cols_fp4_words if words else _mx_cast_cols_fp4_pairs if cols else _mx_cast_fp4_pairs
     tile, g, warps = COLS_FP4_PLAN if words else COLS_PLAN if cols else PLAN
-    if stream:
-        fn, (tile, g, warps), words = _mx_cast_cols_fp4_stream, COLS_FP4_STREAM_PLAN, True
     sig = {a: "i32" for a in fn.arg_names}
     if words:
         sig.update(X="*i32", DATA="*i16", SCALE="*i16")
@@ -73,8 +68,6 @@ VARIANTS["mxfp4_e2m1-bf16-cols-pairs"] = lambda: fp4_pairs(cols=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-pairs-rceil"] = lambda: fp4_pairs(rceil=True, cols=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-words"] = lambda: fp4_pairs(cols=True, words=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-words-rceil"] = lambda: fp4_pairs(rceil=True, cols=True, words=True)
-VARIANTS["mxfp4_e2m1-bf16-cols-stream"] = lambda: fp4_pairs(cols=True, stream=True)
-VARIANTS["mxfp4_e2m1-bf16-cols-stream-rceil"] = lambda: fp4_pairs(rceil=True, cols=True, stream=True)
 # column-wise: floor from bf16 and fp32, rceil from bf16
 for _fmt in formats.FORMATS:
     VARIANTS[f"{_fmt}-bf16-cols"] = lambda f=_fmt: variant(f, "bf16", cols=True)

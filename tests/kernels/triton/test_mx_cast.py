@@ -141,18 +141,13 @@ def test_fp4_rows_not_readable_as_pairs_take_the_element_kernel(monkeypatch):
 
 
 def _check_cols(
-    x: torch.Tensor,
-    fmt: str,
-    mode: str,
-    plan: tuple[int, int, int] | None = None,
-    fp4_words: bool | None = None,
-    fp4_stream: bool | None = None,
+    x: torch.Tensor, fmt: str, mode: str, plan: tuple[int, int, int] | None = None, fp4_words: bool | None = None
 ) -> None:
     """Column-wise: against the reference along axis 0, bytes compared as for the row-wise cast of ``x.t()``."""
-    if plan is None and fp4_words is None and fp4_stream is None:
+    if plan is None and fp4_words is None:
         data, scale = mx_cast_triton(x, fmt, mode, 0)
     else:
-        data, scale = launch_cols(x, fmt, mode, plan, fp4_words, fp4_stream)
+        data, scale = launch_cols(x, fmt, mode, plan, fp4_words)
     want_data, want_scale = mx_cast_reference(x, fmt, mode, 0)
     assert data.shape == want_data.shape and scale.shape == want_scale.shape and data.is_contiguous()
     assert torch.equal(scale.view(torch.uint8), want_scale.view(torch.uint8))
@@ -202,25 +197,6 @@ def test_column_wise_fp4_words_bit_exact_with_the_reference(mode, monkeypatch):
     _check_cols(special[:, :35], "mxfp4_e2m1", mode, fp4_words=True)
     _check_cols(special[:, 1:35], "mxfp4_e2m1", mode, fp4_words=True)
     assert len(pairs) == 2
-
-
-@pytest.mark.parametrize("mode", ["floor", "rceil"])
-def test_column_wise_fp4_stream_bit_exact_with_the_reference(mode, monkeypatch):
-    """The row-streaming form of the word kernel: every bf16 value and the special blocks, in its plan and others
-    (several blocks per program, the last past K: 3 blocks in a program of 4), a row stride past the width; it ran,
-    not the words kernel, wherever x reads as words."""
-    words = []
-    real = kernel._CAST_COLS_FP4_WORDS
-    monkeypatch.setattr(kernel, "_CAST_COLS_FP4_WORDS", lambda *a, **k: words.append(1) or real(*a, **k))
-    every = _every_bf16().t().contiguous()
-    special = _cases(torch.bfloat16).t().reshape(-1).repeat(3)[: 96 * 36].reshape(36, 96).t().contiguous()
-    for x in (every, special):
-        for plan in (None, (128, 1, 1), (64, 4, 2), (32, 2, 1)):
-            _check_cols(x, "mxfp4_e2m1", mode, plan, fp4_stream=True)
-    wide = torch.zeros(64, 300, dtype=torch.bfloat16)
-    wide[:, 10:270] = every[:64, :260]
-    _check_cols(wide[:, 10:270], "mxfp4_e2m1", mode, fp4_stream=True)
-    assert words == []
 
 
 def test_leading_dims_and_strided_rows():
@@ -274,16 +250,13 @@ def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
         _mx_dequant._capability.cache_clear()  # no faked capability left for later tests
 
 
-@pytest.mark.parametrize(
-    "fmt, words, stream",
-    [("mxfp8_e4m3", None, None), ("mxfp4_e2m1", True, False), ("mxfp4_e2m1", False, False), ("mxfp4_e2m1", None, True)],
-)
-def test_column_launch_stays_within_the_grid_limit(fmt, words, stream, monkeypatch):
+@pytest.mark.parametrize("fmt, words", [("mxfp8_e4m3", None), ("mxfp4_e2m1", True), ("mxfp4_e2m1", False)])
+def test_column_launch_stays_within_the_grid_limit(fmt, words, monkeypatch):
     # a column past 65535 row blocks of the plan: each program takes more blocks (grid axis 1 holds 65535 at most)
     grids = []
-    for name in ("_CAST_COLS", "_CAST_COLS_FP4_PAIRS", "_CAST_COLS_FP4_WORDS", "_CAST_COLS_FP4_STREAM"):
+    for name in ("_CAST_COLS", "_CAST_COLS_FP4_PAIRS", "_CAST_COLS_FP4_WORDS"):
         monkeypatch.setattr(kernel, name, lambda grid, args, **kw: grids.append((grid, kw["G"])))
     k = 32 * (65535 * 2 + 3)
-    launch_cols(torch.zeros(k, 2, dtype=torch.bfloat16), fmt, "floor", (64, 2, 1), words, stream)
+    launch_cols(torch.zeros(k, 2, dtype=torch.bfloat16), fmt, "floor", (64, 2, 1), words)
     ((grid, g),) = grids
     assert grid[1] <= 65535 and grid[1] * g * 32 >= k and g == 4

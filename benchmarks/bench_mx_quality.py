@@ -21,11 +21,13 @@ def fine_tune(quant: str, steps: int, precision: str, seed: int = 0, val_batches
     """One short fine-tune of the recipe's default model and data; the validation loss before and after."""
     import lightning as L
 
+    import fly_lightning
     from fly_lightning import FlyMXConfig
     from fly_lightning.recipes.data import LMData
     from fly_lightning.recipes.moe_finetune import MoECausalLM
 
     L.seed_everything(seed, verbose=False)
+    fly_lightning.DISPATCH_LOG.reset()  # this run's decisions only
     quant, _, mode = quant.partition(":")
     model = MoECausalLM(quant=quant, quant_mode=mode or None, export_dir=None)
     fmt = {"mxfp8": "mxfp8_e4m3", "mxfp4": "mxfp4_e2m1"}.get(quant)
@@ -49,9 +51,12 @@ def fine_tune(quant: str, steps: int, precision: str, seed: int = 0, val_batches
     trainer.fit(model, datamodule=data)
     fit_s = time.perf_counter() - t0
     after = trainer.validate(model, datamodule=data, verbose=False)[0]["val_loss"]
+    # which backend served the MX GEMMs and casts (evidence that the quality is the kernels', not the emulation's)
+    mx_ops = {op: s["by_backend"] for op, s in fly_lightning.DISPATCH_LOG.summary().items() if op.startswith("mx_")}
     return dict(
-        quant=quant, mode=mode, precision=precision, steps=steps, val_loss_before=before, val_loss=after, fit_s=fit_s
-    )
+        quant=quant, mode=mode, precision=precision, steps=steps, val_loss_before=before, val_loss=after, fit_s=fit_s,
+        mx_dispatch=str(mx_ops) if mx_ops else "-",
+    )  # fmt: skip
 
 
 def run(steps: int, precision: str, quants: tuple[str, ...] = QUANTS, val_batches: int = 8) -> Results:
@@ -64,7 +69,8 @@ def run(steps: int, precision: str, quants: tuple[str, ...] = QUANTS, val_batche
     res.notes.append(
         "same seed, data and schedule for every row; quant none = the precision's own GEMMs (bf16 under bf16-mixed), "
         "mxfp8 = E4M3 weights and activations, mxfp4 = E2M1, in the scale mode named; straight-through backward in "
-        "bf16; vs_bf16 = val_loss - the none row's (positive: worse); fit_s is the host time of fit, not a speed result"
+        "bf16; vs_bf16 = val_loss - the none row's (positive: worse); fit_s is the host time of fit, not a speed "
+        "result; mx_dispatch: calls per backend of each MX op in that run (validation included)"
     )
     return res
 

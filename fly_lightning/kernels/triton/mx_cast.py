@@ -339,9 +339,10 @@ words, in ``COLS_FP4_PLAN``; otherwise ``_mx_cast_cols_fp4_pairs`` in ``COLS_PLA
 ``COLS_PLAN``. The suite's plan scan for 4096x16384 (H100, 4914d71): words (128, 1, 2) 89% of copy bandwidth, the
 best pairs plan 86% (64, 2, 1), the pairs kernel in ``COLS_PLAN`` 85%. On the H200 (87cae86) every plan stays under
 75%: words (256, 1, 2) 68%, (128, 1, 2) 66%, the best pairs plan 64% (64, 2, 1). Not taken: the words arithmetic one
-row of words at a time per thread (an amax pass, then the codes from cache; 105-167 registers against 241 on Triton
-3.6; 16.6 SASS instructions per element against 13.1, a third of them addresses, one load per word and row), H100,
-dd18252: at best 83% (256, 1, 4) against the words kernel's 88% (128, 1, 2) in the same scan; in git history."""
+row of words at a time per thread (an amax pass, then the codes from cache; 16.6 SASS instructions per element on
+Triton 3.9, as the words kernel in its plan, but two 4-byte loads per word where that kernel has a quarter of one
+16-byte load), H100, dd18252: at best 83% (256, 1, 4) against the words kernel's 88% (128, 1, 2) in the same scan;
+in git history."""
 COLS_FP4_PLAN = (128, 1, 2)
 """The words kernel's plan (``COLS_FP4_WORDS``); see there."""
 

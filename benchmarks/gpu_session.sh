@@ -70,7 +70,7 @@ for phase in "$@"; do
     roof) run roof 300 python3 -m benchmarks.bench_gemm_roof ;;
     # FLY_MOE_ARGS narrows or extends the MoE block suite (models, Liger, compile, profiled variants)
     moe) run moe 420 python3 -m benchmarks.bench_moe_layer ${FLY_MOE_ARGS:-} ;;
-    mx_cast) run mx_cast 450 python3 -m benchmarks.bench_mx_cast ;;
+    mx_cast) run mx_cast 300 python3 -m benchmarks.bench_mx_cast ;;
     mx_dequantize) run mx_dequantize 300 python3 -m benchmarks.bench_mx_dequantize ;;
     mx_gemm) run mx_gemm 540 python3 -m benchmarks.bench_mx_gemm ;;
     mx_grouped) run mx_grouped 540 python3 -m benchmarks.bench_mx_grouped_mm ;;

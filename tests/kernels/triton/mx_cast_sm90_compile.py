@@ -35,9 +35,10 @@ def variant(fmt: str, dtype: str, rceil: bool = False, cols: bool = False) -> di
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
 
 
-def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False) -> dict:
+def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False, even: bool = True) -> dict:
     """The bf16 -> MXFP4 kernels the launchers pick (``_mx_cast_fp4_pairs``, column-wise
-    ``_mx_cast_cols_fp4_pairs`` or, with ``words``, ``_mx_cast_cols_fp4_words``) in their PTX form and plans."""
+    ``_mx_cast_cols_fp4_pairs`` or, with ``words``, ``_mx_cast_cols_fp4_words``, unmasked where ``even``) in their
+    PTX form and plans."""
     fn = _mx_cast_cols_fp4_words if words else _mx_cast_cols_fp4_pairs if cols else _mx_cast_fp4_pairs
     tile, g, warps = COLS_FP4_PLAN if words else COLS_PLAN if cols else PLAN
     sig = {a: "i32" for a in fn.arg_names}
@@ -48,13 +49,16 @@ def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False) -> d
         sig.update(X="*i16" if cols else "*i32", DATA="*u8", SCALE="*u8")
         aligned = ("X", "DATA", "SCALE", "N" if cols else "K", "stride_x")
     const = dict(BN=tile) if cols else dict(BR=tile)
+    if words:
+        const["EVEN"] = even
     kernel, spill, regs = compile_sm90(
         fn, sig, dict(const, G=g, PTX=True, RCEIL=rceil), aligned, num_warps=warps, num_stages=1
     )
     ptx = kernel.asm["ptx"]
     fp8_cvt = ptx.count("cvt.rn.satfinite.e4m3x2.f32") + ptx.count("cvt.rn.satfinite.e5m2x2.f32")
     return dict(spill_bytes=spill, registers=regs, fp8_cvt=fp8_cvt,
-                f16x2_cvt=ptx.count("cvt.rn.f16x2.f32"), f16x2_min=ptx.count("min.f16x2"))  # fmt: skip
+                f16x2_cvt=ptx.count("cvt.rn.f16x2.f32"), f16x2_min=ptx.count("min.f16x2"),
+                u16x2_max=ptx.count("max.u16x2"))  # fmt: skip
 
 
 VARIANTS = {
@@ -68,6 +72,7 @@ VARIANTS["mxfp4_e2m1-bf16-cols-pairs"] = lambda: fp4_pairs(cols=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-pairs-rceil"] = lambda: fp4_pairs(rceil=True, cols=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-words"] = lambda: fp4_pairs(cols=True, words=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-words-rceil"] = lambda: fp4_pairs(rceil=True, cols=True, words=True)
+VARIANTS["mxfp4_e2m1-bf16-cols-words-masked"] = lambda: fp4_pairs(cols=True, words=True, even=False)
 # column-wise: floor from bf16 and fp32, rceil from bf16
 for _fmt in formats.FORMATS:
     VARIANTS[f"{_fmt}-bf16-cols"] = lambda f=_fmt: variant(f, "bf16", cols=True)

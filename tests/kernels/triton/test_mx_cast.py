@@ -183,16 +183,17 @@ def test_column_wise_on_every_bf16_value_in_other_plans(fmt, mode):
 def test_column_wise_fp4_words_bit_exact_with_the_reference(mode, monkeypatch):
     """bf16 -> MXFP4 down columns, two columns per int32 word (the default where x reads as words): every bf16
     value and the special blocks, in its plan and three others; it ran, not the pairs kernel, wherever x reads as
-    words."""
-    pairs = []
-    real = kernel._CAST_COLS_FP4_PAIRS
+    words; unmasked (``EVEN``) where every tile lies inside x, masked elsewhere."""
+    pairs, even = [], []
+    real, real_words = kernel._CAST_COLS_FP4_PAIRS, kernel._CAST_COLS_FP4_WORDS
     monkeypatch.setattr(kernel, "_CAST_COLS_FP4_PAIRS", lambda *a, **k: pairs.append(1) or real(*a, **k))
+    monkeypatch.setattr(kernel, "_CAST_COLS_FP4_WORDS", lambda *a, **k: even.append(k["EVEN"]) or real_words(*a, **k))
     every = _every_bf16().t().contiguous()  # [256, rows]: each column a row of the row-wise test
     special = _cases(torch.bfloat16).t().reshape(-1).repeat(3)[: 96 * 36].reshape(36, 96).t().contiguous()
     for x in (every, special):
         for plan in (None, (128, 1, 1), (64, 2, 4), (32, 4, 1)):
             _check_cols(x, "mxfp4_e2m1", mode, plan, fp4_words=True)
-    assert pairs == []
+    assert pairs == [] and set(even) == {True, False}
     # odd width or an odd offset: not readable as words, the pairs kernel takes them
     _check_cols(special[:, :35], "mxfp4_e2m1", mode, fp4_words=True)
     _check_cols(special[:, 1:35], "mxfp4_e2m1", mode, fp4_words=True)

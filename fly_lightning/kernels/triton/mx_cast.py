@@ -297,9 +297,10 @@ def _mx_cast_cols_fp4_words(
     lo_o, hi_o = _halves(ao)
     ve = _fp4_code_bits(we, lo_e * inv_lo[:, None, :], hi_e * inv_hi[:, None, :], PTX)
     vo = _fp4_code_bits(wo, lo_o * inv_lo[:, None, :], hi_o * inv_hi[:, None, :], PTX)
-    # column 2c's byte in bits 0-7 (even row's code low), column 2c + 1's in bits 8-15
-    packed = ((ve >> 9) & 0x000F) | ((vo >> 5) & 0x00F0) | ((ve >> 17) & 0x0F00) | ((vo >> 13) & 0xF000)
-    packed = tl.reshape(packed, (G * 16, BW)).to(tl.int16)
+    # column 2c's byte (even row's code low) in bits 0-7 of s, column 2c + 1's in bits 16-23 (others: don't care),
+    # then both into the low 16 bits (the rest is cut by the int16 store)
+    s = ((ve >> 9) & 0x000F000F) | ((vo >> 5) & 0xFFF0FFF0)
+    packed = tl.reshape((s & 0xFF) | ((s >> 8) & 0xFFFFFF00), (G * 16, BW)).to(tl.int16)
     tl.store(DATA + half.to(tl.int64)[:, None] * NW + words[None, :], packed, mask=mask)
     g = tl.program_id(1) * G + tl.arange(0, G)
     smask = None if EVEN else (g[:, None] < K // 32) & (words[None, :] < NW)

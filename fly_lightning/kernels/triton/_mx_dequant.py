@@ -346,6 +346,11 @@ def ptx_pairs(t: torch.Tensor) -> bool:
     return _nvidia_capability(t.device) >= (8, 0)
 
 
+def ptx_u16x2(t: torch.Tensor) -> bool:
+    """Whether ``t``'s device takes PTX's 16-bit-pair integer forms (``max.u16x2``): NVIDIA from sm90."""
+    return _nvidia_capability(t.device) >= (9, 0)
+
+
 def hopper(t: torch.Tensor) -> bool:
     """Whether ``t``'s device is an NVIDIA Hopper (sm90: warpgroup MMAs; not Blackwell, whose MMAs and shared memory
     differ; not ROCm, nor the interpreter): the launch plans whose register layouts were written and timed there."""

@@ -31,7 +31,7 @@ from fly_lightning.kernels import outputs
 from fly_lightning.kernels.layout import copy_reason
 from fly_lightning.kernels.triton._launch import FastLaunch
 from fly_lightning.kernels.triton._math import cdiv, next_pow2
-from fly_lightning.kernels.triton._mx_dequant import hw_cvt, ptx_pairs
+from fly_lightning.kernels.triton._mx_dequant import hw_cvt, ptx_pairs, ptx_u16x2
 from fly_lightning.kernels.triton._mx_elements import (
     block_scales,
     cast_constants,
@@ -245,7 +245,7 @@ def _mx_cast_cols_fp4_pairs(
 @triton.jit
 def _max_u16x2(a, b, PTX: tl.constexpr):
     """Per 16-bit half, the larger as unsigned integers: for bf16 magnitudes (sign cleared) the larger value, with NaN
-    (above 0x7F80) above inf above every finite value, so NaN propagates. ``PTX``: one ``max.u16x2`` (sm90)."""
+    (above 0x7F80) above inf above every finite value, so NaN propagates. ``PTX``: one ``max.u16x2`` (from sm90)."""
     if PTX:
         return tl.inline_asm_elementwise("max.u16x2 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True,
                                          pack=1)  # fmt: skip
@@ -266,7 +266,7 @@ def _max_u16x2_int(a, b):
 @triton.jit
 def _mx_cast_cols_fp4_words(
     X, stride_w, DATA, SCALE, K, NW, BN: tl.constexpr, G: tl.constexpr, PTX: tl.constexpr, RCEIL: tl.constexpr = False,
-    EVEN: tl.constexpr = False,
+    EVEN: tl.constexpr = False, MAX16: tl.constexpr = False,
 ):  # fmt: skip
     """Column-wise bf16 -> MXFP4 on int32 words of two neighbouring columns (``X``: ``[K, N / 2]`` words,
     ``stride_w`` in words), each column with its own block scale: the pair arithmetic of ``_mx_cast_fp4_pairs``
@@ -276,7 +276,8 @@ def _mx_cast_cols_fp4_words(
     The blocks' largest magnitudes come from the words' bits (``_max_u16x2``: both columns in one integer max), not
     from fp32 halves: the halves are then needed only for the codes, so they are not held across the reduction
     (sm90, Triton 3.6, plan (128, 1, 2): 91 registers and 31.8 SASS instructions per word, against 120 and 34.2 with
-    fp32 maxima). ``EVEN``: every program's tile lies inside x (no masks)."""
+    fp32 maxima). ``MAX16``: those maxima by ``max.u16x2`` (sm90 on), else two 32-bit maxima per word. ``EVEN``:
+    every program's tile lies inside x (no masks)."""
     BW: tl.constexpr = BN // 2
     half = tl.program_id(1) * (G * 16) + tl.arange(0, G * 16)  # rows of data: pairs of rows of x
     words = tl.program_id(0) * BW + tl.arange(0, BW)
@@ -287,7 +288,7 @@ def _mx_cast_cols_fp4_words(
     wo = tl.reshape(tl.load(p + stride_w, mask=mask, other=other).to(tl.uint32, bitcast=True), (G, 16, BW))
     ae = we & 0x7FFF7FFF
     ao = wo & 0x7FFF7FFF
-    if PTX:
+    if MAX16:
         amax = tl.reduce(_max_u16x2_ptx(ae, ao), 1, _max_u16x2_ptx)
     else:
         amax = tl.reduce(_max_u16x2_int(ae, ao), 1, _max_u16x2_int)
@@ -409,7 +410,7 @@ def launch_cols(
             if words is not None:
                 cast, args = _CAST_COLS_FP4_WORDS, (words, words.stride(0), data.view(torch.int16),
                                                     scale.view(torch.int16), k, n // 2)  # fmt: skip
-                extra["EVEN"] = n % bn == 0 and k % (g * formats.BLOCK) == 0
+                extra.update(EVEN=n % bn == 0 and k % (g * formats.BLOCK) == 0, MAX16=HW_CVT and ptx_u16x2(x))
             else:
                 cast, args = _CAST_COLS_FP4_PAIRS, (x.view(torch.int16), x.stride(0), data, scale, k, n)
             with on_device(x):

@@ -35,10 +35,12 @@ def variant(fmt: str, dtype: str, rceil: bool = False, cols: bool = False) -> di
                 + ptx.count("cvt.rn.satfinite.e5m2x2.f32"))  # fmt: skip
 
 
-def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False, even: bool = True) -> dict:
+def fp4_pairs(
+    rceil: bool = False, cols: bool = False, words: bool = False, even: bool = True, max16: bool = True
+) -> dict:
     """The bf16 -> MXFP4 kernels the launchers pick (``_mx_cast_fp4_pairs``, column-wise
     ``_mx_cast_cols_fp4_pairs`` or, with ``words``, ``_mx_cast_cols_fp4_words``, unmasked where ``even``) in their
-    PTX form and plans."""
+    PTX form and plans (``max16``: the word kernel's block maxima by ``max.u16x2``, as from sm90)."""
     fn = _mx_cast_cols_fp4_words if words else _mx_cast_cols_fp4_pairs if cols else _mx_cast_fp4_pairs
     tile, g, warps = COLS_FP4_PLAN if words else COLS_PLAN if cols else PLAN
     sig = {a: "i32" for a in fn.arg_names}
@@ -50,7 +52,7 @@ def fp4_pairs(rceil: bool = False, cols: bool = False, words: bool = False, even
         aligned = ("X", "DATA", "SCALE", "N" if cols else "K", "stride_x")
     const = dict(BN=tile) if cols else dict(BR=tile)
     if words:
-        const["EVEN"] = even
+        const.update(EVEN=even, MAX16=max16)
     kernel, spill, regs = compile_sm90(
         fn, sig, dict(const, G=g, PTX=True, RCEIL=rceil), aligned, num_warps=warps, num_stages=1
     )
@@ -73,6 +75,7 @@ VARIANTS["mxfp4_e2m1-bf16-cols-pairs-rceil"] = lambda: fp4_pairs(rceil=True, col
 VARIANTS["mxfp4_e2m1-bf16-cols-words"] = lambda: fp4_pairs(cols=True, words=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-words-rceil"] = lambda: fp4_pairs(rceil=True, cols=True, words=True)
 VARIANTS["mxfp4_e2m1-bf16-cols-words-masked"] = lambda: fp4_pairs(cols=True, words=True, even=False)
+VARIANTS["mxfp4_e2m1-bf16-cols-words-max32"] = lambda: fp4_pairs(cols=True, words=True, max16=False)  # before sm90
 # column-wise: floor from bf16 and fp32, rceil from bf16
 for _fmt in formats.FORMATS:
     VARIANTS[f"{_fmt}-bf16-cols"] = lambda f=_fmt: variant(f, "bf16", cols=True)

@@ -251,6 +251,28 @@ def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
         _mx_dequant._capability.cache_clear()  # no faked capability left for later tests
 
 
+def test_u16x2_maxima_only_on_nvidia_sm90_and_later(monkeypatch):
+    """The column-wise word kernel's ``max.u16x2`` is PTX for sm90 on: not before, not on ROCm nor the interpreter."""
+    from fly_lightning.kernels.triton import _mx_dequant
+
+    class OnCuda:
+        is_cuda, device = True, torch.device("cuda", 0)
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.version, "hip", None)
+    try:
+        for cap, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, cap=cap: cap)
+            _mx_dequant._capability.cache_clear()  # the capability is cached per device
+            assert kernel.ptx_u16x2(OnCuda()) is want
+        monkeypatch.setattr(torch.version, "hip", "7.0")
+        assert kernel.ptx_u16x2(OnCuda()) is False
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert kernel.ptx_u16x2(OnCuda()) is False and kernel.ptx_u16x2(torch.zeros(1)) is False
+    finally:
+        _mx_dequant._capability.cache_clear()  # no faked capability left for later tests
+
+
 @pytest.mark.parametrize("fmt, words", [("mxfp8_e4m3", None), ("mxfp4_e2m1", True), ("mxfp4_e2m1", False)])
 def test_column_launch_stays_within_the_grid_limit(fmt, words, monkeypatch):
     # a column past 65535 row blocks of the plan: each program takes more blocks (grid axis 1 holds 65535 at most)

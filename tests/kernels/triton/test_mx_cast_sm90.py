@@ -9,8 +9,8 @@ from fly_lightning.quant import formats
 def test_compiles_for_sm90(compiled_variants):
     results = compiled_variants("mx_cast_sm90_compile.py")
     # row-wise and column-wise: floor from bf16 and fp32, rceil from bf16; the fp4 pair and word kernels in both modes
-    # (the word kernel also masked)
-    assert len(results) == 6 * len(formats.FORMATS) + 7
+    # (the word kernel also masked, and with 32-bit maxima as before sm90)
+    assert len(results) == 6 * len(formats.FORMATS) + 8
     for name, r in results.items():
         assert r["spill_bytes"] == 0, (name, r)
         assert (r["fp8_cvt"] > 0) == name.startswith("mxfp8"), (name, r)
@@ -20,3 +20,4 @@ def test_compiles_for_sm90(compiled_variants):
         assert pairs["f16x2_cvt"] > 0 and pairs["f16x2_min"] > 0, (name, pairs)
     for name in ("mxfp4_e2m1-bf16-cols-words", "mxfp4_e2m1-bf16-cols-words-rceil", "mxfp4_e2m1-bf16-cols-words-masked"):
         assert results[name]["u16x2_max"] > 0, (name, results[name])
+    assert results["mxfp4_e2m1-bf16-cols-words-max32"]["u16x2_max"] == 0

@@ -230,45 +230,25 @@ def test_unsupported_inputs_run_on_aten_with_the_reason(args, reason):
 
 
 def test_conversion_instructions_only_on_nvidia_sm89_and_later(monkeypatch):
-    """fp8 rounding by instructions needs Triton's fp8 types (sm89+) and a single rounding (not ROCm's fp16 detour)."""
+    """fp8 rounding by instructions needs Triton's fp8 types (sm89+) and a single rounding (not ROCm's fp16 detour);
+    the column-wise word kernel's ``max.u16x2`` is PTX for sm90 on. Neither under the interpreter."""
     from fly_lightning.kernels.triton import _mx_dequant
 
     class OnCuda:
         is_cuda, device = True, torch.device("cuda", 0)
 
+    gates = (kernel._hw_cvt, kernel.ptx_u16x2)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(torch.version, "hip", None)
     try:
-        for cap, want in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+        for cap, want in (((8, 0), (False, False)), ((8, 9), (True, False)), ((9, 0), (True, True))):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, cap=cap: cap)
             _mx_dequant._capability.cache_clear()  # the capability is cached per device
-            assert kernel._hw_cvt(OnCuda()) is want
+            assert tuple(gate(OnCuda()) for gate in gates) == want, cap
         monkeypatch.setattr(torch.version, "hip", "7.0")
-        assert kernel._hw_cvt(OnCuda()) is False
+        assert not any(gate(OnCuda()) for gate in gates)
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert kernel._hw_cvt(OnCuda()) is False and kernel._hw_cvt(torch.zeros(1)) is False
-    finally:
-        _mx_dequant._capability.cache_clear()  # no faked capability left for later tests
-
-
-def test_u16x2_maxima_only_on_nvidia_sm90_and_later(monkeypatch):
-    """The column-wise word kernel's ``max.u16x2`` is PTX for sm90 on: not before, not on ROCm nor the interpreter."""
-    from fly_lightning.kernels.triton import _mx_dequant
-
-    class OnCuda:
-        is_cuda, device = True, torch.device("cuda", 0)
-
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(torch.version, "hip", None)
-    try:
-        for cap, want in (((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True)):
-            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, cap=cap: cap)
-            _mx_dequant._capability.cache_clear()  # the capability is cached per device
-            assert kernel.ptx_u16x2(OnCuda()) is want
-        monkeypatch.setattr(torch.version, "hip", "7.0")
-        assert kernel.ptx_u16x2(OnCuda()) is False
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert kernel.ptx_u16x2(OnCuda()) is False and kernel.ptx_u16x2(torch.zeros(1)) is False
+        assert not any(gate(OnCuda()) or gate(torch.zeros(1)) for gate in gates)
     finally:
         _mx_dequant._capability.cache_clear()  # no faked capability left for later tests
 

@@ -370,15 +370,15 @@ copy bandwidth 83-85% for 4096x16384 bf16 -> MXFP8 on the H200, against 20-22% i
 amax went through shared memory (mx_cast suite's plan scan, b71629c)."""
 COLS_FP4_WORDS = True
 """Column-wise bf16 -> MXFP4 through ``_mx_cast_cols_fp4_words`` (two columns per int32 word) where x reads as
-words, in ``COLS_FP4_PLAN``; otherwise ``_mx_cast_cols_fp4_pairs`` in ``COLS_PLAN``. sm90 SASS per element (Triton
-3.9, compiled on the CPU): 13.1 for the words kernel in (128, 1, 1), 14.75 for the pairs kernel there, 17.75 in
-``COLS_PLAN``. The suite's plan scan for 4096x16384 (H100, 4914d71): words (128, 1, 2) 89% of copy bandwidth, the
-best pairs plan 86% (64, 2, 1), the pairs kernel in ``COLS_PLAN`` 85%. On the H200 (87cae86) every plan stays under
-75%: words (256, 1, 2) 68%, (128, 1, 2) 66%, the best pairs plan 64% (64, 2, 1). Not taken: the words arithmetic one
-row of words at a time per thread (an amax pass, then the codes from cache; 16.6 SASS instructions per element on
-Triton 3.9, as the words kernel in its plan, but two 4-byte loads per word where that kernel has a quarter of one
-16-byte load), H100, dd18252: at best 83% (256, 1, 4) against the words kernel's 88% (128, 1, 2) in the same scan;
-in git history."""
+words, in ``COLS_FP4_PLAN``; otherwise ``_mx_cast_cols_fp4_pairs`` in ``COLS_PLAN``. sm90 SASS per word (Triton 3.6,
+the GPU image's, compiled on the CPU), words kernel in (128, 1, 2): 29.8 instructions, 92 registers (34.2 and 120
+with fp32 block maxima, 87cae86). The suite's plan scan for 4096x16384 on the H100 (1af4533): words (128, 1, 2) 95%
+of copy bandwidth (89% with fp32 maxima, 4914d71), (64, 1, 1) and (128, 1, 1) 94%, the best pairs plan 86%
+(64, 2, 1). On the H200 with fp32 maxima (87cae86) every plan stayed under 75%: words (256, 1, 2) 68%, (128, 1, 2)
+66%, the pairs kernel's best 64% (64, 2, 1): 2.8 TB/s, about the H100's 2.7 (bound by instructions, not bytes).
+Not taken: the words arithmetic one row of words at a time per thread (an amax pass, then the codes from cache; two
+4-byte loads per word where this kernel has a quarter of one 16-byte load), H100, dd18252: at best 83% (256, 1, 4)
+against this kernel's 88% then (128, 1, 2) in the same scan; in git history."""
 COLS_FP4_PLAN = (128, 1, 2)
 """The words kernel's plan (``COLS_FP4_WORDS``); see there."""
 

@@ -275,9 +275,8 @@ def _mx_cast_cols_fp4_words(
 
     The blocks' largest magnitudes come from the words' bits (``_max_u16x2``: both columns in one integer max), not
     from fp32 halves: the halves are then needed only for the codes, so they are not held across the reduction
-    (sm90, Triton 3.6, plan (128, 1, 2): 91 registers and 31.8 SASS instructions per word, against 120 and 34.2 with
-    fp32 maxima). ``MAX16``: those maxima by ``max.u16x2`` (sm90 on), else two 32-bit maxima per word. ``EVEN``:
-    every program's tile lies inside x (no masks)."""
+    (registers and instructions: ``COLS_FP4_WORDS``). ``MAX16``: those maxima by ``max.u16x2`` (sm90 on), else two
+    32-bit maxima per word. ``EVEN``: every program's tile lies inside x (no masks)."""
     BW: tl.constexpr = BN // 2
     half = tl.program_id(1) * (G * 16) + tl.arange(0, G * 16)  # rows of data: pairs of rows of x
     words = tl.program_id(0) * BW + tl.arange(0, BW)

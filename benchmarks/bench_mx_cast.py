@@ -66,7 +66,7 @@ def _plans(x, fmt, mode, axis, inputs, nbytes, copy_gbps, want_data, want_scale)
     """Copy-bandwidth share of each launch plan (``PLANS`` row-wise, ``COLS_PLANS`` column-wise), each checked
     against torchao first."""
     out = {}
-    if axis == 0:  # bf16 -> MXFP4 also by the two-column word kernel (" words"), off by default until timed
+    if axis == 0:  # bf16 -> MXFP4 by the pair kernel and by the two-column word kernel (" words", the default)
         words = fmt == "mxfp4_e2m1" and x.dtype == torch.bfloat16
         plans = [(p, False) for p in COLS_PLANS] + ([(p, True) for p in COLS_PLANS] if words else [])
         launch = lambda t, p: kernel.launch_cols(t, fmt, mode, p[0], fp4_words=p[1])  # noqa: E731
